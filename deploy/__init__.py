@@ -1,0 +1,1 @@
+"""The `kvstore` command line and deployment assets."""

@@ -1,0 +1,56 @@
+"""kvstore core: hashing, block pool, KV cache manager, events and their transport.
+
+No Ray here: every other package (workers, tiers, router, deploy) builds on this one.
+"""
+
+from kvstore.block_pool import BlockPool, KVCacheBlock
+from kvstore.config import CacheConfig, Config, EventsConfig, PoolConfig, load_config
+from kvstore.errors import ConfigError, EventDecodeError, InvalidRequestError, KVStoreError
+from kvstore.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventDecoder,
+    EventEncoder,
+    KVEvent,
+)
+from kvstore.hashing import BlockHash, BlockHasher, ExternalBlockHash, to_external
+from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
+from kvstore.publisher import NullEventPublisher, Snapshot, ZmqEventPublisher
+from kvstore.subscriber import EventListener, ProducerStream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockHasher",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheConfig",
+    "CacheRequest",
+    "Config",
+    "ConfigError",
+    "EventBatch",
+    "EventDecodeError",
+    "EventDecoder",
+    "EventEncoder",
+    "EventListener",
+    "EventsConfig",
+    "ExternalBlockHash",
+    "InvalidRequestError",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "KVEvent",
+    "KVStoreError",
+    "NullEventPublisher",
+    "PoolConfig",
+    "PrefixHit",
+    "ProducerStream",
+    "Snapshot",
+    "ZmqEventPublisher",
+    "load_config",
+    "to_external",
+]

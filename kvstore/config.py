@@ -1,0 +1,181 @@
+"""One configuration tree for every part of kvstore.
+
+Precedence, lowest first: the defaults written below (each exactly once), a
+TOML file, ``KVSTORE_<SECTION>__<FIELD>`` environment variables, then
+``--set section.field=value`` flags. The merged tree is validated once, on
+load, and never mutated afterwards (every Struct is frozen).
+
+Every validation failure raises :class:`~kvstore.errors.ConfigError` with the
+dotted field path and, for enumerations, the allowed values.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from kvstore.errors import ConfigError
+
+HashAlgo = Literal["sha256_cbor", "xxh3_128"]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+ENV_PREFIX = "KVSTORE_"
+
+
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What makes two processes agree on block identity."""
+
+    block_size: PositiveInt = 16
+    """Tokens per KV block; only full blocks are hashed and cached."""
+    hash_algo: HashAlgo = "sha256_cbor"
+    """Block hash function. ``sha256_cbor`` matches vLLM byte for byte."""
+    hash_seed: str = "kvstore"
+    """Seed of NONE_HASH. Set to vLLM's seed to share hashes with a vLLM fleet."""
+    enable_prefix_caching: bool = True
+
+
+class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The paged block pool of one worker."""
+
+    num_blocks: PositiveInt = 1024
+    watermark: Fraction = 0.01
+    """Fraction of blocks kept free for running requests at admission."""
+
+
+class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ZeroMQ KV-event publisher of one producer."""
+
+    enabled: bool = True
+    endpoint: str = "tcp://127.0.0.1:*"
+    """PUB endpoint. ``*`` as the port picks a free one at bind time."""
+    replay_endpoint: str = "tcp://127.0.0.1:*"
+    """ROUTER endpoint for replay and snapshot requests."""
+    bind: bool = True
+    """Bind the endpoints (the default) or connect them to a forwarder."""
+    topic: str = ""
+    buffer_batches: PositiveInt = 10_000
+    """Batches kept for replay."""
+    queue_batches: PositiveInt = 100_000
+    """Batches waiting for the publisher thread before new ones are dropped."""
+    hwm: PositiveInt = 100_000
+    snapshot_batch_blocks: PositiveInt = 512
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The whole tree. Sections for workers, tiers and router are added as they land."""
+
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    events: EventsConfig = msgspec.field(default_factory=EventsConfig)
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """Build the config tree: defaults < TOML file < environment < overrides.
+
+    ``overrides`` are ``section.field=value`` strings; values are parsed as
+    TOML scalars (``32``, ``true``, ``"x"``) and fall back to plain strings.
+    Raises ConfigError naming the offending field.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        tree = _read_toml(Path(path))
+    environ = os.environ if env is None else env
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
+        _set_dotted(tree, dotted, _parse_scalar(raw), origin=f"environment variable {key}")
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        if not sep or not dotted.strip():
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        _set_dotted(tree, dotted.strip(), _parse_scalar(raw.strip()), origin=f"override {item!r}")
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: Mapping[str, Any]) -> Config:
+    """Validate a plain mapping into a Config, with errors that name the field."""
+    try:
+        return msgspec.convert(tree, Config, str_keys=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(str(exc))) from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def _parse_scalar(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, *, origin: str) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{origin}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _explain(message: str) -> str:
+    """Turn msgspec's ``... - at `$.a.b``` into ``a.b: ...`` plus allowed values."""
+    text, _, where = message.rpartition(" - at `")
+    if not text:
+        return f"invalid config: {message}"
+    dotted = where.rstrip("`").removeprefix("$").lstrip(".")
+    allowed = _allowed_values(dotted)
+    hint = f" (allowed: {', '.join(map(str, allowed))})" if allowed else ""
+    if text.startswith("Object contains unknown field"):
+        known = _known_fields(dotted)
+        hint = f" (known fields: {', '.join(known)})" if known else ""
+    return f"config field {dotted or '<root>'}: {text}{hint}"
+
+
+def _field_type(dotted: str) -> Any:
+    node: Any = Config
+    for part in [p for p in dotted.split(".") if p]:
+        hints = typing.get_type_hints(node, include_extras=True) if isinstance(node, type) else {}
+        if part not in hints:
+            return None
+        node = hints[part]
+    return node
+
+
+def _allowed_values(dotted: str) -> tuple[Any, ...]:
+    tp = _field_type(dotted)
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    return ()
+
+
+def _known_fields(dotted: str) -> tuple[str, ...]:
+    tp = _field_type(dotted) if dotted else Config
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return tp.__struct_fields__
+    return ()

@@ -1,0 +1,120 @@
+"""Chained block hashing, byte-compatible with vLLM's ``sha256_cbor``.
+
+    H(x)          = sha256(cbor2.dumps(x, canonical=True)).digest()   (or xxh3_128)
+    NONE_HASH     = H(seed)                      -- a string from config, never random
+    hash(block_i) = H((parent_hash or NONE_HASH, tuple(token_ids), extra_keys))
+
+``extra_keys`` is ``None`` or a tuple: the LoRA name (every block), then the
+``cache_salt`` (block 0 only, so one tenant's whole chain differs from
+another's). Because each hash folds in its parent, a hit on block N proves
+blocks 0..N-1 match: prefix lookup is a forward walk that stops at the first
+miss.
+
+Inside a process a block hash is the full digest (:data:`BlockHash`). On the
+wire it is the low 64 bits of the digest as an unsigned int
+(:data:`ExternalBlockHash`), exactly as vLLM publishes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import NewType
+
+import cbor2
+import xxhash
+
+from kvstore.config import CacheConfig, HashAlgo
+
+BlockHash = NewType("BlockHash", bytes)
+"""Full digest of a block: the in-process key of the prefix cache."""
+
+ExternalBlockHash = NewType("ExternalBlockHash", int)
+"""Low 64 bits of a BlockHash, unsigned: what KV events carry."""
+
+_LOW_64 = (1 << 64) - 1
+_HASH_FUNCTIONS: dict[str, Callable[[bytes], bytes]] = {
+    "sha256_cbor": lambda data: hashlib.sha256(data).digest(),
+    "xxh3_128": xxhash.xxh3_128_digest,
+}
+
+
+def to_external(block_hash: bytes) -> ExternalBlockHash:
+    """The 64-bit wire form of a digest (vLLM: ``int.from_bytes(d, "big") & 2**64-1``)."""
+    return ExternalBlockHash(int.from_bytes(block_hash, "big") & _LOW_64)
+
+
+class BlockHasher:
+    """Computes chained block hashes for one cache identity (algorithm + seed).
+
+    Instances are immutable and cheap; every process built from the same
+    CacheConfig computes identical hashes.
+    """
+
+    __slots__ = ("_digest", "_seed", "algo", "block_size", "none_hash")
+
+    def __init__(self, algo: HashAlgo, seed: str, block_size: int) -> None:
+        if algo not in _HASH_FUNCTIONS:
+            raise ValueError(f"unknown hash algorithm {algo!r}; use one of {sorted(_HASH_FUNCTIONS)}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.algo = algo
+        self.block_size = block_size
+        self._seed = seed
+        self._digest = _HASH_FUNCTIONS[algo]
+        self.none_hash = self.hash_value(seed)
+
+    @classmethod
+    def from_config(cls, cache: CacheConfig) -> BlockHasher:
+        return cls(cache.hash_algo, cache.hash_seed, cache.block_size)
+
+    def hash_value(self, value: object) -> BlockHash:
+        """H(value): the digest of the canonical CBOR encoding of ``value``."""
+        return BlockHash(self._digest(cbor2.dumps(value, canonical=True)))
+
+    def hash_block(
+        self,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        extra_keys: tuple[object, ...] | None = None,
+    ) -> BlockHash:
+        """Hash one full block given its parent's hash (None for the first block)."""
+        parent_hash = self.none_hash if parent is None else parent
+        return self.hash_value((parent_hash, tuple(token_ids), extra_keys))
+
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        parent: BlockHash | None = None,
+        start_block: int = 0,
+    ) -> list[BlockHash]:
+        """Hashes of the full blocks of ``token_ids`` from ``start_block`` on.
+
+        ``parent`` must be the hash of block ``start_block - 1`` (None when
+        starting at 0); this lets a caller extend a request's hashes as its
+        tokens grow without rehashing the prefix. A trailing partial block is
+        never hashed.
+        """
+        size = self.block_size
+        hashes: list[BlockHash] = []
+        for index in range(start_block, len(token_ids) // size):
+            block_tokens = token_ids[index * size : (index + 1) * size]
+            parent = self.hash_block(parent, block_tokens, self.extra_keys(index, lora_name, cache_salt))
+            hashes.append(parent)
+        return hashes
+
+    @staticmethod
+    def extra_keys(block_index: int, lora_name: str | None, cache_salt: str | None) -> tuple[object, ...] | None:
+        """vLLM's order: LoRA name first, then the salt on the first block only."""
+        keys: list[object] = []
+        if lora_name is not None:
+            keys.append(lora_name)
+        if cache_salt is not None and block_index == 0:
+            keys.append(cache_salt)
+        return tuple(keys) if keys else None
+
+    def __repr__(self) -> str:
+        return f"BlockHasher(algo={self.algo!r}, seed={self._seed!r}, block_size={self.block_size})"

@@ -1,0 +1,82 @@
+"""Prometheus metrics, vLLM-style names under ``kvstore_``.
+
+Components keep plain integer counters on their hot paths; these collectors
+read them at scrape time. So the pool pays nothing per operation, and tests
+may build many pools in one process without clashing in a global registry:
+each owner registers its collectors in the registry it serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.subscriber import EventListener
+
+
+class CacheCollector(Collector):
+    """Pool usage and prefix-cache counters of one or more managers, labelled by replica."""
+
+    def __init__(self, managers: Callable[[], Iterable[tuple[str, KVCacheManager]]]) -> None:
+        self._managers = managers
+
+    def collect(self) -> Iterator[Metric]:
+        usage = GaugeMetricFamily(
+            "kvstore_gpu_cache_usage_perc", "Fraction of KV blocks referenced by requests (0-1).", labels=["replica"]
+        )
+        queries = CounterMetricFamily(
+            "kvstore_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=["replica"]
+        )
+        hits = CounterMetricFamily(
+            "kvstore_prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=["replica"]
+        )
+        evictions = CounterMetricFamily(
+            "kvstore_evicted_blocks", "Cached blocks evicted for reuse.", labels=["replica"]
+        )
+        collisions = CounterMetricFamily(
+            "kvstore_hash_collisions", "Lookups whose hash matched but tokens did not.", labels=["replica"]
+        )
+        for replica, manager in self._managers():
+            stats = manager.prefix_cache_stats
+            usage.add_metric([replica], manager.usage)
+            queries.add_metric([replica], stats.queries)
+            hits.add_metric([replica], stats.hits)
+            evictions.add_metric([replica], manager.pool.num_evictions)
+            collisions.add_metric([replica], manager.pool.num_hash_collisions)
+        yield from (usage, queries, hits, evictions, collisions)
+
+
+class EventStreamCollector(Collector):
+    """Per-producer health of an EventListener: events, gaps, decode errors, lag."""
+
+    def __init__(self, listener: EventListener, prefix: str = "kvstore_router") -> None:
+        self._listener = listener
+        self._prefix = prefix
+
+    def collect(self) -> Iterator[Metric]:
+        p = self._prefix
+        events = CounterMetricFamily(f"{p}_events", "KV events applied.", labels=["producer"])
+        gaps = CounterMetricFamily(f"{p}_event_gaps", "Sequence gaps detected.", labels=["producer"])
+        errors = CounterMetricFamily(
+            f"{p}_decode_errors", "Frames or events that could not be decoded.", labels=["producer"]
+        )
+        resyncs = CounterMetricFamily(f"{p}_resyncs", "Replays and snapshots requested.", labels=["producer", "kind"])
+        lag = GaugeMetricFamily(f"{p}_event_lag_seconds", "Age of the last applied batch.", labels=["producer"])
+        for h in self._listener.health():
+            events.add_metric([h.producer], h.events)
+            gaps.add_metric([h.producer], h.gaps)
+            errors.add_metric([h.producer], h.decode_errors + h.skipped_events)
+            resyncs.add_metric([h.producer, "replay"], h.replays)
+            resyncs.add_metric([h.producer, "snapshot"], h.snapshots)
+            if h.lag_s is not None:
+                lag.add_metric([h.producer], h.lag_s)
+        yield from (events, gaps, errors, resyncs, lag)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus text exposition format."""
+    return generate_latest(registry)

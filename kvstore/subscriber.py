@@ -1,0 +1,475 @@
+"""KV event subscriber: ordered, gap-free delivery from many producers.
+
+Two layers:
+
+- :class:`ProducerStream` -- pure ordering logic for one producer, no
+  sockets. It consumes live messages and replay/snapshot replies and
+  returns actions (apply a batch, reset the producer's state, request a
+  replay or a snapshot). Tests drive it directly.
+- :class:`EventListener` -- one background thread that owns, per producer,
+  a SUB socket (live stream) and a DEALER socket (replay/snapshot), polls
+  all of them with one poller, executes the actions, decodes payloads and
+  hands batches to a :class:`BatchSink`.
+
+Recovery rules (``next`` is the next seq we expect):
+
+=================================  ==============================================
+live seq                           action
+=================================  ==============================================
+``== next``                        apply
+``> next`` (gap)                   buffer it; replay from ``next``
+``< next`` (went backwards)        producer restarted: reset, replay from 0
+first message, seq 0               apply (we saw the producer start)
+first message, seq > 0 (late)      buffer it; replay from 0
+=================================  ==============================================
+
+A replay that does not start at ``next`` (the producer's buffer no longer
+holds it) falls back to a snapshot: reset, apply the snapshot (tagged with
+the seq S it reflects), then every buffered live batch with seq > S. Live
+batches with seq <= S that were already in flight are stale and skipped.
+A producer that answers a snapshot with nothing (plain vLLM) cannot be
+recovered exactly: we resume at the oldest buffered batch and mark it lossy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+import zmq
+
+from kvstore.errors import EventDecodeError
+from kvstore.events import EventBatch, EventDecoder
+from kvstore.publisher import END_SEQ, SNAPSHOT_REQUEST
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------ actions
+
+
+class Apply(NamedTuple):
+    seq: int
+    payload: bytes
+
+
+class Reset(NamedTuple):
+    pass
+
+
+class RequestReplay(NamedTuple):
+    start: int
+
+
+class RequestSnapshot(NamedTuple):
+    pass
+
+
+Action = Apply | Reset | RequestReplay | RequestSnapshot
+
+_MAX_PENDING = 100_000
+
+
+class ProducerStream:
+    """Ordering state machine for one producer's stream (see the module table)."""
+
+    def __init__(self) -> None:
+        self.next_seq = 0
+        self.started = False  # have we applied or synced anything yet
+        self.syncing: str | None = None  # None, "replay" or "snapshot"
+        self._pending: dict[int, bytes] = {}
+        self._replay_ok = True
+        self._snapshot_seq: int | None = None
+        self._stale_through: int | None = None
+        self.gaps = 0
+        self.restarts = 0
+        self.replays = 0
+        self.snapshots = 0
+        self.stale = 0
+        self.lossy = 0
+
+    def on_live(self, seq: int, payload: bytes) -> list[Action]:
+        if self.syncing is not None:
+            self._buffer(seq, payload)
+            return []
+        if not self.started:
+            self.started = True
+            if seq == 0:
+                self.next_seq = 1
+                return [Apply(seq, payload)]
+            self._buffer(seq, payload)
+            return self._start_replay()
+        if self._stale_through is not None:
+            if seq <= self._stale_through:
+                self.stale += 1
+                return []
+            self._stale_through = None
+        if seq == self.next_seq:
+            self.next_seq += 1
+            return [Apply(seq, payload)]
+        if seq > self.next_seq:
+            self.gaps += 1
+            self._buffer(seq, payload)
+            return self._start_replay()
+        # The sequence went backwards: a new incarnation of the producer.
+        self.restarts += 1
+        self.next_seq = 0
+        self._pending.clear()
+        if seq == 0:
+            self.next_seq = 1
+            return [Reset(), Apply(seq, payload)]
+        self._buffer(seq, payload)
+        return [Reset(), *self._start_replay()]
+
+    def on_sync_item(self, seq: int, payload: bytes) -> list[Action]:
+        """One reply (not the terminator) to our replay or snapshot request."""
+        if self.syncing == "replay":
+            if not self._replay_ok or seq < self.next_seq:
+                return []
+            if seq > self.next_seq:
+                self._replay_ok = False  # the producer no longer holds what we miss
+                return []
+            self.next_seq += 1
+            return [Apply(seq, payload)]
+        if self.syncing == "snapshot":
+            actions: list[Action] = []
+            if self._snapshot_seq is None:
+                self._snapshot_seq = seq
+                actions.append(Reset())
+            actions.append(Apply(seq, payload))
+            return actions
+        return []
+
+    def on_sync_end(self) -> list[Action]:
+        """The terminator arrived (or the request timed out: pass ``ok=False`` via on_sync_failed)."""
+        if self.syncing == "replay":
+            self.syncing = None
+            if not self._replay_ok:
+                return self._start_snapshot()
+            return self._drain()
+        if self.syncing == "snapshot":
+            self.syncing = None
+            if self._snapshot_seq is None:
+                return self._give_up()
+            self.next_seq = self._snapshot_seq + 1
+            self._stale_through = self._snapshot_seq
+            self._snapshot_seq = None
+            return self._drain()
+        return []
+
+    def on_sync_failed(self) -> list[Action]:
+        """The replay or snapshot request got no terminator in time."""
+        if self.syncing == "replay":
+            self.syncing = None
+            return self._start_snapshot()
+        if self.syncing == "snapshot":
+            self.syncing = None
+            applied_partial = self._snapshot_seq is not None
+            self._snapshot_seq = None
+            return ([Reset()] if applied_partial else []) + self._give_up()
+        return []
+
+    # ------------------------------------------------------------ internals
+
+    def _buffer(self, seq: int, payload: bytes) -> None:
+        if len(self._pending) >= _MAX_PENDING:
+            self._pending.pop(min(self._pending))
+        self._pending[seq] = payload
+
+    def _start_replay(self) -> list[Action]:
+        self.syncing = "replay"
+        self._replay_ok = True
+        self.replays += 1
+        return [RequestReplay(self.next_seq)]
+
+    def _start_snapshot(self) -> list[Action]:
+        self.syncing = "snapshot"
+        self._snapshot_seq = None
+        self.snapshots += 1
+        return [RequestSnapshot()]
+
+    def _give_up(self) -> list[Action]:
+        """No exact recovery possible: resume at the oldest batch we still hold."""
+        self.lossy += 1
+        if self._pending:
+            self.next_seq = min(self._pending)
+        return self._drain(allow_gap=False)
+
+    def _drain(self, allow_gap: bool = True) -> list[Action]:
+        actions: list[Action] = []
+        for seq in sorted(self._pending):
+            if seq < self.next_seq:
+                continue
+            if seq > self.next_seq:
+                # Still a hole: keep the rest buffered and ask again.
+                self._pending = {s: p for s, p in self._pending.items() if s >= seq}
+                if allow_gap:
+                    return actions + self._start_replay()
+                self.lossy += 1
+                self.next_seq = seq
+            actions.append(Apply(seq, self._pending[seq]))
+            self.next_seq = seq + 1
+        self._pending.clear()
+        return actions
+
+
+# ------------------------------------------------------------- the listener
+
+
+class BatchSink(Protocol):
+    """Receives ordered batches. Called on the listener thread."""
+
+    def apply_batch(self, producer: str, seq: int, batch: EventBatch) -> None: ...
+
+    def reset_producer(self, producer: str) -> None: ...
+
+
+class ProducerHealth(NamedTuple):
+    producer: str
+    endpoint: str
+    connected_since: float  # monotonic
+    last_batch_at: float | None  # monotonic time of the last applied batch
+    lag_s: float | None  # wall clock now - ts of the last applied batch
+    next_seq: int
+    batches: int
+    events: int
+    skipped_events: int
+    decode_errors: int
+    gaps: int
+    replays: int
+    snapshots: int
+    restarts: int
+    stale: int
+    lossy: int
+    syncing: str | None
+
+    def as_json(self) -> str:
+        return json.dumps(self._asdict())
+
+
+class _Producer:
+    def __init__(self, name: str, endpoint: str, replay_endpoint: str | None, topic: bytes) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.stream = ProducerStream()
+        self.sub: zmq.Socket[bytes] | None = None
+        self.dealer: zmq.Socket[bytes] | None = None
+        self.sync_deadline: float | None = None
+        self.connected_since = time.monotonic()
+        self.last_batch_at: float | None = None
+        self.last_ts: float | None = None
+        self.batches = 0
+        self.events = 0
+        self.skipped_events = 0
+        self.decode_errors = 0
+
+
+class EventListener:
+    """Subscribes to many producers from one thread and feeds a sink in seq order.
+
+    ``add_producer``/``remove_producer`` are thread-safe and take effect on
+    the listener thread within one poll interval. ``close`` stops the thread
+    and closes every socket.
+    """
+
+    def __init__(
+        self,
+        sink: BatchSink,
+        *,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        sync_timeout_s: float = 2.0,
+        poll_interval_s: float = 0.02,
+        on_decode_error: Callable[[str, EventDecodeError], None] | None = None,
+    ) -> None:
+        self._sink = sink
+        self._ctx = context or zmq.Context.instance()
+        self._sync_timeout = sync_timeout_s
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._on_decode_error = on_decode_error
+        self._producers: dict[str, _Producer] = {}
+        self._commands: list[tuple[str, _Producer | str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._decoder = EventDecoder()
+
+    # -------------------------------------------------------------- control
+
+    def add_producer(self, name: str, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "") -> None:
+        with self._lock:
+            self._commands.append(("add", _Producer(name, endpoint, replay_endpoint, topic.encode())))
+
+    def remove_producer(self, name: str) -> None:
+        with self._lock:
+            self._commands.append(("remove", name))
+
+    def start(self) -> EventListener:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kv-event-listener", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        for producer in list(self._producers.values()):
+            self._close_sockets(producer)
+        self._producers.clear()
+
+    def health(self) -> list[ProducerHealth]:
+        now_wall = time.time()
+        out = []
+        for p in list(self._producers.values()):
+            s = p.stream
+            out.append(
+                ProducerHealth(
+                    p.name, p.endpoint, p.connected_since, p.last_batch_at,
+                    None if p.last_ts is None else max(0.0, now_wall - p.last_ts),
+                    s.next_seq, p.batches, p.events, p.skipped_events, p.decode_errors,
+                    s.gaps, s.replays, s.snapshots, s.restarts, s.stale, s.lossy, s.syncing,
+                )
+            )  # fmt: skip
+        return out
+
+    # ---------------------------------------------------------- thread side
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        try:
+            while not self._stop.is_set():
+                self._apply_commands(poller)
+                events = dict(poller.poll(self._poll_ms))
+                for producer in list(self._producers.values()):
+                    if producer.sub is not None and producer.sub in events:
+                        self._drain_live(producer, poller)
+                    if producer.dealer is not None and producer.dealer in events:
+                        self._drain_sync(producer, poller)
+                    if producer.sync_deadline is not None and time.monotonic() > producer.sync_deadline:
+                        logger.warning("producer %s: replay/snapshot timed out", producer.name)
+                        self._reset_dealer(producer, poller)
+                        self._execute(producer, producer.stream.on_sync_failed(), poller)
+        except Exception:  # pragma: no cover - a bug; log it loudly rather than die silently
+            logger.exception("event listener crashed")
+            raise
+
+    def _apply_commands(self, poller: zmq.Poller) -> None:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        for verb, arg in commands:
+            if verb == "add":
+                assert isinstance(arg, _Producer)
+                old = self._producers.pop(arg.name, None)
+                if old is not None:
+                    self._unregister(old, poller)
+                sub = self._ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.RCVHWM, 100_000)
+                sub.setsockopt(zmq.SUBSCRIBE, arg.topic)
+                sub.connect(arg.endpoint)
+                arg.sub = sub
+                poller.register(sub, zmq.POLLIN)
+                self._producers[arg.name] = arg
+            else:
+                assert isinstance(arg, str)
+                gone = self._producers.pop(arg, None)
+                if gone is not None:
+                    self._unregister(gone, poller)
+
+    def _unregister(self, producer: _Producer, poller: zmq.Poller) -> None:
+        for sock in (producer.sub, producer.dealer):
+            if sock is not None:
+                poller.unregister(sock)
+        self._close_sockets(producer)
+
+    @staticmethod
+    def _close_sockets(producer: _Producer) -> None:
+        for sock in (producer.sub, producer.dealer):
+            if sock is not None:
+                sock.close(linger=0)
+        producer.sub = producer.dealer = None
+
+    def _drain_live(self, producer: _Producer, poller: zmq.Poller) -> None:
+        assert producer.sub is not None
+        for _ in range(1000):  # bounded so one busy producer cannot starve the others
+            try:
+                frames = producer.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[1]) != 8:
+                producer.decode_errors += 1
+                continue
+            seq = int.from_bytes(frames[1], "big")
+            self._execute(producer, producer.stream.on_live(seq, frames[2]), poller)
+
+    def _drain_sync(self, producer: _Producer, poller: zmq.Poller) -> None:
+        assert producer.dealer is not None
+        while producer.dealer is not None:
+            try:
+                frames = producer.dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # [b"", topic, seq, payload], or the terminator [b"", b"", END_SEQ, b""].
+            if len(frames) != 4 or len(frames[2]) != 8:
+                producer.decode_errors += 1
+                continue
+            if frames[2] == END_SEQ:
+                producer.sync_deadline = None
+                self._execute(producer, producer.stream.on_sync_end(), poller)
+                continue
+            seq = int.from_bytes(frames[2], "big")
+            self._execute(producer, producer.stream.on_sync_item(seq, frames[3]), poller)
+
+    def _execute(self, producer: _Producer, actions: list[Action], poller: zmq.Poller) -> None:
+        for action in actions:
+            if isinstance(action, Apply):
+                self._deliver(producer, action.seq, action.payload)
+            elif isinstance(action, Reset):
+                self._sink.reset_producer(producer.name)
+            elif isinstance(action, RequestReplay):
+                self._request(producer, action.start.to_bytes(8, "big"), poller)
+            else:
+                self._request(producer, SNAPSHOT_REQUEST, poller)
+
+    def _request(self, producer: _Producer, body: bytes, poller: zmq.Poller) -> None:
+        if producer.replay_endpoint is None:
+            # No replay socket: behave as a producer that holds nothing.
+            self._execute(producer, producer.stream.on_sync_end(), poller)
+            return
+        if producer.dealer is None:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(producer.replay_endpoint)
+            producer.dealer = dealer
+            poller.register(dealer, zmq.POLLIN)
+        producer.dealer.send_multipart((b"", body))
+        producer.sync_deadline = time.monotonic() + self._sync_timeout
+
+    def _reset_dealer(self, producer: _Producer, poller: zmq.Poller) -> None:
+        # Replies to a timed-out request must not be mistaken for the next one's.
+        producer.sync_deadline = None
+        if producer.dealer is not None:
+            poller.unregister(producer.dealer)
+            producer.dealer.close(linger=0)
+            producer.dealer = None
+
+    def _deliver(self, producer: _Producer, seq: int, payload: bytes) -> None:
+        try:
+            decoded = self._decoder.decode(payload)
+        except EventDecodeError as exc:
+            producer.decode_errors += 1
+            if self._on_decode_error is not None:
+                self._on_decode_error(producer.name, exc)
+            return
+        producer.batches += 1
+        producer.events += len(decoded.batch.events)
+        producer.skipped_events += decoded.skipped
+        producer.last_batch_at = time.monotonic()
+        producer.last_ts = decoded.batch.ts
+        self._sink.apply_batch(producer.name, seq, decoded.batch)

@@ -1,0 +1,1 @@
+"""Cache-aware router: prefix index rebuilt from KV events, scoring, HTTP front."""
