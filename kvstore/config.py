@@ -70,12 +70,35 @@ class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     snapshot_batch_blocks: PositiveInt = 512
 
 
+class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """KV workers and their model (owned by the workers package)."""
+
+    num_workers: NonNegativeInt = 0
+    """Workers to start; 0 sizes to the machine."""
+
+
+class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """CPU arena and disk tier of each node (owned by the tiers package)."""
+
+    enabled: bool = True
+
+
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The cache-aware router (owned by the router package)."""
+
+    host: str = "127.0.0.1"
+    port: NonNegativeInt = 8000
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The whole tree. Sections for workers, tiers and router are added as they land."""
+    """The whole tree: one section per part, each default written once."""
 
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
     events: EventsConfig = msgspec.field(default_factory=EventsConfig)
+    worker: WorkerConfig = msgspec.field(default_factory=WorkerConfig)
+    tiers: TierConfig = msgspec.field(default_factory=TierConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
 
 def load_config(
