@@ -1,0 +1,92 @@
+"""``kvstore events tail``: print a KV event stream as JSON lines.
+
+Works against any vLLM-compatible producer (ours or a vLLM server started
+with ``--kv-events-config``). With ``--replay-endpoint`` it recovers gaps and
+late joins exactly as the router does (replay, then snapshot); each recovery
+prints a ``{"type": "Resync"}`` line before the state it re-sends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from typing import IO
+
+import msgspec
+
+from kvstore.errors import ConfigError, EventDecodeError
+from kvstore.events import EventBatch
+from kvstore.subscriber import EventListener
+
+
+class JsonLinesSink:
+    """A BatchSink that writes one JSON object per event; stops after ``limit`` events."""
+
+    def __init__(self, out: IO[str], limit: int | None) -> None:
+        self._out = out
+        self._limit = limit
+        self._encoder = msgspec.json.Encoder()
+        self.count = 0
+        self.done = threading.Event()
+
+    def apply_batch(self, producer: str, seq: int, batch: EventBatch) -> None:
+        for event in batch.events:
+            if self.done.is_set():
+                return
+            record = msgspec.to_builtins(event)
+            record.update(producer=producer, seq=seq, ts=batch.ts)
+            if batch.data_parallel_rank is not None:
+                record["data_parallel_rank"] = batch.data_parallel_rank
+            self._out.write(self._encoder.encode(record).decode() + "\n")
+            self.count += 1
+            if self._limit is not None and self.count >= self._limit:
+                self.done.set()
+        self._out.flush()
+
+    def reset_producer(self, producer: str) -> None:
+        self._out.write(self._encoder.encode({"type": "Resync", "producer": producer}).decode() + "\n")
+        self._out.flush()
+
+    def decode_error(self, producer: str, error: EventDecodeError) -> None:
+        print(f"kvstore events tail: dropped an undecodable batch from {producer}: {error}", file=sys.stderr)
+
+
+def _check_endpoint(value: str, flag: str) -> str:
+    if not value.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(f"{flag} must be a ZeroMQ endpoint like tcp://127.0.0.1:5557, got {value!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    endpoint = _check_endpoint(args.endpoint, "--endpoint")
+    replay = _check_endpoint(args.replay_endpoint, "--replay-endpoint") if args.replay_endpoint else None
+    if args.count is not None and args.count < 1:
+        raise ConfigError("--count must be >= 1")
+    sink = JsonLinesSink(sys.stdout, args.count)
+    listener = EventListener(sink, on_decode_error=sink.decode_error)
+    listener.add_producer(args.name, endpoint, replay, topic=args.topic)
+    listener.start()
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    try:
+        while not sink.done.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            sink.done.wait(0.1)
+    finally:
+        listener.close()
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    events = subparsers.add_parser("events", help="KV event stream tools")
+    events_sub = events.add_subparsers(dest="events_command", required=True, metavar="ACTION")
+    tail = events_sub.add_parser("tail", help="print decoded KV events as JSON lines")
+    tail.add_argument("--endpoint", required=True, help="the producer's PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    tail.add_argument("--replay-endpoint", default=None, help="its ROUTER endpoint, for gap recovery")
+    tail.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
+    tail.add_argument("--name", default="producer", help="label printed with each event")
+    tail.add_argument("--count", type=int, default=None, help="stop after this many events")
+    tail.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    tail.set_defaults(func=run)
