@@ -84,10 +84,35 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The cache-aware router (owned by the router package)."""
+    """The cache-aware router (owned by the router package).
+
+    Scoring (router/scoring.py): the replica with the lowest cost wins, where
+    cost = prefill_weight * tokens still to prefill after hit credits
+         + outstanding_weight * outstanding work (token equivalents)
+         + running_weight * running requests + waiting_weight * waiting requests
+         + kv_usage_weight * KV usage (0..1).
+    """
 
     host: str = "127.0.0.1"
     port: NonNegativeInt = 8000
+    gpu_hit_credit: Fraction = 1.0
+    """Share of a block's prefill saved when the replica holds it on GPU."""
+    cpu_hit_credit: Fraction = 0.8
+    """Share saved by a CPU-tier hit (the block must still be copied to the GPU)."""
+    storage_hit_credit: Fraction = 0.5
+    """Share saved by a disk-tier hit (read from disk, then copied to the GPU)."""
+    prefill_weight: Annotated[float, Meta(ge=0.0)] = 1.0
+    """Cost per token the chosen replica would have to prefill."""
+    outstanding_weight: Annotated[float, Meta(ge=0.0)] = 1.0
+    """Cost per token of work already queued or running on the replica."""
+    running_weight: Annotated[float, Meta(ge=0.0)] = 0.0
+    """Cost per running request, in tokens."""
+    waiting_weight: Annotated[float, Meta(ge=0.0)] = 0.0
+    """Cost per waiting (admitted but not yet scheduled) request, in tokens."""
+    kv_usage_weight: Annotated[float, Meta(ge=0.0)] = 0.0
+    """Cost of a full KV pool (usage 1.0), in tokens; scales linearly with usage."""
+    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
+    """0 picks the lowest cost (ties at random); > 0 samples a softmax over normalised costs."""
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
