@@ -102,6 +102,12 @@ _POSITIONAL_FIELDS: dict[str, tuple[str, ...]] = {
     name: tuple(f for f in cls.__struct_fields__) for name, cls in _EVENT_TYPES.items()
 }
 _REQUIRED_POSITIONAL = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
+# Required fields that older producers may omit: None when absent.
+_NULLABLE_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": ("lora_id", "medium", "lora_name"),
+    "BlockRemoved": ("medium",),
+    "AllBlocksCleared": (),
+}
 
 
 class EventEncoder:
@@ -129,7 +135,9 @@ class EventDecoder:
         """Decode one payload; raises EventDecodeError for anything not a batch."""
         try:
             return DecodedBatch(self._fast.decode(payload), 0)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, ValueError, RecursionError):
+            # ValueError: invalid UTF-8 in a string; RecursionError: deep nesting (e.g. in
+            # extra_keys). The generic pass below decides whether the payload is a batch.
             pass
         try:
             raw = self._generic.decode(payload)
@@ -141,10 +149,10 @@ class EventDecoder:
 def _decode_lenient(raw: Any) -> DecodedBatch:
     if isinstance(raw, dict):
         raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
-    if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
+    if not isinstance(raw, list) or len(raw) < 2:
         raise EventDecodeError("a batch must be an array [ts, events, data_parallel_rank]")
     ts, events = raw[0], raw[1]
-    dp_rank = raw[2] if len(raw) == 3 else None
+    dp_rank = raw[2] if len(raw) >= 3 else None  # trailing fields beyond it are ignored, as the fast path does
     if isinstance(ts, bool) or not isinstance(ts, int | float):
         raise EventDecodeError(f"batch ts must be a number, got {type(ts).__name__}")
     if not isinstance(events, list):
@@ -177,21 +185,19 @@ def _decode_event(item: Any) -> KVEvent | None:
             return None
         name = tag
         fields = {k: v for k, v in item.items() if k != "type"}
-        if name == "BlockStored":
-            # Older map forms may lack the later-added nullable fields.
-            for key in ("lora_id", "medium", "lora_name"):
-                fields.setdefault(key, None)
-        elif name == "BlockRemoved":
-            fields.setdefault("medium", None)
     else:
         return None
+    # Older producers (map form, or positional with trailing defaults trimmed) may
+    # lack the later-added nullable fields.
+    for key in _NULLABLE_FIELDS[name]:
+        fields.setdefault(key, None)
     if "block_hashes" in fields:
         fields["block_hashes"] = _normalise_hashes(fields["block_hashes"])
     if "parent_block_hash" in fields and fields["parent_block_hash"] is not None:
         fields["parent_block_hash"] = _normalise_hash(fields["parent_block_hash"])
     try:
         event: KVEvent = msgspec.convert(fields, _EVENT_TYPES[name], str_keys=True)  # type: ignore[assignment]
-    except (msgspec.ValidationError, TypeError, ValueError):
+    except (msgspec.ValidationError, TypeError, ValueError, RecursionError):
         return None
     return event
 
