@@ -1,0 +1,164 @@
+"""Block hashing: byte-for-byte vLLM sha256_cbor, xxh3_128, wire form, extra keys, incremental hashing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import cbor2
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.config import CacheConfig
+from kvstore.hashing import BlockHasher, to_external
+
+
+def sha256_cbor(value: object) -> bytes:
+    """vLLM's sha256_cbor, written out here independently of kvstore."""
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def xxh3_cbor(value: object) -> bytes:
+    return xxhash.xxh3_128_digest(cbor2.dumps(value, canonical=True))
+
+
+def by_hand(
+    fn, seed: str, tokens: list[int], size: int, lora: str | None = None, salt: str | None = None
+) -> list[bytes]:
+    """vLLM's chained hashing: H((parent or NONE_HASH, tuple(tokens), extra_keys)), full blocks only."""
+    parent = fn(seed)  # NONE_HASH
+    out = []
+    for i in range(len(tokens) // size):
+        keys = [k for k in (lora, salt if i == 0 else None) if k is not None]
+        parent = fn((parent, tuple(tokens[i * size : (i + 1) * size]), tuple(keys) if keys else None))
+        out.append(parent)
+    return out
+
+
+def test_cbor_encoding_of_a_block_is_what_vllm_hashes() -> None:
+    # Pin the canonical CBOR bytes by hand: array(3) [bytes(32) parent, array(2) [1, 2], null].
+    parent = bytes(range(32))
+    encoded = bytes([0x83, 0x58, 0x20]) + parent + bytes([0x82, 0x01, 0x02, 0xF6])
+    assert cbor2.dumps((parent, (1, 2), None), canonical=True) == encoded
+    hasher = BlockHasher("sha256_cbor", "seed", 2)
+    assert hasher.hash_block(parent, [1, 2]) == hashlib.sha256(encoded).digest()
+    assert BlockHasher("xxh3_128", "seed", 2).hash_block(parent, [1, 2]) == xxhash.xxh3_128_digest(encoded)
+    # NONE_HASH = H(seed): CBOR text string of length 14 (0x6e) for vLLM's default seed.
+    assert BlockHasher("sha256_cbor", "vllm-none-hash", 2).none_hash == (
+        hashlib.sha256(b"\x6e" + b"vllm-none-hash").digest()
+    )
+
+
+@pytest.mark.parametrize(("algo", "fn"), [("sha256_cbor", sha256_cbor), ("xxh3_128", xxh3_cbor)])
+@pytest.mark.parametrize("seed", ["kvstore", "vllm-none-hash", "0"])
+def test_chained_hashes_match_hand_computation(algo, fn, seed: str) -> None:
+    tokens = [7, 300, 2**31 - 1, 0, 5, 5, 9, 12, 100_000, 3]
+    hasher = BlockHasher(algo, seed, 4)
+    assert hasher.none_hash == fn(seed)
+    assert hasher.hash_blocks(tokens) == by_hand(fn, seed, tokens, 4)
+    assert len(hasher.hash_blocks(tokens)[0]) == (32 if algo == "sha256_cbor" else 16)
+    assert hasher.hash_blocks(tokens, lora_name="adapter", cache_salt="tenant") == by_hand(
+        fn, seed, tokens, 4, lora="adapter", salt="tenant"
+    )
+
+
+def test_extra_keys_order_lora_then_salt_on_block_zero_only() -> None:
+    assert BlockHasher.extra_keys(0, None, None) is None
+    assert BlockHasher.extra_keys(0, "L", None) == ("L",)
+    assert BlockHasher.extra_keys(0, None, "S") == ("S",)
+    assert BlockHasher.extra_keys(0, "L", "S") == ("L", "S")
+    assert BlockHasher.extra_keys(1, "L", "S") == ("L",)
+    assert BlockHasher.extra_keys(3, None, "S") is None
+
+    hasher = BlockHasher("sha256_cbor", "kvstore", 2)
+    h = hasher.hash_blocks([1, 2, 3, 4], lora_name="L", cache_salt="S")
+    none = sha256_cbor("kvstore")
+    assert h[0] == sha256_cbor((none, (1, 2), ("L", "S")))
+    assert h[1] == sha256_cbor((h[0], (3, 4), ("L",)))
+    # Salted chains differ from block 0 on; the salt itself only enters block 0.
+    salted = hasher.hash_blocks([1, 2, 3, 4], cache_salt="S")
+    assert salted[1] == sha256_cbor((salted[0], (3, 4), None))
+    assert salted[0] != hasher.hash_blocks([1, 2, 3, 4])[0]
+
+
+def test_external_hash_is_low_64_bits_big_endian() -> None:
+    digest = bytes(range(1, 33))
+    assert to_external(digest) == int.from_bytes(digest[-8:], "big") == 0x191A1B1C1D1E1F20
+    assert to_external(b"\xff" * 32) == 2**64 - 1
+    assert to_external(b"\x00" * 31 + b"\x05") == 5
+    for algo in ("sha256_cbor", "xxh3_128"):
+        for h in BlockHasher(algo, "kvstore", 2).hash_blocks(list(range(20))):  # type: ignore[arg-type]
+            assert to_external(h) == (int.from_bytes(h, "big") & (2**64 - 1))
+            assert 0 <= to_external(h) < 2**64
+
+
+def test_only_full_blocks_are_hashed() -> None:
+    hasher = BlockHasher("sha256_cbor", "kvstore", 4)
+    assert hasher.hash_blocks([]) == []
+    assert hasher.hash_blocks([1, 2, 3]) == []
+    assert len(hasher.hash_blocks(list(range(11)))) == 2
+    assert hasher.hash_blocks(list(range(11))) == hasher.hash_blocks(list(range(8)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.lists(st.integers(min_value=0, max_value=50_000), max_size=40),
+    split=st.integers(min_value=0, max_value=12),
+    size=st.integers(min_value=1, max_value=5),
+    lora=st.sampled_from([None, "L"]),
+    salt=st.sampled_from([None, "S"]),
+    algo=st.sampled_from(["sha256_cbor", "xxh3_128"]),
+)
+def test_incremental_hashing_equals_full_hashing(tokens, split, size, lora, salt, algo) -> None:
+    hasher = BlockHasher(algo, "kvstore", size)
+    full = hasher.hash_blocks(tokens, lora_name=lora, cache_salt=salt)
+    k = min(split, len(full))
+    head = hasher.hash_blocks(tokens[: k * size], lora_name=lora, cache_salt=salt)
+    tail = hasher.hash_blocks(tokens, lora_name=lora, cache_salt=salt, parent=head[-1] if head else None, start_block=k)
+    assert head + tail == full
+    assert full == by_hand(sha256_cbor if algo == "sha256_cbor" else xxh3_cbor, "kvstore", tokens, size, lora, salt)
+
+
+def test_hasher_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="xxh3_128"):
+        BlockHasher("md5", "kvstore", 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_size"):
+        BlockHasher("sha256_cbor", "kvstore", 0)
+    assert BlockHasher.from_config(CacheConfig(block_size=8, hash_algo="xxh3_128")).block_size == 8
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json
+    from kvstore.hashing import BlockHasher, to_external
+    out = {}
+    for algo in ("sha256_cbor", "xxh3_128"):
+        hasher = BlockHasher(algo, "kvstore", 4)
+        hashes = hasher.hash_blocks(list(range(37)), lora_name="L", cache_salt="S")
+        out[algo] = {"none": hasher.none_hash.hex(), "blocks": [h.hex() for h in hashes],
+                     "external": [to_external(h) for h in hashes]}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_two_processes_compute_identical_hashes() -> None:
+    results = []
+    for hash_seed in ("1", "random"):  # different PYTHONHASHSEEDs: our seed never depends on it
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=60, check=True
+        )
+        results.append(json.loads(proc.stdout))
+    assert results[0] == results[1]
+    for algo, fn in (("sha256_cbor", sha256_cbor), ("xxh3_128", xxh3_cbor)):
+        assert results[0][algo]["none"] == fn("kvstore").hex()
+        expected = by_hand(fn, "kvstore", list(range(37)), 4, lora="L", salt="S")
+        assert results[0][algo]["blocks"] == [h.hex() for h in expected]
+        assert len(expected) == 9
