@@ -146,12 +146,12 @@ def load_config(
         if not key.startswith(ENV_PREFIX) or "__" not in key:
             continue
         dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
-        _set_dotted(tree, dotted, _parse_scalar(raw), origin=f"environment variable {key}")
+        _set_dotted(tree, dotted, _parse_scalar(raw, dotted), origin=f"environment variable {key}")
     for item in overrides:
         dotted, sep, raw = item.partition("=")
         if not sep or not dotted.strip():
             raise ConfigError(f"override {item!r} must look like section.field=value")
-        _set_dotted(tree, dotted.strip(), _parse_scalar(raw.strip()), origin=f"override {item!r}")
+        _set_dotted(tree, dotted.strip(), _parse_scalar(raw.strip(), dotted.strip()), origin=f"override {item!r}")
     return config_from_dict(tree)
 
 
@@ -173,11 +173,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
-def _parse_scalar(raw: str) -> Any:
+def _parse_scalar(raw: str, dotted: str) -> Any:
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
+        value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+    # A string field takes the text as written: KVSTORE_CACHE__HASH_SEED=0 is the seed "0".
+    if _field_type(dotted) is str and not isinstance(value, str):
+        return raw
+    return value
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, *, origin: str) -> None:
@@ -193,9 +197,9 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, *, origin: str) -
 
 def _explain(message: str) -> str:
     """Turn msgspec's ``... - at `$.a.b``` into ``a.b: ...`` plus allowed values."""
-    text, _, where = message.rpartition(" - at `")
-    if not text:
-        return f"invalid config: {message}"
+    text, sep, where = message.rpartition(" - at `")
+    if not sep:  # msgspec gives no location for the root object
+        text, where = message, "$`"
     dotted = where.rstrip("`").removeprefix("$").lstrip(".")
     allowed = _allowed_values(dotted)
     hint = f" (allowed: {', '.join(map(str, allowed))})" if allowed else ""
