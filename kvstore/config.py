@@ -71,10 +71,44 @@ class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """KV workers and their model (owned by the workers package)."""
+    """KV workers and their model (owned by the workers package).
+
+    The defaults are a toy model small enough for fast CPU tests; raise the
+    shape (and ``max_context``) for benchmarks. The MLP width is 4 x
+    ``hidden_size``. Pool size comes from ``pool.num_blocks``, block size from
+    ``cache.block_size``.
+    """
 
     num_workers: NonNegativeInt = 0
     """Workers to start; 0 sizes to the machine."""
+    num_layers: PositiveInt = 2
+    num_heads: PositiveInt = 4
+    """Query heads."""
+    num_kv_heads: PositiveInt = 2
+    """Key/value heads (grouped-query attention); must divide ``num_heads``."""
+    head_dim: PositiveInt = 32
+    """Must be even (rotary embeddings rotate pairs)."""
+    hidden_size: PositiveInt = 128
+    vocab_size: PositiveInt = 512
+    """Token ids are 0..vocab_size-1 (the router's byte tokenizer needs >= 256)."""
+    max_context: PositiveInt = 2048
+    """Longest prompt + max_tokens a request may have."""
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Weights, activations and the KV pool."""
+    seed: NonNegativeInt = 0
+    """Seed of the model's weights: equal seeds and shapes give equal outputs everywhere."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: CUDA when the process sees a GPU, else CPU."""
+    max_num_seqs: PositiveInt = 64
+    """Requests running (holding blocks) at once."""
+    max_num_batched_tokens: PositiveInt = 2048
+    """Tokens computed per step; longer prefills are chunked."""
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
 
 class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
