@@ -24,9 +24,10 @@ first message, seq > 0 (late)      buffer it; replay from 0
 =================================  ==============================================
 
 A replay that does not start at ``next`` (the producer's buffer no longer
-holds it) falls back to a snapshot: reset, apply the snapshot (tagged with
-the seq S it reflects), then every buffered live batch with seq > S. Live
-batches with seq <= S that were already in flight are stale and skipped.
+holds it, or the reply is empty) falls back to a snapshot: reset, apply the
+snapshot (tagged with the seq S it reflects), then every buffered live batch
+with seq > S. Live batches with seq <= S that were already in flight are
+stale and skipped.
 A producer that answers a snapshot with nothing (plain vLLM) cannot be
 recovered exactly: we resume at the oldest buffered batch and mark it lossy.
 """
@@ -83,6 +84,7 @@ class ProducerStream:
         self.syncing: str | None = None  # None, "replay" or "snapshot"
         self._pending: dict[int, bytes] = {}
         self._replay_ok = True
+        self._replay_progress = False  # the current replay applied at least one batch
         self._snapshot_seq: int | None = None
         self._stale_through: int | None = None
         self.gaps = 0
@@ -134,6 +136,7 @@ class ProducerStream:
                 self._replay_ok = False  # the producer no longer holds what we miss
                 return []
             self.next_seq += 1
+            self._replay_progress = True
             return [Apply(seq, payload)]
         if self.syncing == "snapshot":
             actions: list[Action] = []
@@ -148,7 +151,9 @@ class ProducerStream:
         """The terminator arrived (or the request timed out: pass ``ok=False`` via on_sync_failed)."""
         if self.syncing == "replay":
             self.syncing = None
-            if not self._replay_ok:
+            if not self._replay_ok or (not self._replay_progress and self.next_seq not in self._pending):
+                # The producer no longer holds (or never held) what we miss; asking
+                # again would loop forever, so only a snapshot can recover exactly.
                 return self._start_snapshot()
             return self._drain()
         if self.syncing == "snapshot":
@@ -183,6 +188,7 @@ class ProducerStream:
     def _start_replay(self) -> list[Action]:
         self.syncing = "replay"
         self._replay_ok = True
+        self._replay_progress = False
         self.replays += 1
         return [RequestReplay(self.next_seq)]
 

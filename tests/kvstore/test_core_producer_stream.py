@@ -1,0 +1,185 @@
+"""ProducerStream, the subscriber's pure ordering state machine: one test per row of its recovery table,
+then the replay-miss -> snapshot, stale, timeout and lossy paths."""
+
+from __future__ import annotations
+
+from kvstore.subscriber import Apply, ProducerStream, RequestReplay, RequestSnapshot, Reset
+
+
+def p(seq: int) -> bytes:
+    return f"live-{seq}".encode()
+
+
+def streaming_at(next_seq: int) -> ProducerStream:
+    """A stream that has applied 0 .. next_seq-1 in order."""
+    s = ProducerStream()
+    for seq in range(next_seq):
+        assert s.on_live(seq, p(seq)) == [Apply(seq, p(seq))]
+    return s
+
+
+def counters(s: ProducerStream) -> dict[str, int]:
+    return {k: getattr(s, k) for k in ("gaps", "restarts", "replays", "snapshots", "stale", "lossy")}
+
+
+ZERO = {"gaps": 0, "restarts": 0, "replays": 0, "snapshots": 0, "stale": 0, "lossy": 0}
+
+
+# --------------------------------------------------------------------------- the table, row by row
+
+
+def test_row_live_seq_equal_next_applies() -> None:
+    s = streaming_at(3)
+    assert s.on_live(3, p(3)) == [Apply(3, p(3))]
+    assert s.next_seq == 4 and s.syncing is None
+    assert counters(s) == ZERO
+
+
+def test_row_gap_buffers_and_replays_from_next() -> None:
+    s = streaming_at(3)
+    assert s.on_live(6, p(6)) == [RequestReplay(3)]
+    assert s.syncing == "replay" and s.gaps == 1 and s.replays == 1
+    assert s.on_live(7, p(7)) == []  # buffered while syncing
+    assert s.on_sync_item(2, b"old") == []  # already applied: ignored
+    assert s.on_sync_item(3, b"r3") == [Apply(3, b"r3")]
+    assert s.on_sync_item(4, b"r4") == [Apply(4, b"r4")]
+    assert s.on_sync_item(5, b"r5") == [Apply(5, b"r5")]
+    assert s.on_sync_item(6, b"r6") == [Apply(6, b"r6")]  # replay covers it; the live copy is dropped
+    assert s.on_sync_end() == [Apply(7, p(7))]
+    assert s.next_seq == 8 and s.syncing is None
+    assert counters(s) == {**ZERO, "gaps": 1, "replays": 1}
+
+
+def test_row_seq_went_backwards_is_a_restart_replayed_from_zero() -> None:
+    s = streaming_at(10)
+    assert s.on_live(3, p(3)) == [Reset(), RequestReplay(0)]
+    assert s.restarts == 1 and s.next_seq == 0 and s.syncing == "replay"
+    assert s.on_sync_item(0, b"n0") == [Apply(0, b"n0")]
+    assert s.on_sync_item(1, b"n1") == [Apply(1, b"n1")]
+    assert s.on_sync_item(2, b"n2") == [Apply(2, b"n2")]
+    assert s.on_sync_end() == [Apply(3, p(3))]
+    assert s.next_seq == 4
+    assert counters(s) == {**ZERO, "restarts": 1, "replays": 1}
+
+
+def test_row_seq_back_to_zero_is_a_restart_applied_at_once() -> None:
+    s = streaming_at(5)
+    assert s.on_live(0, p(0)) == [Reset(), Apply(0, p(0))]
+    assert s.next_seq == 1 and s.syncing is None
+    assert counters(s) == {**ZERO, "restarts": 1}
+
+
+def test_row_first_message_seq_zero_applies() -> None:
+    s = ProducerStream()
+    assert s.on_live(0, p(0)) == [Apply(0, p(0))]
+    assert s.started and s.next_seq == 1
+    assert counters(s) == ZERO
+
+
+def test_row_first_message_late_buffers_and_replays_from_zero() -> None:
+    s = ProducerStream()
+    assert s.on_live(4, p(4)) == [RequestReplay(0)]
+    assert s.gaps == 0 and s.replays == 1  # joining late is not a gap
+    assert [a for i in range(4) for a in s.on_sync_item(i, b"r%d" % i)] == [Apply(i, b"r%d" % i) for i in range(4)]
+    assert s.on_sync_end() == [Apply(4, p(4))]
+    assert s.next_seq == 5
+
+
+# --------------------------------------------------------------------------- snapshot, stale, lossy
+
+
+def test_replay_that_misses_next_falls_back_to_snapshot_and_skips_stale() -> None:
+    s = streaming_at(2)
+    assert s.on_live(9, p(9)) == [RequestReplay(2)]
+    # The producer's buffer starts at 5: it no longer holds 2..4.
+    assert s.on_sync_item(5, b"r5") == []
+    assert s.on_sync_item(6, b"r6") == []
+    assert s.on_sync_end() == [RequestSnapshot()]
+    assert s.syncing == "snapshot" and s.snapshots == 1
+    assert s.on_live(10, p(10)) == []
+    assert s.on_live(11, p(11)) == []
+    # The snapshot reflects seq 10; it arrives as several batches, all tagged 10.
+    assert s.on_sync_item(10, b"snap-a") == [Reset(), Apply(10, b"snap-a")]
+    assert s.on_sync_item(10, b"snap-b") == [Apply(10, b"snap-b")]
+    assert s.on_sync_end() == [Apply(11, p(11))]  # 9 and 10 are covered by the snapshot
+    assert s.next_seq == 12 and s.syncing is None
+    # A live batch the snapshot already reflects, still in flight: stale, skipped.
+    s2 = streaming_at(2)
+    s2.on_live(9, p(9))
+    s2.on_sync_item(5, b"r5")
+    s2.on_sync_end()
+    s2.on_sync_item(12, b"snap")
+    assert s2.on_sync_end() == []
+    assert s2.next_seq == 13
+    assert s2.on_live(11, p(11)) == []
+    assert s2.on_live(12, p(12)) == []
+    assert s2.stale == 2
+    assert s2.on_live(13, p(13)) == [Apply(13, p(13))]
+    assert counters(s2) == {**ZERO, "gaps": 1, "replays": 1, "snapshots": 1, "stale": 2}
+
+
+def test_replay_with_a_hole_after_partial_progress_falls_back_to_snapshot() -> None:
+    s = streaming_at(1)
+    assert s.on_live(5, p(5)) == [RequestReplay(1)]
+    assert s.on_sync_item(1, b"r1") == [Apply(1, b"r1")]
+    assert s.on_sync_item(3, b"r3") == []  # 2 is missing from the producer's buffer
+    assert s.on_sync_item(4, b"r4") == []
+    assert s.on_sync_end() == [RequestSnapshot()]
+    assert s.on_sync_item(5, b"snap") == [Reset(), Apply(5, b"snap")]
+    assert s.on_sync_end() == []  # the buffered live 5 is covered
+    assert s.next_seq == 6
+
+
+def test_empty_replay_falls_back_to_snapshot_instead_of_looping() -> None:
+    s = streaming_at(1)
+    assert s.on_live(2, p(2)) == [RequestReplay(1)]
+    assert s.on_sync_end() == [RequestSnapshot()]  # not RequestReplay(1) again, forever
+    assert s.replays == 1 and s.snapshots == 1
+    assert s.on_sync_item(2, b"snap") == [Reset(), Apply(2, b"snap")]
+    assert s.on_sync_end() == []
+    assert s.next_seq == 3
+
+
+def test_replay_that_made_progress_may_replay_again_for_a_newer_hole() -> None:
+    s = streaming_at(1)
+    assert s.on_live(3, p(3)) == [RequestReplay(1)]
+    assert s.on_live(5, p(5)) == []  # 4 is lost while we sync
+    assert s.on_sync_item(1, b"r1") == [Apply(1, b"r1")]
+    assert s.on_sync_item(2, b"r2") == [Apply(2, b"r2")]
+    assert s.on_sync_end() == [Apply(3, p(3)), RequestReplay(4)]
+    assert s.on_sync_item(4, b"r4") == [Apply(4, b"r4")]
+    assert s.on_sync_item(5, b"r5") == [Apply(5, b"r5")]
+    assert s.on_sync_end() == []
+    assert s.next_seq == 6 and s.replays == 2 and s.snapshots == 0
+
+
+def test_snapshot_answered_with_nothing_resumes_lossy_at_oldest_buffered() -> None:
+    s = streaming_at(1)
+    assert s.on_live(5, p(5)) == [RequestReplay(1)]
+    assert s.on_live(6, p(6)) == []
+    assert s.on_live(8, p(8)) == []
+    assert s.on_sync_item(4, b"r4") == []
+    assert s.on_sync_end() == [RequestSnapshot()]
+    assert s.on_sync_end() == [Apply(5, p(5)), Apply(6, p(6)), Apply(8, p(8))]  # plain vLLM: no snapshot
+    assert s.lossy == 2  # once for giving up, once for the hole at 7
+    assert s.next_seq == 9 and s.syncing is None
+
+
+def test_sync_timeouts() -> None:
+    # A replay that times out escalates to a snapshot.
+    s = streaming_at(1)
+    s.on_live(3, p(3))
+    assert s.on_sync_failed() == [RequestSnapshot()]
+    # A snapshot that times out after a partial reply undoes it, then resumes lossy.
+    assert s.on_sync_item(2, b"part") == [Reset(), Apply(2, b"part")]
+    assert s.on_sync_failed() == [Reset(), Apply(3, p(3))]
+    assert s.lossy == 1 and s.next_seq == 4
+    # A snapshot that times out with nothing applied just resumes lossy.
+    t = streaming_at(1)
+    t.on_live(3, p(3))
+    t.on_sync_failed()
+    assert t.on_sync_failed() == [Apply(3, p(3))]
+    # Nothing in flight: no-ops.
+    assert streaming_at(1).on_sync_failed() == []
+    assert streaming_at(1).on_sync_end() == []
+    assert streaming_at(1).on_sync_item(0, b"x") == []
