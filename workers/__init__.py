@@ -1,1 +1,41 @@
-"""KV workers: the paged KV tensor pool, the model runner and the Ray actor (in progress)."""
+"""KV workers: the paged KV tensor pool, the model runner, the request loop and the Ray actor.
+
+Modules, one concern each:
+
+- ``api`` -- the request/result types other parts depend on;
+- ``kv_tensor_pool`` -- block-major KV memory and whole-block copies;
+- ``attention`` / ``model`` / ``model_runner`` -- paged attention, the seeded
+  toy transformer, and one step's tensors in and greedy tokens out;
+- ``scheduler`` -- continuous batching, admission, preemption by recompute;
+- ``validation`` -- request checks before queuing;
+- ``offload`` -- the seam where a lower tier spills and promotes blocks;
+- ``worker`` -- :class:`KVWorker`, the thread-safe replica;
+- ``actor`` -- the thin Ray wrapper (imports Ray; not imported here).
+"""
+
+from workers.api import (
+    EventEndpoints,
+    GenerateRequest,
+    GenerateResult,
+    ModelInfo,
+    WorkerLoad,
+    WorkerShutdownError,
+)
+from workers.kv_tensor_pool import KVShape, KVTensorPool
+from workers.offload import NoOffload, OffloadConnector, Promotion
+from workers.worker import KVWorker
+
+__all__ = [
+    "EventEndpoints",
+    "GenerateRequest",
+    "GenerateResult",
+    "KVShape",
+    "KVTensorPool",
+    "KVWorker",
+    "ModelInfo",
+    "NoOffload",
+    "OffloadConnector",
+    "Promotion",
+    "WorkerLoad",
+    "WorkerShutdownError",
+]

@@ -1,0 +1,101 @@
+"""The KV worker as a Ray actor: a thin async wrapper around :class:`workers.worker.KVWorker`.
+
+Many requests run at once on one actor: it is an async actor, and
+``generate`` awaits the worker's future (``asyncio.wrap_future``), so the
+event loop only queues requests while the worker's own step loop batches
+them. Methods that may wait for a step (``check_invariants``,
+``shutdown``) run in a thread so they never stall the event loop.
+
+Placement: :func:`worker_actor_options` asks Ray for one GPU when the
+configuration wants CUDA or (``device = "auto"``) when the cluster has a
+GPU, else for CPU only -- the same code on a laptop and a GPU cluster. An
+``auto`` actor that Ray gave no GPU runs on the CPU even on a GPU node.
+
+Event endpoints are what the worker's publisher bound (loopback by
+default); a wildcard bind (``tcp://*:port``, ``0.0.0.0``) is reported with
+this node's IP address, so subscribers on other nodes can connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import ray
+from ray.util import get_node_ip_address
+
+from kvstore.config import Config
+from workers.api import EventEndpoints, GenerateRequest, GenerateResult, ModelInfo, WorkerLoad
+from workers.worker import KVWorker
+
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
+
+
+def worker_actor_options(config: Config, *, cluster_gpus: float | None = None, num_cpus: float = 1.0) -> dict[str, Any]:
+    """Ray ``.options(...)`` for one worker actor.
+
+    ``cluster_gpus`` defaults to the connected cluster's GPU count
+    (``ray.cluster_resources()``); pass it to decide without a cluster.
+    """
+    device = config.worker.device
+    if device == "cuda":
+        num_gpus = 1
+    elif device == "cpu":
+        num_gpus = 0
+    else:
+        gpus = ray.cluster_resources().get("GPU", 0.0) if cluster_gpus is None else cluster_gpus
+        num_gpus = 1 if gpus >= 1 else 0
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus}
+
+
+def routable_endpoint(endpoint: str, node_ip: str) -> str:
+    """``endpoint`` with a wildcard host replaced by ``node_ip`` (other endpoints unchanged)."""
+    scheme, sep, rest = endpoint.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if sep and colon and host in _WILDCARD_HOSTS:
+        return f"{scheme}://{node_ip}:{port}"
+    return endpoint
+
+
+@ray.remote
+class KVWorkerActor:
+    """One KV worker replica on a Ray node; the same methods as :class:`KVWorker`."""
+
+    def __init__(self, name: str, config: Config) -> None:
+        if config.worker.device == "auto" and not ray.get_gpu_ids():
+            config = msgspec.structs.replace(config, worker=msgspec.structs.replace(config.worker, device="cpu"))
+        self._worker = KVWorker(name, config)
+        self._node_ip = get_node_ip_address()
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Raises InvalidRequestError (before queuing) or the error that stopped the request."""
+        return await asyncio.wrap_future(self._worker.submit(request))
+
+    async def load(self) -> WorkerLoad:
+        return self._worker.load()
+
+    async def info(self) -> ModelInfo:
+        return self._worker.info()
+
+    async def event_endpoints(self) -> EventEndpoints:
+        bound = self._worker.event_endpoints()
+        return EventEndpoints(
+            endpoint=routable_endpoint(bound.endpoint, self._node_ip),
+            replay_endpoint=routable_endpoint(bound.replay_endpoint, self._node_ip),
+        )
+
+    async def health(self) -> dict[str, Any]:
+        return {**self._worker.health(), "node_ip": self._node_ip}
+
+    async def cached_hashes(self) -> list[int]:
+        return self._worker.cached_hashes()
+
+    async def check_invariants(self) -> None:
+        await asyncio.to_thread(self._worker.check_invariants)
+
+    async def metrics_text(self) -> bytes:
+        return self._worker.metrics_text()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self._worker.shutdown)

@@ -1,0 +1,47 @@
+"""Runs one scheduler step on the model: tensors in, greedy next tokens out.
+
+The runner owns the model and the KV tensor pool it reads and writes. It
+knows nothing of requests or scheduling: it takes the step's slices
+(:class:`workers.attention.SequenceSlice`), writes their K/V into the pool
+and returns, per slice, the greedy (argmax) token after its last position.
+The caller decides whether that token is real (the slice reached the end
+of its sequence) or is discarded (a prefill chunk that did not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.config import WorkerConfig
+from workers.attention import SequenceSlice, build_metadata
+from workers.kv_tensor_pool import KVTensorPool
+from workers.model import DecoderModel
+
+
+class ModelRunner:
+    """One model plus its paged KV pool on one device. Not thread-safe: the worker's step loop drives it."""
+
+    def __init__(
+        self, config: WorkerConfig, *, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.model = DecoderModel(config, device=device, dtype=dtype)
+        self.kv_pool = KVTensorPool(self.model.kv_shape(block_size), num_blocks, device)
+
+    @torch.inference_mode()
+    def execute(self, slices: Sequence[SequenceSlice]) -> list[int]:
+        """Compute every slice's tokens (storing their KV) and return each slice's greedy next token."""
+        if not slices:
+            return []
+        meta = build_metadata(slices, self.block_size, self.device)
+        flat = [token for part in slices for token in part.token_ids]
+        token_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        logits = self.model(token_ids, meta, self.kv_pool)
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+    def close(self) -> None:
+        """Release the KV memory (the model's weights go with the runner)."""
+        self.kv_pool.close()

@@ -1,0 +1,265 @@
+"""Step-level continuous batching over one KV cache manager (vLLM v1's scheduling, simplified).
+
+A request's tokens are its prompt plus the tokens generated so far;
+``num_computed_tokens`` of them have KV in the pool. Each step gives every
+scheduled request ``num_tokens - num_computed_tokens`` more tokens to
+compute (capped by the step's token budget, which chunks long prefills):
+a decode is the one token sampled last step, a prefill is the rest of
+the prompt after the prefix-cache hit.
+
+:meth:`Scheduler.schedule`:
+
+1. Running requests first, in admission order. Each reserves slots for its
+   tokens; when the pool is out of blocks the *last* running request is
+   preempted (its blocks freed, ``num_computed_tokens`` reset, sent back to
+   the head of the queue to be recomputed, prompt and output so far) until
+   the reservation fits -- or the request preempts itself.
+2. Then, unless someone was preempted this step, waiting requests in
+   arrival order while the budget, ``max_num_seqs`` and the pool allow:
+   prefix lookup, then the promotion seam (:mod:`workers.offload`), then
+   ``allocate_slots``; a None (no room) stops admission for this step, so
+   the queue stays first come first served.
+
+Invariants (checked by :meth:`Scheduler.check_invariants`):
+
+- a waiting request holds no blocks and has ``num_computed_tokens == 0``;
+- between steps, a running request has exactly ``num_computed_tokens``
+  slots reserved and ``0 < num_computed_tokens < num_tokens`` (the last
+  token, just sampled or not yet prefilled, is never computed);
+- ``len(running) <= max_num_seqs``, and the pool ref counts equal the
+  block tables (the manager's invariant).
+
+Pure logic, no threads or tensors; not thread-safe (the worker holds its
+lock around :meth:`schedule` and :meth:`update`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kvstore.events import MEDIA, MEDIUM_GPU
+from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
+from workers.api import GenerateRequest
+from workers.attention import SequenceSlice
+from workers.offload import Promotion
+
+Promoter = Callable[[CacheRequest, PrefixHit], Promotion]
+
+_internal_ids = itertools.count()
+
+
+def no_promotion(request: CacheRequest, gpu_hit: PrefixHit) -> Promotion:
+    return Promotion(gpu_hit, {})
+
+
+class RequestState:
+    """One request through its life: waiting -> running (-> preempted -> waiting ...) -> finished."""
+
+    __slots__ = (
+        "arrival",
+        "cache_request",
+        "cached_tokens_by_medium",
+        "first_scheduled",
+        "first_token",
+        "max_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_token_ids",
+        "prompt_tokens",
+        "request_id",
+    )
+
+    def __init__(self, request: GenerateRequest, request_id: str, arrival: float) -> None:
+        self.request_id = request_id  # the caller's id, echoed back; need not be unique
+        # The manager keys block tables by a private id, unique per worker.
+        self.cache_request = CacheRequest(
+            f"{request_id}#{next(_internal_ids)}",
+            request.token_ids,
+            lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
+        )
+        self.prompt_tokens = len(request.token_ids)
+        self.max_tokens = request.max_tokens
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.arrival = arrival
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.cached_tokens_by_medium: dict[str, int] | None = None  # set at first admission
+
+    @property
+    def key(self) -> str:
+        return self.cache_request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cache_request.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.output_token_ids) >= self.max_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestState({self.key}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"out={len(self.output_token_ids)}/{self.max_tokens})"
+        )
+
+
+class ScheduledRequest(NamedTuple):
+    state: RequestState
+    num_new_tokens: int  # tokens computed this step, from state.num_computed_tokens on
+    slice: SequenceSlice  # what the model runner computes
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: list[ScheduledRequest]
+    preempted: list[RequestState]  # preempted this step (now waiting)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Waiting queue + running list over one :class:`KVCacheManager` (see the module docstring)."""
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        promoter: Promoter = no_promotion,
+    ) -> None:
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.promoter = promoter
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, state: RequestState) -> None:
+        self.waiting.append(state)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Choose this step's work and reserve its slots (mutates the pool: allocations, evictions, caching)."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[RequestState] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            state = self.running[index]
+            num_new = min(state.num_tokens - state.num_computed_tokens, budget)
+            while self.manager.allocate_slots(state.cache_request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is state:
+                    break
+            else:
+                scheduled.append(self._scheduled(state, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: nothing after it is left to schedule
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            state = self.waiting[0]
+            gpu_hit = self.manager.get_computed_blocks(state.cache_request)
+            promotion = self.promoter(state.cache_request, gpu_hit)
+            hit = promotion.hit
+            num_new = min(state.num_tokens - hit.num_tokens, budget)
+            if self.manager.allocate_slots(state.cache_request, num_new, hit) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(state)
+            state.num_computed_tokens = hit.num_tokens
+            if state.cached_tokens_by_medium is None:
+                by_medium = dict.fromkeys(MEDIA, 0)
+                by_medium[MEDIUM_GPU] = gpu_hit.num_tokens
+                for medium, tokens in promotion.promoted_tokens.items():
+                    by_medium[medium] += tokens
+                state.cached_tokens_by_medium = by_medium
+                state.first_scheduled = now
+            scheduled.append(self._scheduled(state, num_new))
+            budget -= num_new
+        return SchedulerOutput(scheduled, preempted)
+
+    def update(self, output: SchedulerOutput, sampled: list[int], now: float) -> list[RequestState]:
+        """Record a step's results (``sampled``: one token per scheduled request); returns those that finished.
+
+        A request that computed up to its last token gets the sampled token
+        appended; the rest (prefill chunks) discard it. Finished requests
+        release their blocks.
+        """
+        assert len(sampled) == len(output.scheduled), "one sampled token per scheduled request"
+        finished: list[RequestState] = []
+        for work, token in zip(output.scheduled, sampled, strict=True):
+            state = work.state
+            state.num_computed_tokens += work.num_new_tokens
+            if state.num_computed_tokens < state.num_tokens:
+                continue
+            state.output_token_ids.append(token)
+            state.cache_request.append_tokens([token])
+            if state.first_token is None:
+                state.first_token = now
+            if state.is_finished:
+                self.manager.free(state.cache_request)
+                finished.append(state)
+        if finished:
+            done = {id(s) for s in finished}
+            self.running = [s for s in self.running if id(s) not in done]
+        return finished
+
+    def abort_running(self) -> list[RequestState]:
+        """Drop every running request (their blocks freed); returns them."""
+        aborted, self.running = self.running, []
+        for state in aborted:
+            self.manager.free(state.cache_request)
+        return aborted
+
+    def abort_all(self) -> list[RequestState]:
+        """Drop every request, running and waiting; returns them."""
+        aborted = self.abort_running() + list(self.waiting)
+        self.waiting.clear()
+        return aborted
+
+    # -------------------------------------------------------------- internals
+
+    def _scheduled(self, state: RequestState, num_new: int) -> ScheduledRequest:
+        start = state.num_computed_tokens
+        tokens = state.cache_request.token_ids[start : start + num_new]
+        part = SequenceSlice(tokens, start, self.manager.block_ids(state.key))
+        return ScheduledRequest(state, num_new, part)
+
+    def _preempt(self, state: RequestState) -> None:
+        self.manager.free(state.cache_request)
+        state.num_computed_tokens = 0
+        state.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(state)
+
+    def check_invariants(self) -> None:
+        """Assert the scheduler and its manager agree (see the module docstring)."""
+        self.manager.check_invariants()
+        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > {self.max_num_seqs}"
+        assert self.manager.num_running == len(self.running), (
+            f"manager holds {self.manager.num_running} block tables for {len(self.running)} running requests"
+        )
+        for state in self.waiting:
+            assert state.num_computed_tokens == 0, f"waiting {state} has computed tokens"
+            assert not self.manager.block_ids(state.key), f"waiting {state} holds blocks"
+        for state in self.running:
+            reserved = self.manager.num_tokens_reserved(state.key)
+            assert reserved == state.num_computed_tokens, f"{state}: {reserved} slots reserved"
+            assert 0 < state.num_computed_tokens < state.num_tokens, f"{state}: bad computed count"
+            assert not state.is_finished, f"finished {state} still running"

@@ -1,0 +1,61 @@
+"""Checks a :class:`GenerateRequest` against a worker's model and pool before it is queued.
+
+Every rejection is an :class:`~kvstore.errors.InvalidRequestError` whose
+message names the field and says what would be accepted; nothing invalid
+reaches the step loop, so a bad request can never stall or crash it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from kvstore.errors import InvalidRequestError
+from workers.api import GenerateRequest
+
+
+class RequestLimits(NamedTuple):
+    vocab_size: int
+    max_context: int  # prompt + max_tokens
+    block_size: int
+    max_blocks: int  # blocks one request may hold: the pool minus its admission watermark
+
+
+def validate_request(request: Any, limits: RequestLimits) -> GenerateRequest:
+    """Return ``request`` if it can be served, else raise InvalidRequestError saying why."""
+    if not isinstance(request, GenerateRequest):
+        raise InvalidRequestError(f"expected a GenerateRequest, got {type(request).__name__}")
+    tokens = request.token_ids
+    if not isinstance(tokens, list):
+        raise InvalidRequestError(f"token_ids must be a list of ints, got {type(tokens).__name__}")
+    if not tokens:
+        raise InvalidRequestError("token_ids (the prompt) must not be empty")
+    for position, token in enumerate(tokens):
+        if type(token) is not int:
+            raise InvalidRequestError(f"token_ids[{position}] must be an int, got {type(token).__name__} ({token!r})")
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidRequestError(
+                f"token_ids[{position}] = {token} is out of the vocabulary range [0, {limits.vocab_size})"
+            )
+    max_tokens = request.max_tokens
+    if type(max_tokens) is not int:
+        raise InvalidRequestError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
+    if max_tokens <= 0:
+        raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}")
+    total = len(tokens) + max_tokens
+    if total > limits.max_context:
+        raise InvalidRequestError(
+            f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the model's context of "
+            f"{limits.max_context} tokens; shorten the prompt or lower max_tokens"
+        )
+    # The last generated token's KV is never computed: a request holds at most total - 1 tokens of KV.
+    blocks = -(-(total - 1) // limits.block_size)
+    if blocks > limits.max_blocks:
+        raise InvalidRequestError(
+            f"the request needs {blocks} KV blocks but this worker can give one request at most "
+            f"{limits.max_blocks}; shorten it or raise pool.num_blocks"
+        )
+    for field in ("request_id", "cache_salt", "lora_name"):
+        value = getattr(request, field)
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(f"{field} must be a string or None, got {type(value).__name__}")
+    return request

@@ -1,0 +1,366 @@
+"""The KV worker: a paged KV pool, a model that fills it, and a continuous-batching request loop.
+
+:class:`KVWorker` is a plain, thread-safe class (the Ray actor in
+:mod:`workers.actor` is a thin wrapper). Callers on any thread
+:meth:`~KVWorker.submit` requests and get futures; one step-loop thread
+runs the scheduler (:mod:`workers.scheduler`), the model runner
+(:mod:`workers.model_runner`) and the event publisher.
+
+Each step::
+
+    with lock:  schedule (allocate/evict/cache in the block pool), drain + publish events
+    (no lock)   model forward: compute the step's tokens, write their KV
+    with lock:  record sampled tokens, free finished requests, drain + publish events
+    (no lock)   resolve finished requests' futures
+
+Locks
+-----
+``_lock`` guards the block pool, the manager and the scheduler. Every
+locked section that mutates the pool ends by draining the pool's events
+and publishing them, so whenever the lock is free the pool holds no
+unpublished event: a snapshot taken under the lock (the publisher's
+``snapshot_source``) is exactly the state after batch ``last_seq``.
+``_step_lock`` is held for a whole step (outer to ``_lock``) so that
+:meth:`KVWorker.check_invariants` sees the state between steps.
+
+Failure
+-------
+Invalid requests raise :class:`~kvstore.errors.InvalidRequestError` from
+``submit``/``generate`` before anything is queued. If a model step raises,
+the running requests fail with the error, and the whole prefix cache is
+dropped (blocks registered for that step were never filled, so nothing
+may hit them); the worker keeps serving. After :meth:`KVWorker.shutdown`
+(or if the loop itself dies) every unfinished request fails with
+:class:`~workers.api.WorkerShutdownError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from kvstore.block_pool import BlockPool
+from kvstore.config import Config
+from kvstore.errors import ConfigError, InvalidRequestError
+from kvstore.events import MEDIUM_GPU
+from kvstore.hashing import BlockHasher
+from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
+from kvstore.metrics import CacheCollector, render
+from kvstore.publisher import NullEventPublisher, Snapshot, ZmqEventPublisher
+from workers.api import EventEndpoints, GenerateRequest, GenerateResult, ModelInfo, WorkerLoad, WorkerShutdownError
+from workers.device import resolve_device, resolve_dtype
+from workers.kv_tensor_pool import KVTensorPool
+from workers.metrics import LoopGauges, WorkerCollector, WorkerCounters
+from workers.model_runner import ModelRunner
+from workers.offload import NoOffload, OffloadConnector, Promotion
+from workers.scheduler import RequestState, Scheduler, SchedulerOutput
+from workers.validation import RequestLimits, validate_request
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.01
+
+
+class KVWorker:
+    """One replica: owns its KV tensor pool, block pool, cache manager, scheduler, model and publisher.
+
+    ``offload`` plugs a lower tier in at construction (see
+    :meth:`attach_offload`). The step loop starts in the constructor; call
+    :meth:`shutdown` to stop it and release the sockets and KV memory.
+    """
+
+    def __init__(self, name: str, config: Config, *, offload: OffloadConnector | None = None) -> None:
+        self.name = name
+        self.config = config
+        model = config.worker
+        block_size = config.cache.block_size
+        num_blocks = config.pool.num_blocks
+        self.device = resolve_device(model.device)
+        self._runner = ModelRunner(
+            model, num_blocks=num_blocks, block_size=block_size, device=self.device, dtype=resolve_dtype(model.dtype)
+        )
+        self.kv_pool: KVTensorPool = self._runner.kv_pool
+        self.block_pool = BlockPool(
+            num_blocks, block_size=block_size, enable_caching=config.cache.enable_prefix_caching, medium=MEDIUM_GPU
+        )
+        hasher = BlockHasher.from_config(config.cache)
+        self._manager = KVCacheManager(self.block_pool, hasher, watermark=config.pool.watermark)
+        self._scheduler = Scheduler(
+            self._manager, max_num_seqs=model.max_num_seqs, max_num_batched_tokens=model.max_num_batched_tokens
+        )
+        self._limits = RequestLimits(
+            model.vocab_size, model.max_context, block_size, num_blocks - self._manager.watermark_blocks
+        )
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()
+        self._futures: dict[str, Future[GenerateResult]] = {}
+        self._counters = WorkerCounters()
+        self._closed = False
+        self._last_error: str | None = None
+        self.attach_offload(offload or NoOffload())
+
+        self._publisher: ZmqEventPublisher | NullEventPublisher
+        if config.events.enabled:
+            self._publisher = ZmqEventPublisher(config.events, snapshot_source=self._snapshot)
+        else:
+            self._publisher = NullEventPublisher()
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(CacheCollector(lambda: [(self.name, self._manager)]))
+        self._registry.register(WorkerCollector(name, self._counters, self._gauges))
+        self._thread = threading.Thread(target=self._loop, name=f"kv-worker-{name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ the tier seam
+
+    def attach_offload(self, connector: OffloadConnector) -> None:
+        """Plug a lower tier in: the ONE place that wires the pool's eviction hook and the promotion step.
+
+        ``connector.on_evict`` becomes the block pool's eviction hook (spill
+        before reuse) and ``connector.promote`` runs at admission right after
+        the GPU prefix lookup (see :mod:`workers.offload` for both
+        contracts). Both run on the step-loop thread under the worker's lock.
+        Replaces any connector attached before; takes effect from the next step.
+        """
+        kv_pool, block_pool = self.kv_pool, self.block_pool
+
+        def promote(request: CacheRequest, gpu_hit: PrefixHit) -> Promotion:
+            return connector.promote(request, gpu_hit, block_pool, kv_pool)
+
+        with self._step_lock, self._lock:
+            block_pool.on_evict = lambda blocks: connector.on_evict(blocks, kv_pool)
+            self._scheduler.promoter = promote
+
+    # ------------------------------------------------------------- requests
+
+    def submit(self, request: GenerateRequest) -> Future[GenerateResult]:
+        """Queue a request; the future resolves to its result or to the error that stopped it.
+
+        Raises InvalidRequestError (nothing queued) for a request this worker
+        can never serve, WorkerShutdownError after :meth:`shutdown`.
+        """
+        try:
+            validate_request(request, self._limits)
+        except InvalidRequestError:
+            with self._lock:
+                self._counters.rejected += 1
+            raise
+        state = RequestState(request, request.request_id or f"req-{uuid.uuid4().hex[:16]}", time.monotonic())
+        future: Future[GenerateResult] = Future()
+        future.set_running_or_notify_cancel()  # a queued request cannot be cancelled through its future
+        with self._lock:
+            if self._closed:
+                raise WorkerShutdownError(f"worker {self.name} is shut down; send the request to another replica")
+            self._futures[state.key] = future
+            self._scheduler.add(state)
+            self._work.notify()
+        return future
+
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Submit and wait. Raises what :meth:`submit` raises, or the error that stopped the request."""
+        return self.submit(request).result()
+
+    # -------------------------------------------------------------- queries
+
+    def load(self) -> WorkerLoad:
+        with self._lock:
+            return WorkerLoad(
+                running=len(self._scheduler.running),
+                waiting=len(self._scheduler.waiting),
+                kv_usage=self.block_pool.usage,
+                num_free_blocks=self.block_pool.num_free_blocks,
+            )
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            vocab_size=self._limits.vocab_size,
+            max_context=self._limits.max_context,
+            block_size=self.config.cache.block_size,
+            hash_algo=self.config.cache.hash_algo,
+            hash_seed=self.config.cache.hash_seed,
+        )
+
+    def event_endpoints(self) -> EventEndpoints:
+        """The resolved PUB and ROUTER endpoints; ConfigError when events are disabled."""
+        endpoint, replay = self._publisher.endpoint, self._publisher.replay_endpoint
+        if endpoint is None or replay is None:
+            raise ConfigError(f"worker {self.name} publishes no KV events (events.enabled is false)")
+        return EventEndpoints(endpoint=endpoint, replay_endpoint=replay)
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "name": self.name,
+                "alive": self._thread.is_alive() and not self._closed,
+                "device": str(self.device),
+                "running": len(self._scheduler.running),
+                "waiting": len(self._scheduler.waiting),
+                "kv_usage": self.block_pool.usage,
+                "num_free_blocks": self.block_pool.num_free_blocks,
+                "num_cached_blocks": self.block_pool.num_cached_blocks,
+                "steps": self._counters.steps,
+                "preemptions": self._scheduler.num_preemptions,
+                "last_seq": self._publisher.last_seq,
+                "last_error": self._last_error,
+            }
+
+    def cached_hashes(self) -> list[int]:
+        """External (64-bit) hashes of every cached block in the pool, one per block (duplicates kept)."""
+        with self._lock:
+            return [int(b.external_hash) for b in self.block_pool.cached_blocks() if b.external_hash is not None]
+
+    def check_invariants(self) -> None:
+        """Assert pool, manager and scheduler bookkeeping between steps; raises AssertionError naming the fault."""
+        with self._step_lock, self._lock:
+            self._scheduler.check_invariants()
+            assert self.kv_pool.num_blocks == self.block_pool.num_blocks, "KV tensors and block pool disagree"
+            assert set(self._futures) == {s.key for s in (*self._scheduler.waiting, *self._scheduler.running)}, (
+                "a queued request has no future, or a future has no request"
+            )
+
+    def metrics_text(self) -> bytes:
+        """This worker's metrics in the Prometheus text format."""
+        with self._lock:
+            return render(self._registry)
+
+    @property
+    def publisher(self) -> ZmqEventPublisher | NullEventPublisher:
+        return self._publisher
+
+    # ------------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        """Stop the loop after its current step, fail unfinished requests, close the publisher, free the KV.
+
+        Idempotent; must not be called from the step loop.
+        """
+        with self._lock:
+            self._closed = True
+            self._work.notify_all()
+        self._thread.join()
+        with self._step_lock, self._lock:
+            aborted = self._scheduler.abort_all()
+            self._publish_pending()
+            futures = [(self._futures.pop(s.key), s) for s in aborted]
+            self._counters.failed += len(futures)
+        for future, state in futures:
+            future.set_exception(
+                WorkerShutdownError(f"worker {self.name} shut down before request {state.request_id!r} finished")
+            )
+        self._publisher.close()
+        self._runner.close()
+
+    # ------------------------------------------------------------ step loop
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._closed and not self._scheduler.has_work:
+                        self._work.wait()
+                    if self._closed:
+                        return
+                with self._step_lock:
+                    progressed = self._step()
+                if not progressed:
+                    time.sleep(_IDLE_WAIT_S)
+        except BaseException as exc:
+            logger.exception("worker %s: step loop died", self.name)
+            self._die(exc)
+
+    def _step(self) -> bool:
+        """One scheduler step; False when nothing could be scheduled."""
+        with self._lock:
+            output = self._scheduler.schedule(time.monotonic())
+            self._counters.steps += 1
+            self._publish_pending()
+        if not output.scheduled:
+            return False
+        try:
+            sampled = self._runner.execute([work.slice for work in output.scheduled])
+        except Exception as exc:
+            logger.exception("worker %s: model step failed; dropping running requests and the prefix cache", self.name)
+            self._recover_from_model_failure(exc)
+            return True
+        self._finish_step(output, sampled)
+        return True
+
+    def _finish_step(self, output: SchedulerOutput, sampled: list[int]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            finished = self._scheduler.update(output, sampled, now)
+            self._publish_pending()
+            done = [(self._futures.pop(s.key), s) for s in finished]
+            for _, state in done:
+                self._counters.finished += 1
+                self._counters.prompt_tokens += state.prompt_tokens
+                self._counters.generation_tokens += len(state.output_token_ids)
+        for future, state in done:
+            future.set_result(self._result(state, now))
+
+    def _recover_from_model_failure(self, exc: Exception) -> None:
+        with self._lock:
+            aborted = self._scheduler.abort_running()
+            # Blocks registered in the prefix cache for the failed step were never filled.
+            cleared = self.block_pool.reset_prefix_cache()
+            assert cleared, "no request runs, yet blocks are referenced"
+            self._publish_pending()
+            futures = [(self._futures.pop(s.key), s) for s in aborted]
+            self._counters.failed += len(futures)
+            self._last_error = f"model step failed: {exc!r}"
+        for future, state in futures:
+            error = RuntimeError(f"worker {self.name}: model step failed for request {state.request_id!r}: {exc!r}")
+            error.__cause__ = exc
+            future.set_exception(error)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self._closed = True
+            self._last_error = f"step loop died: {exc!r}"
+            futures = list(self._futures.values())
+            self._futures.clear()
+            self._counters.failed += len(futures)
+        for future in futures:
+            future.set_exception(WorkerShutdownError(f"worker {self.name}: step loop died ({exc!r})"))
+
+    # ------------------------------------------------------------- internals
+
+    def _publish_pending(self) -> None:
+        """Drain the pool's events and publish them as one batch. Caller holds ``_lock``."""
+        events = self.block_pool.take_events()
+        if events:
+            self._publisher.publish(events)
+
+    def _snapshot(self) -> Snapshot:
+        """The publisher's snapshot source: runs on its thread, consistent because we take ``_lock``."""
+        with self._lock:
+            return Snapshot(self._publisher.last_seq, self.block_pool.snapshot_events())
+
+    def _gauges(self) -> LoopGauges:
+        return LoopGauges(len(self._scheduler.running), len(self._scheduler.waiting), self._scheduler.num_preemptions)
+
+    def _result(self, state: RequestState, now: float) -> GenerateResult:
+        assert state.first_scheduled is not None and state.first_token is not None
+        assert state.cached_tokens_by_medium is not None
+        by_medium = dict(state.cached_tokens_by_medium)
+        return GenerateResult(
+            request_id=state.request_id,
+            replica=self.name,
+            prompt_tokens=state.prompt_tokens,
+            output_token_ids=list(state.output_token_ids),
+            cached_tokens=sum(by_medium.values()),
+            cached_tokens_by_medium=by_medium,
+            queue_s=state.first_scheduled - state.arrival,
+            ttft_s=state.first_token - state.arrival,
+            total_s=now - state.arrival,
+            preempted=state.num_preemptions,
+        )
+
+    def __repr__(self) -> str:
+        return f"KVWorker({self.name!r}, device={self.device}, blocks={self.block_pool.num_blocks})"
