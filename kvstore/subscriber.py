@@ -27,7 +27,9 @@ A replay that does not start at ``next`` (the producer's buffer no longer
 holds it, or the reply is empty) falls back to a snapshot: reset, apply the
 snapshot (tagged with the seq S it reflects), then every buffered live batch
 with seq > S. Live batches with seq <= S that were already in flight are
-stale and skipped.
+stale and skipped. Likewise, a live batch that a replay already applied
+(same seq, same payload) can arrive after the replay, on the other
+connection: it is stale, not a restart.
 A producer that answers a snapshot with nothing (plain vLLM) cannot be
 recovered exactly: we resume at the oldest buffered batch and mark it lossy.
 """
@@ -87,6 +89,9 @@ class ProducerStream:
         self._replay_progress = False  # the current replay applied at least one batch
         self._snapshot_seq: int | None = None
         self._stale_through: int | None = None
+        # hash(payload) of each batch a replay applied, until the live stream passes them: their
+        # live copies may still be in flight (another connection), and must not look like a restart.
+        self._replayed: dict[int, int] = {}
         self.gaps = 0
         self.restarts = 0
         self.replays = 0
@@ -110,6 +115,11 @@ class ProducerStream:
                 self.stale += 1
                 return []
             self._stale_through = None
+        if seq < self.next_seq and self._replayed.get(seq) == hash(payload):
+            self.stale += 1
+            return []
+        if self._replayed:
+            self._replayed.clear()  # live seqs only grow: older in-flight copies have all arrived
         if seq == self.next_seq:
             self.next_seq += 1
             return [Apply(seq, payload)]
@@ -137,6 +147,7 @@ class ProducerStream:
                 return []
             self.next_seq += 1
             self._replay_progress = True
+            self._replayed[seq] = hash(payload)
             return [Apply(seq, payload)]
         if self.syncing == "snapshot":
             actions: list[Action] = []
@@ -195,6 +206,7 @@ class ProducerStream:
     def _start_snapshot(self) -> list[Action]:
         self.syncing = "snapshot"
         self._snapshot_seq = None
+        self._replayed.clear()  # the snapshot's seq decides what is stale from now on
         self.snapshots += 1
         return [RequestSnapshot()]
 

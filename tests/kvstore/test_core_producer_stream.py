@@ -165,6 +165,39 @@ def test_snapshot_answered_with_nothing_resumes_lossy_at_oldest_buffered() -> No
     assert s.next_seq == 9 and s.syncing is None
 
 
+def test_live_copies_of_replayed_batches_are_stale_not_a_restart() -> None:
+    # The replay (ROUTER/DEALER) can overtake the live stream (PUB/SUB): live copies of batches
+    # the replay applied then arrive with seq < next.
+    s = streaming_at(1)
+    assert s.on_live(4, p(4)) == [RequestReplay(1)]
+    for seq in (1, 2, 3, 4, 5):
+        assert s.on_sync_item(seq, p(seq)) == [Apply(seq, p(seq))]
+    assert s.on_sync_end() == []
+    assert s.next_seq == 6
+    assert s.on_live(5, p(5)) == []  # in flight during the replay
+    assert s.on_live(6, p(6)) == [Apply(6, p(6))]
+    assert counters(s) == {**ZERO, "gaps": 1, "replays": 1, "stale": 1}
+    assert s.on_live(7, p(7)) == [Apply(7, p(7))]
+
+
+def test_restart_right_after_a_replay_is_still_detected() -> None:
+    s = streaming_at(1)
+    s.on_live(3, p(3))
+    for seq in (1, 2, 3):
+        s.on_sync_item(seq, p(seq))
+    assert s.on_sync_end() == []
+    # A new incarnation: same seqs, different payloads.
+    assert s.on_live(0, b"new-0") == [Reset(), Apply(0, b"new-0")]
+    assert s.restarts == 1 and s.stale == 0
+    t = streaming_at(1)
+    t.on_live(3, p(3))
+    for seq in (1, 2, 3):
+        t.on_sync_item(seq, p(seq))
+    t.on_sync_end()
+    assert t.on_live(2, b"new-2") == [Reset(), RequestReplay(0)]
+    assert t.restarts == 1
+
+
 def test_sync_timeouts() -> None:
     # A replay that times out escalates to a snapshot.
     s = streaming_at(1)
