@@ -162,7 +162,7 @@ def assert_converges(listener: EventListener, sink: CacheSink, name: str, produc
 
 
 def new_listener(sink: CacheSink, ctx: zmq.Context, **kw) -> EventListener:
-    return EventListener(sink, context=ctx, sync_timeout_s=1.0, poll_interval_s=0.005, **kw).start()
+    return EventListener(sink, context=ctx, sync_timeout_s=3.0, poll_interval_s=0.005, **kw).start()
 
 
 # --------------------------------------------------------------------------- (a) normal flow
