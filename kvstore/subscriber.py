@@ -433,16 +433,21 @@ class EventListener:
                 frames = producer.dealer.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            # [b"", topic, seq, payload], or the terminator [b"", b"", END_SEQ, b""].
-            if len(frames) != 4 or len(frames[2]) != 8:
+            # Ours (DESIGN §5): [b"", topic, seq, payload], terminator [b"", b"", END_SEQ, b""].
+            # vLLM's own ROUTER sends no topic frame: [b"", seq, payload], terminator [b"", END_SEQ, b""].
+            if len(frames) == 4 and not frames[0] and len(frames[2]) == 8:
+                seq_bytes, payload = frames[2], frames[3]
+            elif len(frames) == 3 and not frames[0] and len(frames[1]) == 8:
+                seq_bytes, payload = frames[1], frames[2]
+            else:
                 producer.decode_errors += 1
                 continue
-            if frames[2] == END_SEQ:
+            if seq_bytes == END_SEQ:
                 producer.sync_deadline = None
                 self._execute(producer, producer.stream.on_sync_end(), poller)
                 continue
-            seq = int.from_bytes(frames[2], "big")
-            self._execute(producer, producer.stream.on_sync_item(seq, frames[3]), poller)
+            seq = int.from_bytes(seq_bytes, "big")
+            self._execute(producer, producer.stream.on_sync_item(seq, payload), poller)
 
     def _execute(self, producer: _Producer, actions: list[Action], poller: zmq.Poller) -> None:
         for action in actions:
