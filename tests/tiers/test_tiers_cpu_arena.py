@@ -1,0 +1,194 @@
+"""CpuArena: exact LRU order, leases that pin slots, collisions, events; a state machine for the invariants."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from tiers_helpers import arena_name, make_blocks
+
+from kvstore.events import BlockRemoved, BlockStored
+from tiers.blocks import BlockMeta
+from tiers.cpu_arena import CpuArena, Lease, LeaseKind
+from tiers.errors import LeaseError
+from tiers.shared_memory import SharedSlots
+
+SLOT_BYTES = 4096
+
+
+@pytest.fixture
+def arena() -> Iterator[CpuArena]:
+    cpu = CpuArena(SharedSlots.create(arena_name(), 3, SLOT_BYTES, prefault=False), block_size=4)
+    yield cpu
+    cpu.close()
+
+
+def store(cpu: CpuArena, meta: BlockMeta, fill: int) -> int:
+    lease = cpu.reserve(meta)
+    assert lease is not None
+    cpu.slots.tensor[lease.slot].fill_(fill)
+    cpu.commit(lease.lease_id)
+    cpu.check_invariants()
+    return lease.slot
+
+
+def test_lru_order_and_eviction(arena: CpuArena) -> None:
+    metas, _ = make_blocks(4)
+    a, b, c, d = metas
+    assert [store(arena, m, i) for i, m in enumerate((a, b, c))] == [0, 1, 2]
+    assert arena.lru_hashes() == [a.block_hash, b.block_hash, c.block_hash]
+    assert arena.reserve(d) is None  # full: the caller evicts first
+    with arena.acquire(a) as hit:  # a hit makes a the most recently used
+        assert hit is not None and hit.slot == 0
+    assert arena.lru_hashes() == [b.block_hash, c.block_hash, a.block_hash]
+    victims = arena.evict_lru(1)
+    assert [v.meta for v in victims] == [b] and victims[0].kind is LeaseKind.READ
+    assert arena.num_free_slots == 0  # b's bytes stay in slot 1 until its lease goes
+    assert bytes(arena.view(victims[0].slot)[:2]) == b"\x01\x01"
+    victims[0].release()
+    arena.check_invariants()
+    assert store(arena, d, 9) == 1  # b's slot, reused only now
+    assert arena.lru_hashes() == [c.block_hash, a.block_hash, d.block_hash]
+    assert arena.num_evictions == 1 and arena.used_bytes == 3 * SLOT_BYTES
+
+
+def test_leased_blocks_are_never_evicted_or_reused(arena: CpuArena) -> None:
+    metas, _ = make_blocks(5)
+    for i, meta in enumerate(metas[:3]):
+        store(arena, meta, i)
+    reading = arena.acquire(metas[0])  # the LRU head, now leased (and moved to the tail)
+    second = arena.acquire(metas[1])
+    assert reading is not None and second is not None
+    victims = arena.evict_lru(3)  # asks for 3, only the unleased one can go
+    assert [v.meta for v in victims] == [metas[2]]
+    for victim in victims:
+        victim.release()
+    assert arena.evict_lru(3) == []  # everything left is leased
+    writer = arena.reserve(metas[3])
+    assert writer is not None and writer.slot == 2  # the freed slot, not a leased one
+    assert arena.reserve(metas[4]) is None
+    arena.remove(metas[0].block_hash)  # removed while read: the slot waits for the reader
+    assert metas[0].block_hash not in arena and arena.num_free_slots == 0
+    arena.check_invariants()
+    reading.release()
+    assert arena.num_free_slots == 1
+    second.release()
+    writer.release()  # abandoning a write frees its slot and forgets the block
+    assert arena.num_free_slots == 2 and not arena.is_writing(metas[3].block_hash)
+    arena.check_invariants()
+
+
+def test_write_lease_context_manager_aborts(arena: CpuArena) -> None:
+    metas, _ = make_blocks(1)
+    with arena.reserve(metas[0]) as lease:  # type: ignore[union-attr]
+        assert arena.is_writing(metas[0].block_hash)
+        assert arena.reserve(metas[0]) is None  # one writer per block
+    assert arena.num_free_slots == 3 and metas[0].block_hash not in arena
+    assert not arena.holds(lease.lease_id)
+    arena.check_invariants()
+
+
+def test_collision_is_a_counted_miss(arena: CpuArena) -> None:
+    metas, _ = make_blocks(2)
+    store(arena, metas[1], 1)
+    impostor = BlockMeta(metas[1].block_hash, metas[1].parent_hash, (9, 9, 9, 9))
+    assert arena.acquire(impostor) is None and arena.num_collisions == 1
+    orphan = BlockMeta(metas[1].block_hash, None, metas[1].token_ids)
+    assert arena.acquire(orphan) is None and arena.num_collisions == 2
+    assert arena.acquire(metas[1]) is not None
+
+
+def test_lease_misuse_raises(arena: CpuArena) -> None:
+    metas, _ = make_blocks(1)
+    store(arena, metas[0], 0)
+    lease = arena.acquire(metas[0])
+    assert lease is not None
+    with pytest.raises(LeaseError, match="read lease"):
+        arena.commit(lease.lease_id)
+    lease.release()
+    with pytest.raises(LeaseError, match="already released"):
+        lease.release()
+    with pytest.raises(LeaseError, match="unknown"):
+        arena.release(12345)
+
+
+def test_events_carry_tokens_and_parents(arena: CpuArena) -> None:
+    metas, _ = make_blocks(2)
+    store(arena, metas[0], 0)
+    store(arena, metas[1], 1)
+    arena.remove(metas[0].block_hash)
+    events = arena.take_events()
+    assert [type(e) for e in events] == [BlockStored, BlockStored, BlockRemoved]
+    first, second, removed = events
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
+    assert first.medium == "CPU" and first.parent_block_hash is None and first.token_ids == [0, 1, 2, 3]
+    assert second.parent_block_hash == metas[0].block_hash and second.block_hashes == [metas[1].block_hash]
+    assert removed == BlockRemoved(block_hashes=[metas[0].block_hash], medium="CPU")
+    assert arena.take_events() == []
+    assert [e.block_hashes for e in arena.snapshot_events()] == [[metas[1].block_hash]]
+
+
+# --------------------------------------------------------------------------- state machine
+
+
+class ArenaMachine(RuleBasedStateMachine):
+    """Random reserve/commit/acquire/release/evict/remove sequences keep every slot state consistent."""
+
+    blocks = make_blocks(8)[0]
+    leases = Bundle("leases")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu = CpuArena(SharedSlots.create(arena_name(), 3, SLOT_BYTES, prefault=False), block_size=4)
+        self.model_pinned: dict[int, int] = {}  # slot -> leases the test holds
+
+    @rule(target=leases, index=st.integers(0, 7))
+    def reserve(self, index: int) -> Lease | None:
+        return self._hold(self.cpu.reserve(self.blocks[index]))
+
+    @rule(target=leases, index=st.integers(0, 7))
+    def acquire(self, index: int) -> Lease | None:
+        return self._hold(self.cpu.acquire(self.blocks[index]))
+
+    @rule(target=leases, count=st.integers(1, 3))
+    def evict(self, count: int) -> Lease | None:
+        victims = self.cpu.evict_lru(count)
+        for victim in victims:
+            assert self.model_pinned.get(victim.slot, 0) == 0, "evicted a slot the test holds a lease on"
+        for victim in victims[1:]:
+            victim.release()
+        return self._hold(victims[0] if victims else None)
+
+    @rule(lease=consumes(leases))
+    def finish(self, lease: Lease | None) -> None:
+        if lease is None:
+            return
+        self.model_pinned[lease.slot] -= 1
+        if lease.kind is LeaseKind.WRITE:
+            self.cpu.commit(lease.lease_id)
+        else:
+            lease.release()
+
+    @rule(index=st.integers(0, 7))
+    def remove(self, index: int) -> None:
+        self.cpu.remove(self.blocks[index].block_hash)
+
+    def _hold(self, lease: Lease | None) -> Lease | None:
+        if lease is not None:
+            self.model_pinned[lease.slot] = self.model_pinned.get(lease.slot, 0) + 1
+        return lease
+
+    @invariant()
+    def consistent(self) -> None:
+        self.cpu.check_invariants()  # among others: a slot with a live lease is never free
+        assert self.cpu.num_free_slots <= self.cpu.num_slots - sum(1 for n in self.model_pinned.values() if n)
+
+    def teardown(self) -> None:
+        self.cpu.close()
+
+
+TestArenaMachine = ArenaMachine.TestCase
+TestArenaMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -1,0 +1,115 @@
+"""Helpers of the tier tests: a small identity, chained blocks with random KV, real stores.
+
+The default identity's block is exactly 4096 bytes, so on a file system
+that takes O_DIRECT the disk tier uses it (tmp_path is on the real disk);
+``ODD_IDENTITY`` (1024-byte blocks) exercises the buffered path.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from kvstore.config import EventsConfig, TierConfig
+from kvstore.events import EventBatch, EventDecoder, KVEvent
+from kvstore.hashing import BlockHasher
+from kvstore.publisher import END_SEQ
+from tiers.blocks import BlockMeta
+from tiers.disk_format import header_len
+from tiers.identity import CacheIdentity
+from tiers.store import TierStore
+
+IDENTITY = CacheIdentity(
+    model="test-model",
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=64,
+    dtype="float16",
+    block_size=4,
+    hash_algo="sha256_cbor",
+    hash_seed="kvstore",
+)
+ODD_IDENTITY = msgspec.structs.replace(IDENTITY, head_dim=16)
+LOOPBACK = "tcp://127.0.0.1:*"
+
+
+def arena_name() -> str:
+    return f"kvstore-test-{uuid.uuid4().hex[:12]}"
+
+
+def make_blocks(
+    num_blocks: int, *, identity: CacheIdentity = IDENTITY, first_token: int = 0, seed: int = 0
+) -> tuple[list[BlockMeta], torch.Tensor]:
+    """``num_blocks`` chained blocks (distinct tokens from ``first_token``) and random KV for them."""
+    hasher = BlockHasher(identity.hash_algo, identity.hash_seed, identity.block_size)
+    tokens = list(range(first_token, first_token + num_blocks * identity.block_size))
+    metas = BlockMeta.chain(hasher.hash_blocks(tokens), tokens, identity.block_size)
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randn((num_blocks, *identity.block_shape), generator=generator).to(identity.torch_dtype)
+    return metas, data
+
+
+def tier_config(tmp_path: Path, *, cpu_blocks: int, disk_blocks: int | None = None, **fields: Any) -> TierConfig:
+    """A config with room for ``cpu_blocks`` in CPU and ``disk_blocks`` files on disk (None: no disk)."""
+    identity = fields.pop("identity", IDENTITY)
+    disk: dict[str, Any] = {}
+    if disk_blocks is not None:
+        file_bytes = header_len(identity.block_size) + identity.block_bytes
+        disk = {"disk_dir": str(tmp_path / "disk"), "disk_capacity_bytes": disk_blocks * file_bytes}
+    return TierConfig(
+        cpu_capacity_bytes=cpu_blocks * identity.block_bytes, io_deadline_s=5.0, copy_threads=2, **disk, **fields
+    )
+
+
+def new_store(
+    config: TierConfig, *, identity: CacheIdentity = IDENTITY, events: EventsConfig | None = None
+) -> TierStore:
+    return TierStore(config, identity, events=events, arena_name=arena_name())
+
+
+def hashes(metas: Sequence[BlockMeta]) -> list[int]:
+    return [m.block_hash for m in metas]
+
+
+def request_events(endpoint: str, request: bytes, timeout_s: float = 5.0) -> list[tuple[int, EventBatch]]:
+    """Ask a publisher's ROUTER for a replay (8-byte start) or a snapshot; (seq, batch) up to the end."""
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    decoder = EventDecoder()
+    try:
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"", request])
+        replies = []
+        while True:
+            assert dealer.poll(int(timeout_s * 1000)), "no reply from the publisher"
+            frames = dealer.recv_multipart()
+            if frames[2] == END_SEQ:
+                return replies
+            replies.append((int.from_bytes(frames[2], "big"), decoder.decode(frames[3]).batch))
+    finally:
+        dealer.close()
+
+
+def all_events(endpoint: str) -> list[KVEvent]:
+    """Every event published so far (from the replay buffer), in order."""
+    return [event for _, batch in request_events(endpoint, (0).to_bytes(8, "big")) for event in batch.events]
+
+
+def child_read_slot(name: str, shm_dir: str, slot: int, write_back: bytes) -> bytes:
+    """Run in a spawned process: map the arena by name, return slot ``slot``, then overwrite slot 0."""
+    from tiers.shared_memory import SharedSlots
+
+    slots = SharedSlots.attach(name, shm_dir=shm_dir)
+    try:
+        seen = bytes(slots.view(slot))
+        slots.tensor[0, : len(write_back)] = torch.frombuffer(bytearray(write_back), dtype=torch.uint8)
+        return seen
+    finally:
+        slots.close()

@@ -1,0 +1,94 @@
+"""How the tiers name blocks, and the small results they hand back.
+
+A tier keys a block by its *external* hash (the 64-bit wire form that KV
+events carry) and keeps the block's tokens and parent hash beside it: a
+64-bit hash can collide, and a lookup that brings its own tokens is checked
+against them before any KV is served (the nano-vllm collision guard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import msgspec
+import torch
+
+from kvstore.block_pool import KVCacheBlock
+from kvstore.hashing import BlockHash, ExternalBlockHash, to_external
+from tiers.errors import InvalidBlockError
+
+
+class BlockMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One full block: its hash, its parent's hash (None for a first block) and its tokens."""
+
+    block_hash: ExternalBlockHash
+    parent_hash: ExternalBlockHash | None
+    token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_pool_block(cls, block: KVCacheBlock) -> BlockMeta:
+        """The meta of a cached pool block (e.g. one handed to the pool's eviction hook)."""
+        if block.external_hash is None:
+            raise ValueError(f"block {block.block_id} is not cached: only cached blocks can be offloaded")
+        parent = None if block.parent_hash is None else to_external(block.parent_hash)
+        return cls(block.external_hash, parent, block.token_ids)
+
+    @classmethod
+    def chain(
+        cls, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], block_size: int, *, start: int = 0
+    ) -> list[BlockMeta]:
+        """Metas of blocks ``start..len(block_hashes)-1`` of a request (hashes are full digests)."""
+        metas = []
+        for index in range(start, len(block_hashes)):
+            parent = to_external(block_hashes[index - 1]) if index > 0 else None
+            tokens = tuple(token_ids[index * block_size : (index + 1) * block_size])
+            metas.append(cls(to_external(block_hashes[index]), parent, tokens))
+        return metas
+
+
+_MAX_HASH = (1 << 64) - 1
+_MAX_TOKEN = (1 << 63) - 1
+
+
+def check_blocks(blocks: Sequence[BlockMeta], block_size: int) -> None:
+    """Raise InvalidBlockError unless every block is a full BlockMeta with 64-bit hashes."""
+    for meta in blocks:
+        if not isinstance(meta, BlockMeta):
+            raise InvalidBlockError(f"expected BlockMeta, got {type(meta).__name__}")
+        if len(meta.token_ids) != block_size:
+            raise InvalidBlockError(f"block {meta.block_hash:#x} has {len(meta.token_ids)} tokens, not {block_size}")
+        parent = meta.parent_hash
+        if not 0 <= meta.block_hash <= _MAX_HASH or not (parent is None or 0 <= parent <= _MAX_HASH):
+            raise InvalidBlockError(f"block hashes are unsigned 64-bit ints, got {meta.block_hash} / {parent}")
+        if any(not 0 <= token <= _MAX_TOKEN for token in meta.token_ids):
+            raise InvalidBlockError(f"block {meta.block_hash:#x} has a token id outside 0..2**63-1")
+
+
+class TierHit(NamedTuple):
+    """What :meth:`TierStore.lookup` found."""
+
+    num_blocks: int  # consecutive blocks found, counting from the lookup's ``start``
+    media: tuple[str, ...]  # the medium holding each of them: "CPU" or "STORAGE"
+
+
+class SlotGrant(NamedTuple):
+    """A lease on one arena slot, in a form that crosses process boundaries.
+
+    Hand ``lease_id`` back exactly once: to ``commit`` (a write grant) or
+    ``release`` (a read grant, or to abandon a write). Until then the slot is
+    neither evicted nor reused, so its bytes are safe to copy.
+    """
+
+    lease_id: int
+    slot: int  # row of the arena tensor
+    block_hash: ExternalBlockHash
+    medium: str  # where the block was found: "CPU", or "STORAGE" (promoted into the slot); "CPU" for writes
+
+
+class TierGet(NamedTuple):
+    """Blocks read back by :meth:`TierStore.get`."""
+
+    num_blocks: int  # consecutive blocks found (a prefix of those asked for)
+    media: tuple[str, ...]  # where each was found: "CPU" or "STORAGE" (then promoted into CPU)
+    data: torch.Tensor  # [num_blocks, *block_shape] of the identity's dtype

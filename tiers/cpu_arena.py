@@ -1,0 +1,314 @@
+"""The CPU tier: an LRU cache of blocks in the node's shared-memory slots, with leases.
+
+Data structures
+---------------
+- ``slots``: a :class:`~tiers.shared_memory.SharedSlots` arena, one block per slot.
+- ``_index``: external block hash -> slot, an ``OrderedDict`` in LRU order
+  (least recently used first), so a hit moves a block to the tail in O(1)
+  and eviction pops from the head.
+- ``_meta[slot]``: the block whose bytes the slot holds or is receiving
+  (hash, parent hash, tokens: the collision guard); ``_leases[slot]``: how
+  many leases hold it; ``_free``: slots holding nothing.
+- ``_writing``: hash -> slot for blocks reserved but not committed, so two
+  writers never fill two slots with one block.
+
+Slot states (checked by :meth:`CpuArena.check_invariants`)
+----------------------------------------------------------
+========  ===============  ===========  ==========================================
+state     in ``_free``     in index     leases
+========  ===============  ===========  ==========================================
+free      yes              no           0; no meta
+written   no               no           exactly 1 write lease (reserve -> commit)
+cached    no               yes          any number of read leases
+detached  no               no           >= 1 read lease (evicted or removed while
+                                        read, e.g. drained to disk); freed by the
+                                        last release
+========  ===============  ===========  ==========================================
+
+A leased slot is never evicted and never reused: that is what makes a copy
+into or out of a slot safe while the index changes around it. Eviction
+takes the least recently used *unleased* cached block.
+
+The arena records BlockStored / BlockRemoved (medium CPU) for its owner to
+publish (:meth:`take_events`). Mutations run on one thread (the tier's
+event loop); :meth:`snapshot_events` may run on another (the publisher's),
+so index mutations and the snapshot copy hold ``_lock``.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+
+from kvstore.events import MEDIUM_CPU, BlockStored, KVEvent
+from tiers.blocks import BlockMeta
+from tiers.errors import LeaseError
+from tiers.shared_memory import SharedSlots
+from tiers.tier_events import block_removed, block_stored
+
+
+class LeaseKind(enum.Enum):
+    WRITE = "write"  # filling a reserved slot; commit() publishes it
+    READ = "read"  # copying a cached (or detached) block out
+
+
+class Lease:
+    """A hold on one slot. Release exactly once (or use ``with``); a write lease may be committed instead."""
+
+    __slots__ = ("_arena", "kind", "lease_id", "meta", "slot")
+
+    def __init__(self, arena: CpuArena, lease_id: int, slot: int, meta: BlockMeta, kind: LeaseKind) -> None:
+        self._arena = arena
+        self.lease_id = lease_id
+        self.slot = slot
+        self.meta = meta
+        self.kind = kind
+
+    def release(self) -> None:
+        self._arena.release(self.lease_id)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._arena.holds(self.lease_id):
+            self._arena.release(self.lease_id)
+
+    def __repr__(self) -> str:
+        return f"Lease({self.lease_id}, {self.kind.value}, slot={self.slot}, hash={self.meta.block_hash:#x})"
+
+
+class CpuArena:
+    """Blocks in shared-memory slots, LRU-evicted, with leases that pin slots during copies.
+
+    Not thread-safe except :meth:`snapshot_events` (see the module docstring).
+    """
+
+    def __init__(self, slots: SharedSlots, *, block_size: int) -> None:
+        self.slots = slots
+        self.block_size = block_size
+        self._index: OrderedDict[int, int] = OrderedDict()
+        self._meta: list[BlockMeta | None] = [None] * slots.num_slots
+        self._leases = [0] * slots.num_slots
+        self._free: deque[int] = deque(range(slots.num_slots))
+        self._writing: dict[int, int] = {}
+        self._held: dict[int, Lease] = {}
+        self._next_lease = 1
+        self._events: list[KVEvent] = []
+        self._lock = threading.Lock()
+        self.num_evictions = 0
+        self.num_collisions = 0
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.num_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slots.slot_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        """Cached (committed) blocks."""
+        return len(self._index)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._index) * self.slots.slot_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slots.num_slots * self.slots.slot_bytes
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._index
+
+    def is_writing(self, block_hash: int) -> bool:
+        return block_hash in self._writing
+
+    def lru_hashes(self) -> list[int]:
+        """Cached block hashes, least recently used (next to be evicted) first."""
+        return list(self._index)
+
+    def holds(self, lease_id: int) -> bool:
+        return lease_id in self._held
+
+    def lease(self, lease_id: int) -> Lease:
+        """The live lease ``lease_id``; raises LeaseError if it is unknown or released."""
+        try:
+            return self._held[lease_id]
+        except KeyError:
+            raise LeaseError(f"lease {lease_id} is unknown or already released") from None
+
+    def view(self, slot: int) -> memoryview:
+        return self.slots.view(slot)
+
+    # ---------------------------------------------------------------- mutation
+
+    def reserve(self, meta: BlockMeta) -> Lease | None:
+        """A write lease on a free slot for ``meta``'s bytes; None when no slot is free or
+        the block is cached or being written already. Evict first to make room."""
+        if meta.block_hash in self._index or meta.block_hash in self._writing or not self._free:
+            return None
+        slot = self._free.popleft()
+        self._meta[slot] = meta
+        self._writing[meta.block_hash] = slot
+        return self._grant(slot, meta, LeaseKind.WRITE)
+
+    def commit(self, lease_id: int) -> None:
+        """Publish a written slot as the most recently used block; ends the write lease."""
+        lease = self.lease(lease_id)
+        if lease.kind is not LeaseKind.WRITE:
+            raise LeaseError(f"lease {lease_id} is a read lease: release it, only write leases commit")
+        del self._held[lease_id]
+        self._leases[lease.slot] -= 1
+        del self._writing[lease.meta.block_hash]
+        with self._lock:
+            self._index[lease.meta.block_hash] = lease.slot
+        self._events.append(block_stored(lease.meta, self.block_size, MEDIUM_CPU))
+
+    def acquire(self, meta: BlockMeta) -> Lease | None:
+        """A read lease on the cached block ``meta`` (now most recently used), or None on a miss.
+
+        A cached block with ``meta``'s hash but other tokens or parent is a
+        hash collision: counted, and a miss.
+        """
+        slot = self._index.get(meta.block_hash)
+        if slot is None:
+            return None
+        stored = self._meta[slot]
+        assert stored is not None
+        if stored.token_ids != meta.token_ids or stored.parent_hash != meta.parent_hash:
+            self.num_collisions += 1
+            return None
+        with self._lock:
+            self._index.move_to_end(meta.block_hash)
+        return self._grant(slot, stored, LeaseKind.READ)
+
+    def touch(self, block_hash: int) -> None:
+        """Mark a cached block most recently used (a repeated spill of it, say)."""
+        if block_hash in self._index:
+            with self._lock:
+                self._index.move_to_end(block_hash)
+
+    def release(self, lease_id: int) -> None:
+        """End a lease. An uncommitted write lease abandons its slot; the last lease of a
+        detached slot frees it."""
+        lease = self.lease(lease_id)
+        del self._held[lease_id]
+        slot = lease.slot
+        self._leases[slot] -= 1
+        if lease.kind is LeaseKind.WRITE:
+            del self._writing[lease.meta.block_hash]
+            self._free_slot(slot)
+        elif self._leases[slot] == 0 and self._index.get(lease.meta.block_hash) != slot:
+            self._free_slot(slot)
+
+    def evict_lru(self, count: int) -> list[Lease]:
+        """Detach up to ``count`` least recently used unleased blocks (BlockRemoved each).
+
+        Each comes back with a read lease: its bytes stay in the slot (to be
+        written to disk, say) until that lease is released, which frees it.
+        """
+        victims: list[int] = []
+        for block_hash, slot in self._index.items():
+            if len(victims) == count:
+                break
+            if self._leases[slot] == 0:
+                victims.append(block_hash)
+        leases = []
+        for block_hash in victims:
+            leases.append(self._detach(block_hash))
+        self.num_evictions += len(leases)
+        return leases
+
+    def remove(self, block_hash: int) -> bool:
+        """Drop a cached block (BlockRemoved); its slot is freed once no lease holds it."""
+        if block_hash not in self._index:
+            return False
+        self._detach(block_hash).release()
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """Every cached block as a BlockStored (medium CPU). Safe from another thread."""
+        with self._lock:
+            # A cached slot's meta only changes after its index entry is popped (under the lock).
+            metas = [self._meta[slot] for slot in self._index.values()]
+        return [block_stored(meta, self.block_size, MEDIUM_CPU) for meta in metas if meta is not None]
+
+    def entries(self) -> Iterator[BlockMeta]:
+        """Cached blocks, least recently used first."""
+        for slot in list(self._index.values()):
+            meta = self._meta[slot]
+            assert meta is not None
+            yield meta
+
+    def close(self) -> None:
+        """Unmap the arena (and unlink it if owned). Leases still held become meaningless."""
+        self._held.clear()
+        self.slots.close()
+
+    # ---------------------------------------------------------------- internal
+
+    def _grant(self, slot: int, meta: BlockMeta, kind: LeaseKind) -> Lease:
+        lease = Lease(self, self._next_lease, slot, meta, kind)
+        self._next_lease += 1
+        self._held[lease.lease_id] = lease
+        self._leases[slot] += 1
+        return lease
+
+    def _detach(self, block_hash: int) -> Lease:
+        """Take a block out of the index, returning a read lease that keeps its slot."""
+        with self._lock:
+            slot = self._index.pop(block_hash)
+        meta = self._meta[slot]
+        assert meta is not None
+        self._events.append(block_removed(meta, MEDIUM_CPU))
+        return self._grant(slot, meta, LeaseKind.READ)
+
+    def _free_slot(self, slot: int) -> None:
+        assert self._leases[slot] == 0, f"slot {slot} freed with {self._leases[slot]} leases"
+        self._meta[slot] = None
+        self._free.append(slot)
+
+    def check_invariants(self) -> None:
+        """Assert the slot states of the module docstring; raises AssertionError naming the fault."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a slot is twice in the free list"
+        indexed = {slot: block_hash for block_hash, slot in self._index.items()}
+        assert len(indexed) == len(self._index), "two hashes share a slot"
+        writing = {slot: block_hash for block_hash, slot in self._writing.items()}
+        held_per_slot = [0] * self.num_slots
+        for lease_id, lease in self._held.items():
+            assert lease.lease_id == lease_id
+            held_per_slot[lease.slot] += 1
+            if lease.kind is LeaseKind.WRITE:
+                assert writing.get(lease.slot) == lease.meta.block_hash, f"{lease} is not in the writing map"
+        assert held_per_slot == self._leases, "lease counts disagree with the leases held"
+        for slot in range(self.num_slots):
+            meta = self._meta[slot]
+            if slot in free:
+                assert meta is None and self._leases[slot] == 0, f"free slot {slot} is in use"
+                assert slot not in indexed and slot not in writing
+                continue
+            assert meta is not None, f"slot {slot} is neither free nor holding a block"
+            if slot in indexed:
+                assert indexed[slot] == meta.block_hash, f"slot {slot} is indexed under another hash"
+                assert slot not in writing
+            elif slot in writing:
+                assert self._leases[slot] == 1, f"slot {slot} being written has {self._leases[slot]} leases"
+            else:
+                assert self._leases[slot] >= 1, f"detached slot {slot} has no lease: it leaked"
+            assert len(meta.token_ids) == self.block_size, f"slot {slot} holds a block of the wrong size"

@@ -1,0 +1,25 @@
+"""Typed errors of the tiers package (callers' mistakes and unusable environments).
+
+Back-pressure and degraded storage are not errors here: a block that cannot
+be stored is reported as not stored (``None`` / ``False``) and counted.
+"""
+
+from __future__ import annotations
+
+from kvstore.errors import KVStoreError
+
+
+class TierError(KVStoreError):
+    """Base class of every error the tiers raise on purpose."""
+
+
+class ArenaError(TierError):
+    """The shared-memory arena cannot be created or attached (the message says what to change)."""
+
+
+class InvalidBlockError(TierError, ValueError):
+    """Blocks or tensors handed to a tier do not match its cache identity."""
+
+
+class LeaseError(TierError, ValueError):
+    """A lease id that is unknown, already released, or of the wrong kind for the call."""

@@ -1,0 +1,260 @@
+"""Fixed-size slots in one POSIX shared-memory file that every process of a node can map.
+
+Layout of ``<shm_dir>/<name>``::
+
+    [0, 4096)                      header: magic, version, owner pid, slot count, slot bytes, tag
+    [4096 + i*slot_bytes, +slot_bytes)   slot i
+
+Slots start on a page boundary, so with ``slot_bytes`` a multiple of 4096
+every slot is page-aligned (what O_DIRECT and pinned DMA want).
+
+Why a /dev/shm file and not :mod:`multiprocessing.shared_memory`: the file
+is reserved with ``posix_fallocate`` (a /dev/shm too small for the arena
+fails at creation with a clear error instead of a SIGBUS on first touch),
+and attaching processes are not enrolled in the multiprocessing resource
+tracker, which unlinks segments it did not create when the attaching
+process exits (Python < 3.13).
+
+Ownership: the creator owns the name and unlinks it on :meth:`close` (and at
+interpreter exit); attachers only unmap. A name whose owner process is dead
+is reclaimed by the next creator. Tensors and memoryviews handed out alias
+the mapping: after close() the name is gone at once, and the memory stays
+mapped while any such view lives (unmapping under a live tensor would
+crash its next access); it is unmapped by a later close() or when the
+object is collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import re
+import struct
+import weakref
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from tiers.errors import ArenaError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVSARENA"
+VERSION = 1
+HEADER_BYTES = 4096
+_HEADER = struct.Struct("<8sHHIQQ64s")  # magic, version, reserved, owner pid, num slots, slot bytes, tag
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+class ArenaInfo(NamedTuple):
+    """What another process needs to map an arena: pass it to :meth:`SharedSlots.attach`."""
+
+    name: str
+    shm_dir: str
+    num_slots: int
+    slot_bytes: int
+    tag: str  # the creator's label (the tier store puts its cache identity digest here)
+
+
+class SharedSlots:
+    """``num_slots`` slots of ``slot_bytes`` bytes in shared memory; no bookkeeping of their use.
+
+    Create with :meth:`create` (owner) or :meth:`attach` (any other process
+    of the node). :attr:`tensor` is a zero-copy ``uint8 [num_slots,
+    slot_bytes]`` view; :meth:`view` a memoryview of one slot.
+    """
+
+    def __init__(self, path: Path, mapping: mmap.mmap, *, owner: bool) -> None:
+        raw = mapping[: _HEADER.size]
+        magic, version, _, _, num_slots, slot_bytes, tag = _HEADER.unpack(raw)
+        if magic != MAGIC:
+            raise ArenaError(f"{path} is not a kvstore arena (bad magic)")
+        if version != VERSION:
+            raise ArenaError(f"{path} has arena format {version}; this kvstore reads {VERSION}")
+        if len(mapping) != HEADER_BYTES + num_slots * slot_bytes:
+            raise ArenaError(f"{path} is {len(mapping)} bytes; its header says {num_slots} x {slot_bytes}")
+        self.path = path
+        self.name = path.name
+        self.num_slots: int = num_slots
+        self.slot_bytes: int = slot_bytes
+        self.tag: str = tag.rstrip(b"\0").decode()
+        self.owner = owner
+        self._mmap = mapping
+        # Built on a memoryview (not the mmap): the view's export makes mmap.close() refuse
+        # while any tensor still aliases the memory, instead of unmapping under it.
+        self._buffer: memoryview | None = memoryview(mapping)
+        self.tensor: torch.Tensor = torch.frombuffer(
+            self._buffer, dtype=torch.uint8, offset=HEADER_BYTES, count=num_slots * slot_bytes
+        ).view(num_slots, slot_bytes)
+        self._finalizer = weakref.finalize(self, _unlink, path) if owner else None
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        num_slots: int,
+        slot_bytes: int,
+        *,
+        shm_dir: str = "/dev/shm",
+        tag: str = "",
+        prefault: bool = True,
+    ) -> SharedSlots:
+        """Create and own a new arena; a stale one left by a dead owner is replaced.
+
+        ``prefault`` reserves every byte (``posix_fallocate``) and maps the
+        pages up front. Raises ArenaError when the name is taken by a live
+        process or the directory lacks room.
+        """
+        _check_name(name)
+        if num_slots < 1 or slot_bytes < 1:
+            raise ArenaError(f"an arena needs at least one slot of at least one byte, got {num_slots} x {slot_bytes}")
+        if len(tag.encode()) > 64:
+            raise ArenaError(f"arena tag {tag!r} is longer than 64 bytes")
+        path = Path(shm_dir) / name
+        size = HEADER_BYTES + num_slots * slot_bytes
+        fd = _create_exclusive(path)
+        try:
+            try:
+                if prefault:
+                    os.posix_fallocate(fd, 0, size)
+                else:
+                    os.ftruncate(fd, size)
+            except OSError as exc:
+                raise ArenaError(
+                    f"cannot reserve {size:,} bytes for arena {path} ({exc.strerror}): give {shm_dir} more room "
+                    "(docker --shm-size, a larger tmpfs) or lower tiers.cpu_capacity_bytes"
+                ) from None
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+            mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)
+        mapping[: _HEADER.size] = _HEADER.pack(MAGIC, VERSION, 0, os.getpid(), num_slots, slot_bytes, tag.encode())
+        return cls(path, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, *, shm_dir: str = "/dev/shm", expect_tag: str | None = None) -> SharedSlots:
+        """Map an existing arena by name, without copying. Raises ArenaError if absent or foreign."""
+        _check_name(name)
+        path = Path(shm_dir) / name
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise ArenaError(f"no arena {name!r} in {shm_dir}: is the tier actor of this node running?") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise ArenaError(f"{path} is too small to be a kvstore arena")
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        slots = cls(path, mapping, owner=False)
+        if expect_tag is not None and slots.tag != expect_tag:
+            slots.close()
+            raise ArenaError(f"arena {name!r} holds {slots.tag!r}, not {expect_tag!r}: another cache identity")
+        return slots
+
+    # ------------------------------------------------------------------ access
+
+    @property
+    def info(self) -> ArenaInfo:
+        return ArenaInfo(self.name, str(self.path.parent), self.num_slots, self.slot_bytes, self.tag)
+
+    @property
+    def closed(self) -> bool:
+        return self._buffer is None
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the memory is still mapped in this process (after close: while views live)."""
+        return not self._mmap.closed
+
+    def view(self, slot: int) -> memoryview:
+        """Slot ``slot``'s bytes (writable), aliasing the arena."""
+        if self._buffer is None:
+            raise ArenaError(f"arena {self.name} is closed")
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} is outside 0..{self.num_slots - 1}")
+        start = HEADER_BYTES + slot * self.slot_bytes
+        return self._buffer[start : start + self.slot_bytes]
+
+    def close(self) -> None:
+        """Unlink the name (owner) and unmap once no view is left. Idempotent; call again to
+        unmap after the last views went."""
+        if self._buffer is not None:
+            # Drop our references only: torch keeps the memoryview alive while a tensor uses it, and
+            # a live memoryview makes mmap.close() refuse (releasing it here would unmap under them).
+            self._buffer = None
+            del self.tensor
+            if self._finalizer is not None:
+                self._finalizer()
+        if not self._mmap.closed:
+            try:
+                self._mmap.close()
+            except BufferError:
+                logger.debug("arena %s closed with views alive; unmapped when they go", self.name)
+
+    def __enter__(self) -> SharedSlots:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        role = "owner" if self.owner else "attached"
+        return f"SharedSlots({self.path}, {self.num_slots} x {self.slot_bytes} B, {role})"
+
+
+def _check_name(name: str) -> None:
+    if not _NAME.match(name):
+        raise ArenaError(f"arena name {name!r} must be 1-201 characters of letters, digits, '.', '_' or '-'")
+
+
+def _create_exclusive(path: Path) -> int:
+    """Open ``path`` as a new file; reclaim it once if its owner process is gone."""
+    for attempt in (1, 2):
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            owner = _owner_pid(path)
+            if attempt == 2 or (owner is not None and _pid_alive(owner)):
+                who = f"live process {owner}" if owner is not None else "another process"
+                raise ArenaError(f"arena {path} is in use by {who}: stop it or choose another name") from None
+            logger.warning("reclaiming arena %s left by dead process %s", path, owner)
+            _unlink(path)
+        except FileNotFoundError:
+            raise ArenaError(f"shared-memory directory {path.parent} does not exist (tiers.shm_dir)") from None
+    raise AssertionError("unreachable")
+
+
+def _owner_pid(path: Path) -> int | None:
+    try:
+        with path.open("rb") as fh:
+            raw = fh.read(_HEADER.size)
+    except OSError:
+        return None
+    if len(raw) < _HEADER.size or raw[:8] != MAGIC:
+        return None
+    return int(_HEADER.unpack(raw)[3])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
