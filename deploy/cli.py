@@ -19,6 +19,7 @@ from kvstore.errors import KVStoreError
 COMMAND_MODULES: tuple[str, ...] = (
     "deploy.events_cli",
     "benchmarks.pool_bench",
+    "benchmarks.ttft_bench",
 )
 
 
