@@ -18,6 +18,8 @@ from kvstore.errors import KVStoreError
 
 COMMAND_MODULES: tuple[str, ...] = (
     "deploy.events_cli",
+    "deploy.worker_http",
+    "router.cli",
     "benchmarks.pool_bench",
     "benchmarks.ttft_bench",
 )

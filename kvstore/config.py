@@ -149,6 +149,24 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """Hashes remembered by the admission filter (LRU) while they wait for their N-th spill."""
 
 
+class ExternalReplica(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One replica the router does not manage: a vLLM server or ``kvstore worker``."""
+
+    name: str
+    url: str
+    """Base URL of its OpenAI-compatible API, e.g. ``http://10.0.0.5:8000``."""
+    events: str
+    """Its KV events PUB endpoint, e.g. ``tcp://10.0.0.5:5557``."""
+    replay: str | None = None
+    """Its replay ROUTER endpoint (gap recovery); None = no recovery beyond the live stream."""
+    node: str | None = None
+    """Node it runs on (tier streams of that node count for it)."""
+    rekey: bool = False
+    """True when it hashes differently (another algorithm or seed): re-key from token ids."""
+    model: str | None = None
+    """``model`` to send it; None = forward the client's."""
+
+
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The cache-aware router (owned by the router package).
 
@@ -179,6 +197,28 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Cost of a full KV pool (usage 1.0), in tokens; scales linearly with usage."""
     temperature: Annotated[float, Meta(ge=0.0)] = 0.0
     """0 picks the lowest cost (ties at random); > 0 samples a softmax over normalised costs."""
+    model_name: str = "kvstore-toy"
+    """Reported as ``model`` in completions when the request names none."""
+    tokenizer: str = ""
+    """Path to a ``tokenizer.json`` for text prompts; empty = byte-level (our workers' model)."""
+    vocab_size: NonNegativeInt = 0
+    """Token ids must be below this; 0 = ask the replicas (Ray workers) or no check beyond >= 0."""
+    max_context: NonNegativeInt = 0
+    """Prompt + max_tokens limit; 0 = ask the replicas (Ray workers)."""
+    api_key: str = ""
+    """When set, every route but /healthz needs ``Authorization: Bearer <api_key>``."""
+    max_body_bytes: PositiveInt = 4 << 20
+    """Larger request bodies get 413."""
+    health_interval_s: Annotated[float, Meta(gt=0.0)] = 1.0
+    """How often each replica's load/health is polled."""
+    unhealthy_after: PositiveInt = 2
+    """Consecutive failed polls before a replica stops being routed to (a failed request is enough)."""
+    sync_timeout_s: Annotated[float, Meta(gt=0.0)] = 2.0
+    """Deadline of one replay or snapshot request to a producer."""
+    request_timeout_s: Annotated[float, Meta(gt=0.0)] = 300.0
+    """Deadline of one completion on a replica."""
+    replicas: list[ExternalReplica] = msgspec.field(default_factory=list)
+    """External OpenAI-compatible replicas (``kvstore router``); ``kvstore serve`` places its own."""
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -55,8 +55,8 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "stop", "presence_penalty", "frequen
 
 
 class ModelLimits(NamedTuple):
-    vocab_size: int
-    max_context: int
+    vocab_size: int | None  # None: unknown here, the replica checks
+    max_context: int | None
 
 
 class ParsedPrompt(NamedTuple):
@@ -108,11 +108,13 @@ def validate(req: CompletionRequest, token_ids: list[int], limits: ModelLimits) 
         raise ApiError(400, f"max_tokens must be >= 1, got {req.max_tokens}", param="max_tokens")
     if not token_ids:
         raise ApiError(400, "prompt must not be empty", param="prompt")
-    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
+    upper = limits.vocab_size
+    bad = next((t for t in token_ids if t < 0 or (upper is not None and t >= upper)), None)
     if bad is not None:
-        raise ApiError(400, f"token id {bad} is out of range [0, {limits.vocab_size})", param="prompt")
+        bound = "" if upper is None else f", {upper})"
+        raise ApiError(400, f"token id {bad} is out of range [0{bound or ', ...)'}", param="prompt")
     total = len(token_ids) + req.max_tokens
-    if total > limits.max_context:
+    if limits.max_context is not None and total > limits.max_context:
         raise ApiError(
             400,
             f"prompt ({len(token_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} exceeds the model's "

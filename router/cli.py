@@ -1,0 +1,66 @@
+"""``kvstore router``: the router alone, in front of external OpenAI-compatible replicas.
+
+For a vLLM fleet (or ``kvstore worker`` processes) with no Ray: the config's
+``[[router.replicas]]`` lists each replica's URL and KV event endpoints. A
+replica that hashes differently (another algorithm or seed) sets
+``rekey = true`` and is re-keyed from the token ids in its events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import uvicorn
+
+from kvstore.config import Config, load_config
+from kvstore.errors import ConfigError
+from router.app import create_app
+from router.backends import HttpBackend
+from router.protocol import ModelLimits
+from router.service import ProducerSpec, ReplicaSpec, RouterService
+from router.tokenizer import load_tokenizer
+
+
+def build_router(config: Config) -> RouterService:
+    """A RouterService over the configured external replicas (not started)."""
+    replicas = config.router.replicas
+    if not replicas:
+        raise ConfigError(
+            "router.replicas is empty: add a [[router.replicas]] table per replica with name, url and events"
+        )
+    names = [r.name for r in replicas]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"router.replicas: names must be unique, got {names}")
+    for r in replicas:
+        if not r.url.startswith(("http://", "https://")):
+            raise ConfigError(f"router.replicas[{r.name}].url must start with http:// or https://, got {r.url!r}")
+        for field, value in (("events", r.events), ("replay", r.replay)):
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"router.replicas[{r.name}].{field} must be a tcp:// or ipc:// endpoint")
+    limits = ModelLimits(config.router.vocab_size or None, config.router.max_context or None)
+    service = RouterService(config, load_tokenizer(config.router.tokenizer), limits)
+    for r in replicas:
+        backend = HttpBackend(r.name, r.url, model=r.model, timeout_s=config.router.request_timeout_s)
+        events = ProducerSpec(f"{r.name}/events", r.events, r.replay, rekey=r.rekey)
+        service.add_replica(ReplicaSpec(r.name, r.node, backend, events))
+    return service
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, overrides=args.set)
+    service = build_router(config)
+    host = args.host or config.router.host
+    port = args.port if args.port is not None else config.router.port
+    print(f"kvstore router: http://{host}:{port}  ({len(config.router.replicas)} replicas)", file=sys.stderr)
+    uvicorn.run(create_app(service), host=host, port=port, log_level="warning")
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("router", help="the router alone, for external vLLM / kvstore worker replicas")
+    p.add_argument("--config", required=True, help="TOML config with [[router.replicas]]")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
+    p.add_argument("--host", default=None, help="bind address (default router.host)")
+    p.add_argument("--port", type=int, default=None, help="port (default router.port)")
+    p.set_defaults(func=run)

@@ -1,0 +1,384 @@
+"""The router service: replicas, their event streams, routing and dispatch.
+
+State
+-----
+- ``_replicas``: name -> :class:`_Replica` (backend, node, health, load as
+  last polled, requests and prefill tokens this router has in flight there).
+- ``index``: the prefix index, fed by one :class:`EventListener` thread that
+  subscribes to every producer (replica GPU streams, node tier streams).
+
+Invariants
+----------
+- Only healthy replicas are candidates. A replica is marked unhealthy when a
+  dispatch fails with ReplicaUnavailable or ``unhealthy_after`` consecutive
+  load polls fail; its producers are then dropped from the index (its blocks
+  vanish from routing within one health interval) and re-subscribed -- a
+  fresh replay/snapshot -- when it answers again.
+- A request is retried at most once, on another replica, and only when the
+  first failed before returning anything.
+
+Thread model: HTTP handlers and the health task run on one asyncio loop;
+the listener thread writes the index, which is internally locked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvstore.config import Config
+from kvstore.hashing import BlockHasher, to_external
+from kvstore.metrics import EventStreamCollector
+from kvstore.subscriber import EventListener
+from router.backends import ReplicaBackend, ReplicaLoad, ReplicaRejected, ReplicaResult, ReplicaUnavailable
+from router.index import MediumCounts, PrefixIndex
+from router.protocol import ApiError, ModelLimits, ParsedPrompt
+from router.scoring import Decision, ReplicaState, Scorer
+from router.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class ProducerSpec(NamedTuple):
+    """One KV event stream; ``rekey`` when it hashes differently from us (e.g. a vLLM fleet)."""
+
+    name: str
+    endpoint: str
+    replay_endpoint: str | None
+    rekey: bool = False
+    topic: str = ""
+
+
+class ReplicaSpec(NamedTuple):
+    """A replica: where to send requests, and the stream of its own (GPU) cache."""
+
+    name: str
+    node: str | None
+    backend: ReplicaBackend
+    events: ProducerSpec
+
+
+class _Replica:
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.spec = spec
+        self.healthy = True
+        self.failed_polls = 0
+        self.load = ReplicaLoad(0, 0, 0.0)
+        self.inflight = 0
+        self.inflight_prefill_tokens = 0
+        self.last_ok = time.monotonic()
+
+
+class RouteResult(NamedTuple):
+    decision: Decision
+    matched: dict[str, MediumCounts]  # per candidate: leading blocks it holds, by medium
+    prompt_blocks: int  # blocks of the prompt, a trailing partial one included
+    route_s: float
+
+
+_NO_MATCH = MediumCounts(0, 0, 0)
+
+
+def medium_dict(counts: MediumCounts) -> dict[str, int]:
+    return {"GPU": counts.gpu, "CPU": counts.cpu, "STORAGE": counts.storage}
+
+
+class RouterService:
+    """Routes prompts to replicas by cached prefix and load, and proxies completions."""
+
+    def __init__(
+        self,
+        config: Config,
+        tokenizer: Tokenizer,
+        limits: ModelLimits,
+        *,
+        registry: CollectorRegistry | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.hasher = BlockHasher.from_config(config.cache)
+        self.index = PrefixIndex(config.cache)
+        self.scorer = Scorer(config.router, config.cache.block_size)
+        self.listener = EventListener(self.index, sync_timeout_s=config.router.sync_timeout_s)
+        self._replicas: dict[str, _Replica] = {}
+        self._tier_producers: dict[str, ProducerSpec] = {}
+        self._rng = random.Random(seed)
+        self._health_task: asyncio.Task[None] | None = None
+        self.registry = registry or CollectorRegistry()
+        self._decisions = Counter("kvstore_router_decisions", "Routing decisions.", ["replica"], registry=self.registry)
+        self._route_seconds = Histogram(
+            "kvstore_router_route_seconds",
+            "Time to choose a replica (hash + lookup + score).",
+            registry=self.registry,
+            buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1),
+        )
+        self._requests = Counter(
+            "kvstore_router_requests", "Completion requests by outcome.", ["outcome"], registry=self.registry
+        )
+        self._retries = Counter(
+            "kvstore_router_retries", "Requests retried on another replica.", registry=self.registry
+        )
+        self._cached_tokens = Counter(
+            "kvstore_router_cached_tokens", "Prompt tokens served from cache, by medium.", ["medium"],
+            registry=self.registry,
+        )  # fmt: skip
+        self._healthy = Gauge("kvstore_router_healthy_replicas", "Replicas routed to.", registry=self.registry)
+        self._healthy.set_function(lambda: sum(r.healthy for r in self._replicas.values()))
+        self.registry.register(EventStreamCollector(self.listener))
+
+    # --------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self.listener.start()
+        if self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        self.listener.close()
+        for replica in self._replicas.values():
+            await replica.spec.backend.close()
+
+    # ---------------------------------------------------------------- registry
+
+    def add_replica(self, spec: ReplicaSpec) -> None:
+        """Register (or replace) a replica and subscribe to its event stream."""
+        if spec.name in self._replicas:
+            self.remove_replica(spec.name)
+        self._replicas[spec.name] = _Replica(spec)
+        self.index.add_producer(spec.events.name, "gpu", [spec.name], spec.node, rekey=spec.events.rekey)
+        self._listen(spec.events)
+
+    def remove_replica(self, name: str) -> None:
+        """Forget a replica and its blocks (its producer's registration removes the replica from the index)."""
+        replica = self._replicas.pop(name, None)
+        if replica is None:
+            return
+        self.listener.remove_producer(replica.spec.events.name)
+        self.index.remove_producer(replica.spec.events.name)
+
+    def add_tier_producer(self, node: str, producer: ProducerSpec, *, shared_storage: bool = False) -> None:
+        """A node tier's stream: its blocks count for every replica of ``node``.
+
+        With ``shared_storage`` its STORAGE blocks count for every replica of the cluster.
+        """
+        self._tier_producers[producer.name] = producer
+        self.index.add_producer(producer.name, "tier", node=node, shared_storage=shared_storage, rekey=producer.rekey)
+        self._listen(producer)
+
+    def remove_tier_producer(self, name: str) -> None:
+        if self._tier_producers.pop(name, None) is not None:
+            self.listener.remove_producer(name)
+            self.index.remove_producer(name)
+
+    def replica_names(self) -> list[str]:
+        return list(self._replicas)
+
+    def _listen(self, producer: ProducerSpec) -> None:
+        self.listener.add_producer(producer.name, producer.endpoint, producer.replay_endpoint, topic=producer.topic)
+
+    # ----------------------------------------------------------------- routing
+
+    def route(self, prompt: ParsedPrompt) -> RouteResult:
+        """Choose a replica for the prompt. Raises ApiError(503) when none is healthy."""
+        start = time.perf_counter()
+        candidates = [r for r in self._replicas.values() if r.healthy]
+        if not candidates:
+            raise ApiError(503, "no healthy replica is available; retry later")
+        hashes = self.hasher.hash_blocks(prompt.token_ids, lora_name=prompt.lora_name, cache_salt=prompt.cache_salt)
+        matches = self.index.lookup([to_external(h) for h in hashes])
+        states = {
+            r.spec.name: ReplicaState(
+                outstanding_tokens=float(r.inflight_prefill_tokens),
+                running_requests=max(r.load.running, r.inflight),
+                waiting_requests=r.load.waiting,
+                kv_usage=r.load.kv_usage,
+            )
+            for r in candidates
+        }
+        num_blocks = -(-len(prompt.token_ids) // self.hasher.block_size)
+        decision = self.scorer.choose(states, matches, num_blocks, self._rng)
+        elapsed = time.perf_counter() - start
+        self._route_seconds.observe(elapsed)
+        self._decisions.labels(decision.replica).inc()
+        matched = {name: matches.get(name, _NO_MATCH) for name in states}
+        return RouteResult(decision, matched, num_blocks, elapsed)
+
+    async def complete(self, prompt: ParsedPrompt) -> dict[str, Any]:
+        """Route, dispatch (retrying once elsewhere on ReplicaUnavailable) and build the OpenAI response."""
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        routed = self.route(prompt)
+        tried: list[str] = []
+        target = routed.decision.replica
+        while True:
+            tried.append(target)
+            try:
+                result = await self._dispatch(target, prompt, request_id, routed)
+                break
+            except ReplicaRejected as exc:
+                self._requests.labels("rejected").inc()
+                raise ApiError(400, str(exc)) from None
+            except ReplicaUnavailable as exc:
+                logger.warning("replica %s failed request %s: %s", target, request_id, exc)
+                self._mark_unhealthy(target)
+                retry = self._retry_target(prompt, tried)
+                if retry is None or len(tried) >= 2:
+                    self._requests.labels("failed").inc()
+                    raise ApiError(503, f"replica {target} failed and no other replica could serve: {exc}") from None
+                self._retries.inc()
+                target = retry
+        self._requests.labels("ok").inc()
+        for medium, tokens in result.cached_tokens_by_medium.items():
+            self._cached_tokens.labels(medium).inc(tokens)
+        return self._response(request_id, prompt, target, routed, result, retried=len(tried) > 1)
+
+    def _retry_target(self, prompt: ParsedPrompt, tried: Sequence[str]) -> str | None:
+        healthy = [n for n, r in self._replicas.items() if r.healthy and n not in tried]
+        if not healthy:
+            return None
+        try:
+            decision = self.route(prompt).decision
+        except ApiError:
+            return None
+        return decision.replica if decision.replica in healthy else healthy[0]
+
+    async def _dispatch(self, name: str, prompt: ParsedPrompt, request_id: str, routed: RouteResult) -> ReplicaResult:
+        replica = self._replicas.get(name)
+        if replica is None:
+            raise ReplicaUnavailable(f"{name} was removed")
+        matched = routed.matched.get(name, _NO_MATCH)
+        cached_guess = min(matched.total * self.hasher.block_size, len(prompt.token_ids) - 1)
+        prefill = max(0, len(prompt.token_ids) - cached_guess)
+        replica.inflight += 1
+        replica.inflight_prefill_tokens += prefill
+        try:
+            return await replica.spec.backend.generate(
+                prompt.token_ids,
+                prompt.max_tokens,
+                request_id=request_id,
+                cache_salt=prompt.cache_salt,
+                lora_name=prompt.lora_name,
+            )
+        finally:
+            replica.inflight -= 1
+            replica.inflight_prefill_tokens -= prefill
+
+    def _response(
+        self,
+        request_id: str,
+        prompt: ParsedPrompt,
+        replica: str,
+        routed: RouteResult,
+        result: ReplicaResult,
+        *,
+        retried: bool,
+    ) -> dict[str, Any]:
+        output_ids = result.output_token_ids or []
+        text = result.text if result.text is not None else self.tokenizer.decode(output_ids)
+        completion_tokens = len(output_ids) if result.output_token_ids is not None else None
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
+        if result.output_token_ids is not None:
+            choice["token_ids"] = output_ids
+        usage: dict[str, Any] = {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": completion_tokens if completion_tokens is not None else 0,
+            "total_tokens": result.prompt_tokens + (completion_tokens or 0),
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        }
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": prompt.model or self.config.router.model_name,
+            "choices": [choice],
+            "usage": usage,
+            "kvstore": {
+                "replica": replica,
+                "retried": retried,
+                "cached_tokens": result.cached_tokens_by_medium,
+                "predicted_cached_blocks": medium_dict(routed.matched.get(replica, _NO_MATCH)),
+                "prompt_blocks": routed.prompt_blocks,
+                "queue_s": result.queue_s,
+                "ttft_s": result.ttft_s,
+                "total_s": result.total_s,
+                "route_s": routed.route_s,
+            },
+        }
+
+    # ------------------------------------------------------------------ health
+
+    def _mark_unhealthy(self, name: str) -> None:
+        replica = self._replicas.get(name)
+        if replica is None or not replica.healthy:
+            return
+        replica.healthy = False
+        logger.warning("replica %s marked unhealthy; dropping its blocks from the index", name)
+        self.listener.remove_producer(replica.spec.events.name)
+        self.index.reset_producer(replica.spec.events.name)
+
+    def _mark_healthy(self, name: str) -> None:
+        replica = self._replicas.get(name)
+        if replica is None or replica.healthy:
+            return
+        replica.healthy = True
+        logger.info("replica %s is healthy again; resubscribing", name)
+        self._listen(replica.spec.events)
+
+    async def poll_health(self) -> None:
+        """Poll every replica's load once; update health."""
+        replicas = list(self._replicas.items())
+        results = await asyncio.gather(*(r.spec.backend.load() for _, r in replicas), return_exceptions=True)
+        for (name, replica), result in zip(replicas, results, strict=True):
+            if isinstance(result, ReplicaLoad):
+                replica.load = result
+                replica.failed_polls = 0
+                replica.last_ok = time.monotonic()
+                self._mark_healthy(name)
+            else:
+                replica.failed_polls += 1
+                if replica.failed_polls >= self.config.router.unhealthy_after:
+                    self._mark_unhealthy(name)
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.poll_health()
+            except Exception:
+                logger.exception("health poll failed")
+            await asyncio.sleep(self.config.router.health_interval_s)
+
+    def workers(self) -> list[dict[str, Any]]:
+        health = {h.producer: h for h in self.listener.health()}
+        out = []
+        for name, r in self._replicas.items():
+            out.append(
+                {
+                    "name": name,
+                    "node": r.spec.node,
+                    "healthy": r.healthy,
+                    "running": r.load.running,
+                    "waiting": r.load.waiting,
+                    "kv_usage": r.load.kv_usage,
+                    "inflight": r.inflight,
+                    "inflight_prefill_tokens": r.inflight_prefill_tokens,
+                    "events": health[r.spec.events.name]._asdict() if r.spec.events.name in health else None,
+                }
+            )
+        return out
+
+    def healthy_count(self) -> int:
+        return sum(r.healthy for r in self._replicas.values())

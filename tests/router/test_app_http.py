@@ -1,0 +1,227 @@
+"""The router's HTTP front end to end, over a plain-HTTP fleet (no Ray).
+
+Two real replicas -- each a KVWorker (real model, real paged pool) behind the
+OpenAI-compatible front of ``kvstore worker``, publishing real KV events on
+ZeroMQ -- and the router app built by ``kvstore router``'s own code, all on
+127.0.0.1 with free ports. This is the deployment of a vLLM fleet behind
+``kvstore router``, with our workers standing in for vLLM.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from deploy.worker_http import create_worker_app
+from kvstore.config import Config, ExternalReplica, config_from_dict
+from kvstore.hashing import to_external
+from router.app import create_app
+from router.cli import build_router
+from tests.http_servers import ServerThread
+from workers.worker import KVWorker
+
+BLOCK = 16
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def base_config(**router: Any) -> Config:
+    return config_from_dict(
+        {
+            "cache": {"block_size": BLOCK},
+            "pool": {"num_blocks": 256},
+            "worker": {"device": "cpu", "max_context": 1024},
+            "router": {"health_interval_s": 0.2, "unhealthy_after": 1, **router},
+        }
+    )
+
+
+class Fleet:
+    def __init__(self, names: list[str], **router: Any) -> None:
+        config = base_config()
+        self.workers = {name: KVWorker(name, config) for name in names}
+        self.servers = {name: ServerThread(create_worker_app(w)).start() for name, w in self.workers.items()}
+        replicas = []
+        for name, worker in self.workers.items():
+            ep = worker.event_endpoints()
+            replicas.append(
+                msgspec.to_builtins(
+                    ExternalReplica(
+                        name=name, url=self.servers[name].url, events=ep.endpoint, replay=ep.replay_endpoint
+                    )
+                )
+            )
+        router_section = {**msgspec.to_builtins(config.router), "replicas": replicas, **router}
+        router_config = config_from_dict({**msgspec.to_builtins(config), "router": router_section})
+        self.service = build_router(router_config)
+        self.router = ServerThread(create_app(self.service)).start()
+        self.client = httpx.Client(base_url=self.router.url, timeout=60)
+
+    def kill(self, name: str) -> None:
+        self.servers[name].stop()
+        self.workers[name].shutdown()
+
+    def close(self) -> None:
+        self.client.close()
+        self.router.stop()
+        for name, server in self.servers.items():
+            server.stop()
+            self.workers[name].shutdown()
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    f = Fleet(["a", "b"], vocab_size=512, max_context=1024)
+    yield f
+    f.close()
+
+
+def complete(fleet: Fleet, prompt: Any, **extra: Any) -> httpx.Response:
+    return fleet.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, **extra})
+
+
+def test_shared_prefix_is_routed_to_the_replica_that_cached_it(fleet: Fleet) -> None:
+    rng = random.Random(7)
+    prefix = [rng.randrange(512) for _ in range(10 * BLOCK)]
+    first = complete(fleet, [*prefix, *(rng.randrange(512) for _ in range(20))])
+    assert first.status_code == 200, first.text
+    body = first.json()
+    owner = body["kvstore"]["replica"]
+    assert body["usage"]["prompt_tokens"] == 10 * BLOCK + 20
+    assert len(body["choices"][0]["token_ids"]) == 4
+
+    # The router learns of the stored blocks from the owner's event stream.
+    probe = {"prompt": [*prefix, 1, 2, 3], "max_tokens": 4}
+    assert wait_for(lambda: fleet.client.post("/route", json=probe).json()["matched_blocks"][owner]["GPU"] >= 10)
+    decision = fleet.client.post("/route", json=probe).json()
+    assert decision["replica"] == owner
+    assert set(decision["scores"]) == {"a", "b"}
+    assert decision["scores"][owner] < min(v for k, v in decision["scores"].items() if k != owner)
+
+    second = complete(fleet, [*prefix, 9, 9, 9, 9, 9])
+    assert second.status_code == 200, second.text
+    body = second.json()
+    assert body["kvstore"]["replica"] == owner
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 10 * BLOCK
+    assert body["kvstore"]["cached_tokens"]["GPU"] == 10 * BLOCK
+
+
+def test_text_prompts_use_the_byte_tokenizer(fleet: Fleet) -> None:
+    response = complete(fleet, "hello, kvstore")
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(b"hello, kvstore")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"prompt": "", "max_tokens": 4}, "prompt", "must not be empty"),
+        ({"prompt": [], "max_tokens": 4}, "prompt", "must not be empty"),
+        ({"prompt": [1, 600], "max_tokens": 4}, "prompt", "out of range"),
+        ({"prompt": [1, -3], "max_tokens": 4}, "prompt", "out of range"),
+        ({"prompt": [1] * 1020, "max_tokens": 8}, "prompt", "exceeds the model's context"),
+        ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "must be >= 1"),
+        ({"prompt": [1, 2], "max_tokens": -5}, "max_tokens", "must be >= 1"),
+        ({"prompt": [1, 2], "max_tokens": "many"}, "max_tokens", "Expected `int`"),
+        ({"prompt": 42, "max_tokens": 4}, "prompt", "Expected `str | array`"),
+        ({"prompt": [1, "x"], "max_tokens": 4}, "prompt", "list of integer token ids"),
+        ({"prompt": [[1, 2], [3]], "max_tokens": 4}, "prompt", "batched prompts"),
+        ({"prompt": [1, 2], "max_tokens": 4, "stream": True}, "stream", "not supported"),
+        ({"prompt": [1, 2], "max_tokens": 4, "bogus": 1}, None, "unknown field `bogus`"),
+        ({"max_tokens": 4}, None, "missing required field `prompt`"),
+    ],
+)
+def test_bad_input_gets_400_with_a_message(
+    fleet: Fleet, body: dict[str, Any], param: str | None, fragment: str
+) -> None:
+    for path in ("/v1/completions", "/route"):
+        response = fleet.client.post(path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert fragment in error["message"], error
+        assert error["type"] == "invalid_request_error"
+        if param is not None:
+            assert error["param"] == param
+
+
+def test_without_configured_limits_the_replica_rejects_and_its_message_is_returned() -> None:
+    fleet = Fleet(["solo"])  # router.vocab_size / max_context unset: the router cannot check ids
+    try:
+        response = complete(fleet, [1, 600])
+        assert response.status_code == 400
+        assert "600" in response.json()["error"]["message"]
+        assert complete(fleet, [1, 2]).status_code == 200  # the replica keeps serving
+    finally:
+        fleet.close()
+
+
+def test_malformed_and_oversized_bodies(fleet: Fleet) -> None:
+    response = fleet.client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["error"]["message"]
+    response = fleet.client.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "JSON object" in response.json()["error"]["message"]
+    huge = b'{"prompt": "' + b"x" * (5 << 20) + b'"}'
+    response = fleet.client.post("/v1/completions", content=huge, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert "larger than" in response.json()["error"]["message"]
+
+
+def test_observability_endpoints(fleet: Fleet) -> None:
+    assert complete(fleet, [5] * 40).status_code == 200
+    health = fleet.client.get("/healthz")
+    assert health.status_code == 200 and health.json()["healthy_replicas"] == 2
+    workers = {w["name"]: w for w in fleet.client.get("/workers").json()["workers"]}
+    assert set(workers) == {"a", "b"} and all(w["healthy"] for w in workers.values())
+    assert all(w["events"] is not None and w["events"]["decode_errors"] == 0 for w in workers.values())
+    text = fleet.client.get("/metrics").text
+    for name in (
+        "kvstore_router_decisions_total",
+        "kvstore_router_route_seconds_bucket",
+        "kvstore_router_events_total",
+        "kvstore_router_event_gaps_total",
+        "kvstore_router_decode_errors_total",
+        "kvstore_router_requests_total",
+        "kvstore_router_cached_tokens_total",
+    ):
+        assert name in text, name
+
+
+def test_a_dead_replica_is_routed_around_and_dropped_from_the_index() -> None:
+    fleet = Fleet(["x", "y"])
+    try:
+        rng = random.Random(11)
+        prefix = [rng.randrange(512) for _ in range(8 * BLOCK)]
+        owner = complete(fleet, [*prefix, 1, 2, 3]).json()["kvstore"]["replica"]
+        other = "y" if owner == "x" else "x"
+        probe = {"prompt": [*prefix, 4], "max_tokens": 2}
+        assert wait_for(lambda: fleet.client.post("/route", json=probe).json()["replica"] == owner)
+        hashes = [to_external(h) for h in fleet.service.hasher.hash_blocks(prefix)]
+        assert fleet.service.index.lookup(hashes)[owner].gpu == 8
+
+        fleet.kill(owner)
+        # The next request for that prefix would go to the dead owner: it must be served by the other.
+        response = complete(fleet, [*prefix, 4, 5])
+        assert response.status_code == 200, response.text
+        assert response.json()["kvstore"]["replica"] == other
+        # Within seconds the owner is out of routing and its blocks are out of the index.
+        assert wait_for(lambda: fleet.client.get("/healthz").json()["healthy_replicas"] == 1, timeout=5)
+        decision = fleet.client.post("/route", json=probe).json()
+        assert decision["replica"] == other and set(decision["scores"]) == {other}
+        assert owner not in fleet.service.index.lookup(hashes), "a dead replica's blocks must leave the index"
+    finally:
+        fleet.close()
