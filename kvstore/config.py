@@ -187,8 +187,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Share saved by a disk-tier hit (read from disk, then copied to the GPU)."""
     prefill_weight: Annotated[float, Meta(ge=0.0)] = 1.0
     """Cost per token the chosen replica would have to prefill."""
-    outstanding_weight: Annotated[float, Meta(ge=0.0)] = 1.0
-    """Cost per token of work already queued or running on the replica."""
+    outstanding_weight: Annotated[float, Meta(ge=0.0)] = 0.5
+    """Cost per token of work already queued or running on the replica. Below 1 a replica
+    holding the prefix keeps a request even if that costs it some queueing: measured with
+    ``kvstore simulate`` on the Mooncake conversation trace (docs/router.md)."""
     running_weight: Annotated[float, Meta(ge=0.0)] = 0.0
     """Cost per running request, in tokens."""
     waiting_weight: Annotated[float, Meta(ge=0.0)] = 0.0
