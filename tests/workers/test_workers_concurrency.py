@@ -43,7 +43,8 @@ def test_32_concurrent_requests_with_shared_prefixes_all_complete(
     assert_all_blocks_free_or_cached(worker)
     assert worker.block_pool.num_cached_blocks > 0
     assert metric(worker, "kvstore_requests_total") == 32  # the first sample: outcome="finished"
-    assert metric(worker, "kvstore_prefix_cache_hits_total") == sum(r.cached_tokens for r in results)
+    # >=: a request whose admission is retried is looked up (and counted) again.
+    assert metric(worker, "kvstore_prefix_cache_hits_total") >= sum(r.cached_tokens for r in results)
 
 
 def test_preempted_requests_return_the_uncontended_output(make_worker: WorkerFactory, reference: Reference) -> None:
