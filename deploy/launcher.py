@@ -57,11 +57,19 @@ def default_num_workers(config: Config) -> int:
     return max(1, min(8, int(resources.get("CPU", os.cpu_count() or 2)) // 2))
 
 
+class PlacedTier(NamedTuple):
+    node: str
+    handle: Any
+    endpoint: str
+    replay_endpoint: str
+
+
 class Deployment:
-    """A running deployment: workers, the router service, and whether we own Ray."""
+    """A running deployment: tiers, workers, the router service, and whether we own Ray."""
 
     def __init__(self, config: Config, workers: list[PlacedWorker], service: RouterService, owns_ray: bool) -> None:
         self.config = config
+        self.tiers: list[PlacedTier] = []
         self.workers = workers
         self.service = service
         self.owns_ray = owns_ray

@@ -1,0 +1,79 @@
+"""``kvstore serve``: the whole service, on an embedded local Ray or on a Ray cluster.
+
+Starts the deployment (:mod:`deploy.launcher`), binds the router's HTTP
+socket itself (so ``--port 0`` works and the printed URL is the real one),
+prints the URLs and a curl line to try, and serves until SIGINT/SIGTERM;
+then it stops the HTTP server, kills the actors and, when it started Ray,
+shuts Ray down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+
+import uvicorn
+
+from deploy.launcher import launch
+from kvstore.config import load_config
+from kvstore.errors import ConfigError
+from router.app import create_app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot bind the router to {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = list(args.set)
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ConfigError("--workers must be >= 1")
+        overrides.append(f"worker.num_workers={args.workers}")
+    config = load_config(args.config, overrides=overrides)
+    host = args.host or config.router.host
+    port = config.router.port if args.port is None else args.port
+    sock = _bind(host, port)
+    deployment = launch(config, address=args.address)
+    try:
+        bound_port = sock.getsockname()[1]
+        url = f"http://{host}:{bound_port}"
+        print(f"kvstore is serving {len(deployment.workers)} workers at {url}", flush=True)
+        print(f"  completions: {url}/v1/completions   route: {url}/route", flush=True)
+        print(f"  workers:     {url}/workers   health: {url}/healthz   metrics: {url}/metrics", flush=True)
+        for worker in deployment.workers:
+            print(f"  events {worker.name}: {worker.endpoint} (replay {worker.replay_endpoint})", flush=True)
+        for tier in deployment.tiers:
+            print(f"  events tier {tier.node}: {tier.endpoint} (replay {tier.replay_endpoint})", flush=True)
+        example = json.dumps({"prompt": "The KV cache makes the second request faster.", "max_tokens": 8})
+        print(f"  try: curl -s {url}/v1/completions -H 'content-type: application/json' -d '{example}'", flush=True)
+        server = uvicorn.Server(uvicorn.Config(create_app(deployment.service), log_level="warning", lifespan="on"))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        deployment.stop()
+        print("kvstore stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("serve", help="run workers, tiers and the router on Ray (embedded by default)")
+    p.add_argument("--address", default=None, help="Ray cluster address ('auto' to join); default: embedded Ray")
+    p.add_argument("--config", default=None, help="TOML config file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
+    p.add_argument("--workers", type=int, default=None, help="KV workers to start (default: sized to the cluster)")
+    p.add_argument("--host", default=None, help="router bind address (default router.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="router port (default router.port, 8000; 0 = any free)")
+    p.set_defaults(func=run)
