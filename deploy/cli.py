@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "deploy.events_cli",
     "deploy.worker_http",
     "router.cli",
+    "router.simulate",
     "deploy.serve_cli",
     "benchmarks.pool_bench",
     "benchmarks.ttft_bench",

@@ -567,16 +567,17 @@ class PrefixIndex:
                     node = (parent, 0, bit, 0, None)
                 else:
                     node = (parent, 0, 0, bit, None)
-                if parent_node is not None:
-                    up, gpu, cpu, storage, kids = parent_node
-                    if kids is None:
-                        nodes[parent] = (up, gpu, cpu, storage, block_hash)
-                    elif type(kids) is int:
-                        nodes[parent] = (up, gpu, cpu, storage, {kids, block_hash})
+                if parent is not None:
+                    if parent_node is None:
+                        orphans.setdefault(parent, set()).add(block_hash)
                     else:
-                        kids.add(block_hash)
-                elif parent is not None:
-                    orphans.setdefault(parent, set()).add(block_hash)
+                        up, gpu, cpu, storage, kids = parent_node
+                        if kids is None:
+                            nodes[parent] = (up, gpu, cpu, storage, block_hash)
+                        elif type(kids) is int:
+                            nodes[parent] = (up, gpu, cpu, storage, {kids, block_hash})
+                        else:
+                            kids.add(block_hash)
                 if orphans:
                     adopted = orphans.pop(block_hash, None)
                     if adopted is not None:

@@ -129,5 +129,5 @@ class TraceExpander:
             if with_tokens:
                 tokens.extend(range(first, first + size))
             parent = digest
-        external = [to_external(d) for d in digests]
+        external: list[int] = [to_external(d) for d in digests]
         return ExpandedRequest(digests, external, tokens)
