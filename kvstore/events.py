@@ -20,7 +20,7 @@ The decoder is strict where it must be and lenient where vLLM has been:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
@@ -32,6 +32,10 @@ MEDIUM_STORAGE = "STORAGE"
 MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
 
 _LOW_64 = (1 << 64) - 1
+
+WireHash = Annotated[int, msgspec.Meta(ge=0)]
+"""A block hash on the wire: an unsigned 64-bit int. msgpack cannot carry more than 2**64 - 1,
+so rejecting negatives is all the decoder must add (msgspec cannot bound ints past int64)."""
 
 
 class _Event(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -46,8 +50,8 @@ class BlockStored(_Event):
     is the hash of the block before the first listed one (None at the root).
     """
 
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[WireHash]
+    parent_block_hash: WireHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -65,7 +69,7 @@ class BlockStored(_Event):
 class BlockRemoved(_Event):
     """These blocks are no longer cached on ``medium``."""
 
-    block_hashes: list[int]
+    block_hashes: list[WireHash]
     medium: str | None
     group_idx: int | None = None
     locality: str | None = None
