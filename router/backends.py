@@ -42,6 +42,11 @@ class ReplicaLoad(NamedTuple):
     kv_usage: float  # 0..1
 
 
+class ReplicaPoll(NamedTuple):
+    load: ReplicaLoad
+    metrics_text: str  # the replica's Prometheus page ("" when it has none)
+
+
 class ReplicaResult(NamedTuple):
     output_token_ids: list[int] | None  # None when the replica returns text only
     text: str | None  # None when the router should detokenise output_token_ids
@@ -70,7 +75,9 @@ class ReplicaBackend(Protocol):
         lora_name: str | None,
     ) -> ReplicaResult: ...
 
-    async def load(self) -> ReplicaLoad: ...
+    async def poll(self) -> ReplicaPoll:
+        """Load and metrics, for the health loop; raises ReplicaUnavailable when it does not answer."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -129,14 +136,17 @@ class RayActorBackend:
             finish_reason="length",
         )
 
-    async def load(self) -> ReplicaLoad:
+    async def poll(self) -> ReplicaPoll:
         import ray.exceptions
 
         try:
-            load = await asyncio.wait_for(self._handle.load.remote(), 5.0)
+            load, text = await asyncio.wait_for(
+                asyncio.gather(self._handle.load.remote(), self._handle.metrics_text.remote()), 5.0
+            )
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise ReplicaUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        return ReplicaLoad(int(load.running), int(load.waiting), float(load.kv_usage))
+        load = ReplicaLoad(int(load.running), int(load.waiting), float(load.kv_usage))
+        return ReplicaPoll(load, text.decode() if isinstance(text, bytes) else str(text))
 
     async def close(self) -> None:
         return None
@@ -206,13 +216,16 @@ class HttpBackend:
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise ReplicaUnavailable(f"{self.name}: malformed completion response: {exc}") from None
 
-    async def load(self) -> ReplicaLoad:
+    async def poll(self) -> ReplicaPoll:
         try:
             response = await self._client.get("/metrics", timeout=5.0)
             response.raise_for_status()
         except httpx.HTTPError as exc:
             raise ReplicaUnavailable(f"{self.name}: metrics unavailable: {exc}") from None
-        return parse_load(response.text)
+        try:
+            return ReplicaPoll(parse_load(response.text), response.text)
+        except ValueError as exc:
+            raise ReplicaUnavailable(f"{self.name}: unparsable metrics page: {exc}") from None
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -38,7 +38,15 @@ from kvstore.config import Config
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.metrics import EventStreamCollector
 from kvstore.subscriber import EventListener
-from router.backends import ReplicaBackend, ReplicaLoad, ReplicaRejected, ReplicaResult, ReplicaUnavailable
+from router.backends import (
+    ReplicaBackend,
+    ReplicaLoad,
+    ReplicaPoll,
+    ReplicaRejected,
+    ReplicaResult,
+    ReplicaUnavailable,
+)
+from router.fleet_metrics import MergedPagesCollector
 from router.index import MediumCounts, PrefixIndex
 from router.protocol import ApiError, ModelLimits, ParsedPrompt
 from router.scoring import Decision, ReplicaState, Scorer
@@ -75,6 +83,7 @@ class _Replica:
         self.inflight = 0
         self.inflight_prefill_tokens = 0
         self.last_ok = time.monotonic()
+        self.metrics_text = ""  # its Prometheus page as of the last poll
 
 
 class RouteResult(NamedTuple):
@@ -135,6 +144,7 @@ class RouterService:
         self._healthy = Gauge("kvstore_router_healthy_replicas", "Replicas routed to.", registry=self.registry)
         self._healthy.set_function(lambda: sum(r.healthy for r in self._replicas.values()))
         self.registry.register(EventStreamCollector(self.listener))
+        self.registry.register(MergedPagesCollector(self._replica_pages))
 
     # --------------------------------------------------------------- lifecycle
 
@@ -341,10 +351,11 @@ class RouterService:
     async def poll_health(self) -> None:
         """Poll every replica's load once; update health."""
         replicas = list(self._replicas.items())
-        results = await asyncio.gather(*(r.spec.backend.load() for _, r in replicas), return_exceptions=True)
+        results = await asyncio.gather(*(r.spec.backend.poll() for _, r in replicas), return_exceptions=True)
         for (name, replica), result in zip(replicas, results, strict=True):
-            if isinstance(result, ReplicaLoad):
-                replica.load = result
+            if isinstance(result, ReplicaPoll):
+                replica.load = result.load
+                replica.metrics_text = result.metrics_text
                 replica.failed_polls = 0
                 replica.last_ok = time.monotonic()
                 self._mark_healthy(name)
@@ -379,6 +390,9 @@ class RouterService:
                 }
             )
         return out
+
+    def _replica_pages(self) -> list[str]:
+        return [r.metrics_text for r in self._replicas.values() if r.healthy and r.metrics_text]
 
     def healthy_count(self) -> int:
         return sum(r.healthy for r in self._replicas.values())

@@ -199,6 +199,14 @@ def test_observability_endpoints(fleet: Fleet) -> None:
         "kvstore_router_cached_tokens_total",
     ):
         assert name in text, name
+    # The replicas' own metrics, merged into the router's page (one HELP/TYPE per family).
+    assert wait_for(lambda: 'kvstore_gpu_cache_usage_perc{replica="b"}' in fleet.client.get("/metrics").text)
+    text = fleet.client.get("/metrics").text
+    for replica in ("a", "b"):
+        for name in ("kvstore_gpu_cache_usage_perc", "kvstore_prefix_cache_queries_total",
+                     "kvstore_prefix_cache_hits_total", "kvstore_preemptions_total"):  # fmt: skip
+            assert f'{name}{{replica="{replica}"}}' in text, (name, replica)
+    assert text.count("# TYPE kvstore_gpu_cache_usage_perc gauge") == 1
 
 
 def test_a_dead_replica_is_routed_around_and_dropped_from_the_index() -> None:
