@@ -52,7 +52,8 @@ def test_gpu_prefixes_per_replica(index: PrefixIndex) -> None:
         "r1": MediumCounts(2, 0, 0),
         "r2": MediumCounts(1, 0, 0),
     }
-    assert index.lookup([1, 9]) == {"r0": MediumCounts(1, 0, 0), "r1": MediumCounts(1, 0, 0), "r2": MediumCounts(2, 0, 0)}
+    one = MediumCounts(1, 0, 0)
+    assert index.lookup([1, 9]) == {"r0": one, "r1": one, "r2": MediumCounts(2, 0, 0)}
     assert index.lookup([7, 1]) == {}
     assert index.lookup([]) == {}
     assert len(index) == 4

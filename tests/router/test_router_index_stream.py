@@ -104,7 +104,10 @@ def wait_converged(index: PrefixIndex, producers: dict[str, Published], timeout_
 def test_random_frame_loss_is_repaired_by_replay(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     index = PrefixIndex(CacheConfig(block_size=BLOCK_SIZE))
     producers = {f"w{i}": Published(seed=10 + i, buffer_batches=100_000) for i in range(2)}
-    forwarders = {name: LossyForwarder(ctx, p.publisher.endpoint, loss=0.1, seed=i) for i, (name, p) in enumerate(producers.items())}  # fmt: skip
+    forwarders = {
+        name: LossyForwarder(ctx, published.publisher.endpoint, loss=0.1, seed=i)
+        for i, (name, published) in enumerate(producers.items())
+    }
     listener = EventListener(index, context=ctx, sync_timeout_s=2.0)
     try:
         for name, p in producers.items():
