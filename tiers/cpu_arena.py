@@ -93,6 +93,7 @@ class CpuArena:
         self._meta: list[BlockMeta | None] = [None] * slots.num_slots
         self._leases = [0] * slots.num_slots
         self._free: deque[int] = deque(range(slots.num_slots))
+        self._num_leased = 0  # slots with at least one lease
         self._writing: dict[int, int] = {}
         self._held: dict[int, Lease] = {}
         self._next_lease = 1
@@ -119,6 +120,11 @@ class CpuArena:
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
+
+    @property
+    def num_leased_slots(self) -> int:
+        """Slots pinned by a lease: the rest are free or evictable."""
+        return self._num_leased
 
     @property
     def used_bytes(self) -> int:
@@ -169,7 +175,7 @@ class CpuArena:
         if lease.kind is not LeaseKind.WRITE:
             raise LeaseError(f"lease {lease_id} is a read lease: release it, only write leases commit")
         del self._held[lease_id]
-        self._leases[lease.slot] -= 1
+        self._unpin(lease.slot)
         del self._writing[lease.meta.block_hash]
         with self._lock:
             self._index[lease.meta.block_hash] = lease.slot
@@ -205,7 +211,7 @@ class CpuArena:
         lease = self.lease(lease_id)
         del self._held[lease_id]
         slot = lease.slot
-        self._leases[slot] -= 1
+        self._unpin(slot)
         if lease.kind is LeaseKind.WRITE:
             del self._writing[lease.meta.block_hash]
             self._free_slot(slot)
@@ -267,7 +273,14 @@ class CpuArena:
         self._next_lease += 1
         self._held[lease.lease_id] = lease
         self._leases[slot] += 1
+        if self._leases[slot] == 1:
+            self._num_leased += 1
         return lease
+
+    def _unpin(self, slot: int) -> None:
+        self._leases[slot] -= 1
+        if self._leases[slot] == 0:
+            self._num_leased -= 1
 
     def _detach(self, block_hash: int) -> Lease:
         """Take a block out of the index, returning a read lease that keeps its slot."""
@@ -297,6 +310,7 @@ class CpuArena:
             if lease.kind is LeaseKind.WRITE:
                 assert writing.get(lease.slot) == lease.meta.block_hash, f"{lease} is not in the writing map"
         assert held_per_slot == self._leases, "lease counts disagree with the leases held"
+        assert self._num_leased == sum(1 for n in self._leases if n), "leased-slot count is off"
         for slot in range(self.num_slots):
             meta = self._meta[slot]
             if slot in free:

@@ -1,0 +1,396 @@
+"""DiskTier on real files: round trips, every integrity refusal, restart scan, capacity, full disk, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiers_helpers import IDENTITY, ODD_IDENTITY, make_blocks
+
+import tiers.disk as disk_module
+from kvstore.events import BlockRemoved, BlockStored
+from tiers.blocks import BlockMeta
+from tiers.disk import DiskTier
+from tiers.disk_format import FORMAT_VERSION, file_name, header_len, shard_name
+from tiers.errors import InvalidBlockError
+from tiers.identity import CacheIdentity
+
+FILE_BYTES = header_len(IDENTITY.block_size) + IDENTITY.block_bytes
+
+
+def new_tier(root: Path, *, identity: CacheIdentity = IDENTITY, files: int = 16, **kw: Any) -> DiskTier:
+    options: dict[str, Any] = {"deadline_s": 5.0, "max_concurrent_io": 4} | kw
+    return DiskTier(root, identity, capacity_bytes=files * (header_len(4) + identity.block_bytes), **options)
+
+
+def payloads(count: int, identity: CacheIdentity = IDENTITY, seed: int = 0) -> tuple[list[BlockMeta], list[memoryview]]:
+    """Blocks and their KV in page-aligned buffers (what arena slots are)."""
+    metas, data = make_blocks(count, identity=identity, seed=seed)
+    views = []
+    for row in data:
+        buffer = memoryview(mmap.mmap(-1, identity.block_bytes))
+        buffer[:] = row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        views.append(buffer)
+    return metas, views
+
+
+def out_buffer(identity: CacheIdentity = IDENTITY) -> memoryview:
+    return memoryview(mmap.mmap(-1, identity.block_bytes))
+
+
+class Settles:
+    """Records on_settled calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[bool] = []
+
+    def __call__(self, ok: bool) -> None:
+        self.calls.append(ok)
+
+
+def test_round_trip_on_the_real_disk(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        tier = new_tier(tmp_path)
+        assert tier.io_mode in ("O_DIRECT",) or tier.io_mode.startswith("buffered (the file system")
+        metas, views = payloads(3)
+        settled = Settles()
+        for meta, view in zip(metas, views, strict=True):
+            assert await tier.write(meta, view, settled)
+        assert settled.calls == [True, True, True]
+        assert tier.path_of(metas[0].block_hash).stat().st_size == FILE_BYTES
+        assert tier.lru_hashes() == [m.block_hash for m in metas]
+        out = out_buffer()
+        assert await tier.read_into(metas[0], out, settled)
+        assert bytes(out) == bytes(views[0]) and settled.calls[-1] is True
+        assert tier.lru_hashes() == [metas[1].block_hash, metas[2].block_hash, metas[0].block_hash]
+        assert await tier.write(metas[1], views[1])  # already stored: True, no second file
+        assert [type(e) for e in tier.take_events()] == [BlockStored] * 3
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_buffered_path_for_blocks_that_are_not_page_multiples(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, identity=ODD_IDENTITY)
+        assert tier.io_mode == "buffered (block bytes 1024 are not a multiple of 4096)"
+        metas, views = payloads(2, ODD_IDENTITY)
+        assert await tier.write(metas[1], views[1])
+        out = out_buffer(ODD_IDENTITY)
+        assert await tier.read_into(metas[1], out) and bytes(out) == bytes(views[1])
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def _flip(offset: int) -> Callable[[Path, Path], None]:
+    def corrupt(path: Path, other: Path) -> None:
+        raw = bytearray(path.read_bytes())
+        raw[offset] ^= 0x01
+        path.write_bytes(raw)
+
+    return corrupt
+
+
+def _truncate(path: Path, other: Path) -> None:
+    os.truncate(path, FILE_BYTES - 100)
+
+
+def _other_block(path: Path, other: Path) -> None:
+    path.write_bytes(other.read_bytes())
+
+
+def _other_version(path: Path, other: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[8:10] = struct.pack("<H", FORMAT_VERSION + 1)
+    path.write_bytes(raw)
+
+
+def _other_identity(path: Path, other: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[48:64] = bytes(16)
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (_flip(FILE_BYTES - 7), "bad_checksum"),  # a payload byte
+        (_flip(64), "wrong_tokens"),  # a token: caught by the collision guard before the checksum
+        (_truncate, "short_read"),
+        (_other_block, "wrong_hash"),
+        (_other_version, "bad_version"),
+        (_other_identity, "wrong_identity"),
+    ],
+    ids=["flipped-payload-byte", "flipped-token", "truncated", "header-of-another-hash", "format-version", "identity"],
+)
+def test_integrity_failures_are_counted_misses_and_removed(
+    tmp_path: Path, corrupt: Callable[[Path, Path], None], reason: str
+) -> None:
+    async def scenario() -> None:
+        tier = new_tier(tmp_path)
+        metas, views = payloads(2)
+        for meta, view in zip(metas, views, strict=True):
+            assert await tier.write(meta, view)
+        tier.take_events()
+        path = tier.path_of(metas[0].block_hash)
+        corrupt(path, tier.path_of(metas[1].block_hash))
+        out = out_buffer()
+        settled = Settles()
+        assert not await tier.read_into(metas[0], out, settled)  # a miss, never an exception
+        assert settled.calls == [False]  # the buffer's content must not be used
+        assert dict(tier.counters.integrity_failures) == {reason: 1}
+        assert not path.exists() and metas[0].block_hash not in tier
+        assert tier.take_events() == [BlockRemoved(block_hashes=[metas[0].block_hash], medium="STORAGE")]
+        assert not await tier.read_into(metas[0], out)  # stays a miss
+        assert await tier.read_into(metas[1], out) and bytes(out) == bytes(views[1])  # the other block is fine
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_file_removed_behind_the_tiers_back_is_a_miss(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        tier = new_tier(tmp_path)
+        metas, views = payloads(1)
+        assert await tier.write(metas[0], views[0])
+        tier.path_of(metas[0].block_hash).unlink()
+        assert not await tier.read_into(metas[0], out_buffer())
+        assert dict(tier.counters.integrity_failures) == {"missing": 1}
+        assert metas[0].block_hash not in tier
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_collision_on_disk_is_a_miss(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        tier = new_tier(tmp_path)
+        metas, views = payloads(1)
+        assert await tier.write(metas[0], views[0])
+        impostor = BlockMeta(metas[0].block_hash, None, (7, 7, 7, 7))
+        assert not await tier.read_into(impostor, out_buffer())
+        assert tier.counters.collisions == 1 and metas[0].block_hash in tier  # the file is fine for its own tokens
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_restart_scan_keeps_valid_files_and_removes_the_rest(tmp_path: Path) -> None:
+    async def first_run() -> tuple[list[BlockMeta], list[bytes]]:
+        tier = new_tier(tmp_path)
+        metas, views = payloads(5)
+        for meta, view in zip(metas, views, strict=True):
+            assert await tier.write(meta, view)
+        await tier.aclose()
+        return metas, [bytes(v) for v in views]
+
+    metas, contents = asyncio.run(first_run())
+    directory = tmp_path / IDENTITY.digest()
+    path_of = {m.block_hash: directory / shard_name(m.block_hash) / file_name(m.block_hash) for m in metas}
+    for age, meta in enumerate(metas):  # distinct mtimes: the scan orders the LRU by them
+        stamp = time.time() - 100 + age
+        os.utime(path_of[meta.block_hash], (stamp, stamp))
+    temporary = path_of[metas[0].block_hash].with_name(".leftover.kvb.1234.tmp")
+    temporary.write_bytes(b"half a block")
+    _other_version(path_of[metas[1].block_hash], path_of[metas[1].block_hash])
+    _truncate(path_of[metas[2].block_hash], path_of[metas[2].block_hash])
+    stray = directory / "notes.txt"
+    stray.write_text("not ours")
+
+    async def second_run() -> None:
+        tier = new_tier(tmp_path)
+        assert tier.lru_hashes() == [metas[0].block_hash, metas[3].block_hash, metas[4].block_hash]
+        assert dict(tier.counters.scan_removed) == {"temporary": 1, "bad_version": 1, "bad_length": 1}
+        assert not temporary.exists() and not path_of[metas[1].block_hash].exists()
+        assert stray.exists()  # not a block file: left alone
+        events = tier.take_events()
+        assert [e.block_hashes for e in events] == [[metas[i].block_hash] for i in (0, 3, 4)]
+        assert all(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in events)
+        out = out_buffer()
+        assert await tier.read_into(metas[3], out) and bytes(out) == contents[3]
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(second_run())
+
+
+def test_restart_with_a_smaller_capacity_keeps_the_newest(tmp_path: Path) -> None:
+    async def scenario() -> list[BlockMeta]:
+        tier = new_tier(tmp_path)
+        metas, views = payloads(4)
+        for age, (meta, view) in enumerate(zip(metas, views, strict=True)):
+            assert await tier.write(meta, view)
+            os.utime(tier.path_of(meta.block_hash), (1_000_000 + age, 1_000_000 + age))
+        await tier.aclose()
+        return metas
+
+    metas = asyncio.run(scenario())
+    smaller = new_tier(tmp_path, files=2)
+    assert smaller.lru_hashes() == [metas[2].block_hash, metas[3].block_hash]
+    assert smaller.counters.scan_removed["over_capacity"] == 2
+    asyncio.run(smaller.aclose())
+
+
+def test_lru_eviction_beyond_capacity(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=2)
+        metas, views = payloads(3)
+        assert await tier.write(metas[0], views[0])
+        assert await tier.write(metas[1], views[1])
+        assert await tier.read_into(metas[0], out_buffer())  # 0 is now the most recently used
+        tier.take_events()
+        assert await tier.write(metas[2], views[2])
+        assert tier.lru_hashes() == [metas[0].block_hash, metas[2].block_hash]
+        assert not tier.path_of(metas[1].block_hash).exists()
+        removed, stored = tier.take_events()
+        assert removed == BlockRemoved(block_hashes=[metas[1].block_hash], medium="STORAGE")
+        assert isinstance(stored, BlockStored) and stored.block_hashes == [metas[2].block_hash]
+        assert tier.used_bytes == 2 * FILE_BYTES and tier.counters.evictions == 1
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_capacity_below_one_file_stores_nothing(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        tier = DiskTier(tmp_path, IDENTITY, capacity_bytes=FILE_BYTES - 1, deadline_s=5.0, max_concurrent_io=2)
+        metas, views = payloads(1)
+        settled = Settles()
+        assert not await tier.write(metas[0], views[0], settled)
+        assert settled.calls == [False] and dict(tier.counters.not_stored) == {"capacity": 1}
+        assert tier.num_blocks == 0
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_enospc_degrades_to_not_stored_and_shrinks_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_write_all = disk_module._write_all
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=8)
+        metas, views = payloads(4)
+        assert await tier.write(metas[0], views[0])
+        assert await tier.write(metas[1], views[1])
+
+        async def disk_full(fh: Any, view: memoryview) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(disk_module, "_write_all", disk_full)
+        settled = Settles()
+        assert not await tier.write(metas[2], views[2], settled)  # no exception reaches the caller
+        assert settled.calls == [False]
+        assert dict(tier.counters.not_stored) == {"disk_full": 1}
+        assert tier.limit_bytes == 2 * FILE_BYTES  # what it holds
+        assert list(tier.path_of(metas[2].block_hash).parent.glob("*.tmp")) == []  # the temporary is gone
+        monkeypatch.setattr(disk_module, "_write_all", real_write_all)
+        assert await tier.write(metas[3], views[3])  # room is made by evicting the LRU block
+        assert tier.lru_hashes() == [metas[1].block_hash, metas[3].block_hash]
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_other_write_errors_are_counted_by_errno(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(fh: Any, view: memoryview) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path)
+        metas, views = payloads(1)
+        monkeypatch.setattr(disk_module, "_write_all", broken)
+        assert not await tier.write(metas[0], views[0])
+        assert dict(tier.counters.not_stored) == {"io_error": 1} and dict(tier.counters.io_errors) == {"EIO": 1}
+        assert tier.limit_bytes == tier.capacity_bytes
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_write_deadline_answers_in_time_and_settles_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_write_all = disk_module._write_all
+    release = asyncio.Event()
+
+    async def stuck(fh: Any, view: memoryview) -> None:
+        await release.wait()
+        await real_write_all(fh, view)
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, deadline_s=0.2, max_concurrent_io=1)
+        metas, views = payloads(2)
+        monkeypatch.setattr(disk_module, "_write_all", stuck)
+        first, second = Settles(), Settles()
+        started = time.monotonic()
+        results = await asyncio.gather(tier.write(metas[0], views[0], first), tier.write(metas[1], views[1], second))
+        assert results == [False, False] and time.monotonic() - started < 1.0
+        assert first.calls == [] and second.calls == []  # the buffers are still in use
+        assert dict(tier.counters.deadline_expired) == {"write": 2}
+        release.set()
+        for _ in range(200):
+            if first.calls and second.calls:
+                break
+            await asyncio.sleep(0.01)
+        assert first.calls == [True]  # it was writing: finished late, and kept
+        assert second.calls == [False]  # it was queued behind: abandoned without touching its buffer
+        assert tier.lru_hashes() == [metas[0].block_hash]
+        assert tier.counters.not_stored["timeout"] == 1
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_read_deadline_is_a_miss_and_the_buffer_is_handed_back_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_read_full = disk_module._read_full
+    release = asyncio.Event()
+
+    async def slow(fh: Any, view: memoryview) -> int:
+        await release.wait()
+        return await real_read_full(fh, view)
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, deadline_s=0.2)
+        metas, views = payloads(1)
+        assert await tier.write(metas[0], views[0])
+        monkeypatch.setattr(disk_module, "_read_full", slow)
+        out, settled = out_buffer(), Settles()
+        assert not await tier.read_into(metas[0], out, settled)
+        assert settled.calls == [] and tier.counters.deadline_expired["read"] == 1
+        release.set()
+        for _ in range(200):
+            if settled.calls:
+                break
+            await asyncio.sleep(0.01)
+        assert settled.calls == [True] and bytes(out) == bytes(views[0])
+        assert metas[0].block_hash in tier  # a slow read is not a corrupt file
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_wrong_sized_buffers_are_caller_errors(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        tier = new_tier(tmp_path)
+        metas, _ = payloads(1)
+        with pytest.raises(InvalidBlockError):
+            await tier.write(metas[0], memoryview(bytearray(10)))
+        with pytest.raises(InvalidBlockError):
+            await tier.read_into(metas[0], memoryview(bytes(IDENTITY.block_bytes)))  # read-only
+        await tier.aclose()
+
+    asyncio.run(scenario())

@@ -1,0 +1,197 @@
+"""Batched block copies between a KV pool tensor and the arena's slots.
+
+A batch is a list of (source row, destination row) pairs; consecutive runs
+are coalesced into one slice copy each, so neighbouring blocks move as one
+large span.
+
+- Host tensors (a CPU worker's pool, the tier store's own staging): the
+  runs are split by rows across a thread pool; ``torch`` copies release the
+  GIL, so the copy overlaps the caller's compute.
+- CUDA tensors (*CUDA path*, kept thin; no GPU on the development
+  machines, so it is exercised only where one exists): the arena is
+  registered once per process as pinned memory (``cudaHostRegister``), the
+  copies are issued on a side stream -- never the default stream -- that
+  first waits on an event recorded on the caller's current stream (so a
+  spill sees the KV the compute just wrote), and a second event marks
+  completion; a waiter thread resolves the Future when it fires.
+
+Contract: between the call and the Future's completion the caller keeps the
+source rows unchanged and the destination rows unread, and holds leases on
+the slots involved (``reserve`` for spills, ``acquire`` for promotions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
+
+import torch
+
+from tiers.errors import InvalidBlockError, TierError
+
+_MIN_SPLIT_BYTES = 1 << 20  # below this a batch is one task: a thread hop costs more than it saves
+
+
+class Run(NamedTuple):
+    src: int  # first source row
+    dst: int  # first destination row
+    length: int  # rows
+
+
+def block_rows(tensor: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """A contiguous block-major tensor as ``uint8 [num_blocks, block_bytes]`` rows, aliasing it."""
+    if not tensor.is_contiguous():
+        raise InvalidBlockError("block tensors must be contiguous (the worker's pool is allocated so)")
+    if tensor.dim() == 0 or tensor.shape[0] == 0:
+        raise InvalidBlockError(f"expected a block-major tensor with blocks, got shape {tuple(tensor.shape)}")
+    rows = tensor.view(tensor.shape[0], -1).view(torch.uint8)
+    if rows.shape[1] != block_bytes:
+        raise InvalidBlockError(
+            f"a block of this tensor is {rows.shape[1]} bytes ({tuple(tensor.shape[1:])} {tensor.dtype}); "
+            f"the tier's blocks are {block_bytes} bytes"
+        )
+    return rows
+
+
+def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
+    """Runs of pairs that advance together by one row, in the order given."""
+    runs: list[Run] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and s == runs[-1].src + runs[-1].length and d == runs[-1].dst + runs[-1].length:
+            runs[-1] = runs[-1]._replace(length=runs[-1].length + 1)
+        else:
+            runs.append(Run(s, d, 1))
+    return runs
+
+
+def split_runs(runs: list[Run], parts: int) -> list[list[Run]]:
+    """At most ``parts`` groups of runs with (nearly) equal rows, cutting runs where needed."""
+    total = sum(run.length for run in runs)
+    share = -(-total // parts)
+    groups: list[list[Run]] = [[]]
+    room = share
+    for run in runs:
+        s, d, n = run
+        while n:
+            if room == 0:
+                groups.append([])
+                room = share
+            take = min(n, room)
+            groups[-1].append(Run(s, d, take))
+            s, d, n, room = s + take, d + take, n - take, room - take
+    return groups
+
+
+class CopyEngine:
+    """Copies batches of blocks between pool tensors and one arena (``uint8 [slots, block_bytes]``)."""
+
+    def __init__(self, arena: torch.Tensor, *, num_threads: int = 2, pin: bool | None = None) -> None:
+        if arena.dtype != torch.uint8 or arena.dim() != 2 or arena.device.type != "cpu":
+            raise InvalidBlockError("the arena must be a host uint8 tensor [num_slots, block_bytes]")
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self._arena = arena
+        self.block_bytes = int(arena.shape[1])
+        self._threads = num_threads
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-copy")
+        use_cuda = torch.cuda.is_available() if pin is None else pin
+        self._cuda = _CudaCopier(arena) if use_cuda else None
+
+    @property
+    def pinned(self) -> bool:
+        return self._cuda is not None
+
+    def spill(self, src: torch.Tensor, src_blocks: Sequence[int], dst_slots: Sequence[int]) -> Future[None]:
+        """Copy pool rows ``src_blocks`` of ``src`` into arena slots ``dst_slots`` (pairwise)."""
+        return self._submit(block_rows(src, self.block_bytes), src_blocks, self._arena, dst_slots)
+
+    def promote(self, src_slots: Sequence[int], dst: torch.Tensor, dst_blocks: Sequence[int]) -> Future[None]:
+        """Copy arena slots ``src_slots`` into pool rows ``dst_blocks`` of ``dst`` (pairwise)."""
+        return self._submit(self._arena, src_slots, block_rows(dst, self.block_bytes), dst_blocks)
+
+    def close(self) -> None:
+        """Finish queued copies, stop the threads and unpin the arena. Idempotent."""
+        self._pool.shutdown(wait=True)
+        if self._cuda is not None:
+            self._cuda.close()
+            self._cuda = None
+
+    def _submit(
+        self, src: torch.Tensor, src_rows: Sequence[int], dst: torch.Tensor, dst_rows: Sequence[int]
+    ) -> Future[None]:
+        if len(src_rows) != len(dst_rows):
+            raise InvalidBlockError(f"{len(src_rows)} source rows but {len(dst_rows)} destination rows")
+        _check_rows(src_rows, src.shape[0], "source")
+        _check_rows(dst_rows, dst.shape[0], "destination")
+        runs = coalesce(src_rows, dst_rows)
+        if src.is_cuda or dst.is_cuda:
+            if self._cuda is None:
+                raise TierError("a CUDA tensor was given but this copy engine was built without pinning (pin=False)")
+            return self._cuda.copy(src, dst, runs)
+        parts = 1 if len(src_rows) * self.block_bytes < _MIN_SPLIT_BYTES else self._threads
+        groups = split_runs(runs, parts) if runs else []
+        return _gather([self._pool.submit(_copy_runs, src, dst, group) for group in groups])
+
+
+def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[Run]) -> None:
+    for s, d, n in runs:
+        dst[d : d + n].copy_(src[s : s + n])
+
+
+def _check_rows(rows: Sequence[int], limit: int, what: str) -> None:
+    for row in rows:
+        if not 0 <= row < limit:
+            raise InvalidBlockError(f"{what} row {row} is outside 0..{limit - 1}")
+
+
+def _gather(parts: list[Future[None]]) -> Future[None]:
+    """One Future for several: done when all are, failed with the first failure."""
+    combined: Future[None] = Future()
+    if not parts:
+        combined.set_result(None)
+        return combined
+    remaining = [len(parts)]
+
+    def done(part: Future[None]) -> None:
+        error = part.exception()
+        if error is not None and not combined.done():
+            combined.set_exception(error)
+        remaining[0] -= 1
+        if remaining[0] == 0 and not combined.done():
+            combined.set_result(None)
+
+    for part in parts:
+        part.add_done_callback(done)
+    return combined
+
+
+class _CudaCopier:
+    """CUDA path: pinned arena, side-stream copies ordered by events. Thin on purpose."""
+
+    def __init__(self, arena: torch.Tensor) -> None:
+        self._arena = arena
+        status = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel() * arena.element_size(), 0)
+        if int(status) != 0:
+            raise TierError(f"cudaHostRegister of the arena failed with CUDA error {int(status)}")
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="kv-copy-cuda")
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, runs: list[Run]) -> Future[None]:
+        device = src.device if src.is_cuda else dst.device
+        stream = self._streams.get(device.index or 0)
+        if stream is None:
+            stream = self._streams[device.index or 0] = torch.cuda.Stream(device=device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            for s, d, n in runs:
+                dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+            done.record(stream)
+        return self._waiter.submit(done.synchronize)
+
+    def close(self) -> None:
+        self._waiter.shutdown(wait=True)
+        torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())

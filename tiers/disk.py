@@ -1,0 +1,539 @@
+"""The disk tier: one content-addressed file per block, an LRU index bounded in bytes.
+
+Layout: ``<root>/<identity digest>/<top byte of hash>/<hash:016x>.kvb``
+(format in :mod:`tiers.disk_format`). Files are written to a temporary
+name in the same directory and renamed into place, so a reader never sees
+a half-written file under a block's name; a crash leaves only temporaries,
+which the start-up scan removes.
+
+Contracts
+---------
+- Nothing here raises for a storage problem. A write that cannot be done
+  (capacity, ENOSPC, I/O error, deadline) returns False: *not stored*,
+  counted by reason. A read of a file that is missing, short, for another
+  block or identity, of another format version, or fails its checksum
+  returns False: a *miss*, counted by reason, and the file is removed.
+  Wrong KV is never handed back.
+- Every I/O holds one of ``max_concurrent_io`` permits and has a deadline
+  (waiting for a permit included). A caller gets its answer by the
+  deadline; an I/O that already started keeps running in the background,
+  and the buffer it reads or writes is only handed back -- through
+  ``on_settled(ok)`` -- when it has finished. A write that completes late
+  is still indexed; a read that completes late is still verified.
+- ENOSPC (or EDQUOT) lowers the tier's limit to the bytes it holds, so
+  later blocks replace the least recently used ones instead of failing;
+  the configured capacity is back at the next start.
+- The start-up scan removes temporaries and files whose header is invalid,
+  indexes the rest (oldest modification first, i.e. next to be evicted) and
+  records BlockStored (medium STORAGE) for each, so a restart keeps the
+  cache. Payload checksums are verified on every read, not by the scan.
+- Payloads are read into and written from caller buffers; with O_DIRECT
+  (when the file system accepts it and the buffer is 4096-aligned, as arena
+  slots are) no page cache copy is made.
+
+Not thread-safe: drive it from one event loop; :meth:`snapshot_events`
+may run on another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import threading
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import aiofiles
+import aiofiles.os
+
+from kvstore.events import MEDIUM_STORAGE, BlockStored, KVEvent
+from tiers.blocks import BlockMeta
+from tiers.disk_format import (
+    ALIGN,
+    SUFFIX,
+    TEMP_SUFFIX,
+    IntegrityError,
+    decode_header,
+    encode_header,
+    file_name,
+    header_len,
+    shard_name,
+    verify,
+)
+from tiers.errors import InvalidBlockError
+from tiers.identity import CacheIdentity
+from tiers.tier_events import block_removed, block_stored
+
+logger = logging.getLogger(__name__)
+
+Settled = Callable[[bool], None]
+"""Called once, on the event loop, when an I/O no longer touches its buffer; True if it succeeded."""
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _settled_nothing(ok: bool) -> None:
+    return None
+
+
+class _Entry(NamedTuple):
+    meta: BlockMeta
+    generation: int  # tells a file apart from a later file of the same block
+
+
+class _IoState:
+    """Where one I/O task is: ``started`` once it holds a permit; ``abandoned`` when its caller
+    gave up first (the task then quits without touching the buffer)."""
+
+    __slots__ = ("abandoned", "started")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.abandoned = False
+
+
+class DiskCounters:
+    """Plain counters, read by the store's stats and metrics."""
+
+    def __init__(self) -> None:
+        self.not_stored: Counter[str] = Counter()  # reason -> blocks not written
+        self.integrity_failures: Counter[str] = Counter()  # reason -> files refused (and removed)
+        self.io_errors: Counter[str] = Counter()  # errno name -> failed I/Os
+        self.deadline_expired: Counter[str] = Counter()  # "read" / "write" -> I/Os answered late
+        self.scan_removed: Counter[str] = Counter()  # reason -> files removed by the start-up scan
+        self.collisions = 0  # reads whose hash matched a file of other tokens
+        self.evictions = 0
+
+
+class DiskTier:
+    """Block files under one cache identity's directory, LRU-evicted beyond ``capacity_bytes``."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        identity: CacheIdentity,
+        *,
+        capacity_bytes: int,
+        deadline_s: float,
+        max_concurrent_io: int,
+        direct_io: bool = True,
+        fsync: bool = False,
+    ) -> None:
+        if deadline_s <= 0 or max_concurrent_io < 1 or capacity_bytes < 0:
+            raise ValueError("deadline_s must be > 0, max_concurrent_io >= 1 and capacity_bytes >= 0")
+        self.identity = identity
+        self.directory = Path(root) / identity.digest()
+        self.block_bytes = identity.block_bytes
+        self.file_bytes = header_len(identity.block_size) + identity.block_bytes
+        self.capacity_bytes = capacity_bytes
+        self.counters = DiskCounters()
+        self._digest = bytes.fromhex(identity.digest())
+        self._limit = capacity_bytes
+        self._deadline_s = deadline_s
+        self._fsync = fsync
+        self._semaphore = asyncio.Semaphore(max_concurrent_io)
+        self._executor = ThreadPoolExecutor(max_concurrent_io, thread_name_prefix="kv-disk")
+        self._index: OrderedDict[int, _Entry] = OrderedDict()
+        self._inflight: dict[int, asyncio.Task[bool]] = {}
+        self._late: set[asyncio.Task[bool]] = set()
+        self._generation = 0
+        self._events: list[KVEvent] = []
+        self._lock = threading.Lock()
+        for shard in range(256):
+            (self.directory / f"{shard:02x}").mkdir(parents=True, exist_ok=True)
+        self.direct_io, self.io_mode = self._choose_io_mode(direct_io)
+        self._scan()
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._index) * self.file_bytes
+
+    @property
+    def limit_bytes(self) -> int:
+        """The capacity in force: the configured one, or less after the disk filled up."""
+        return self._limit
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._index
+
+    def lru_hashes(self) -> list[int]:
+        """Stored block hashes, least recently used (next to be evicted) first."""
+        return list(self._index)
+
+    def path_of(self, block_hash: int) -> Path:
+        return self.directory / shard_name(block_hash) / file_name(block_hash)
+
+    def entries(self) -> Iterator[BlockMeta]:
+        for entry in list(self._index.values()):
+            yield entry.meta
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """Every stored block as a BlockStored (medium STORAGE). Safe from another thread."""
+        with self._lock:
+            metas = [entry.meta for entry in self._index.values()]
+        return [block_stored(meta, self.identity.block_size, MEDIUM_STORAGE) for meta in metas]
+
+    # ---------------------------------------------------------------------- io
+
+    async def write(self, meta: BlockMeta, payload: memoryview, on_settled: Settled = _settled_nothing) -> bool:
+        """Store ``payload`` as ``meta``'s file; True once it is in place (or already was).
+
+        ``payload`` is read until ``on_settled`` is called, possibly after
+        this returns False at the deadline.
+        """
+        if payload.nbytes != self.block_bytes:
+            raise InvalidBlockError(f"payload is {payload.nbytes} bytes; this identity's blocks are {self.block_bytes}")
+        block_hash = meta.block_hash
+        if block_hash in self._index:
+            self._touch(block_hash)
+            on_settled(True)
+            return True
+        if block_hash in self._inflight:
+            self.counters.not_stored["in_flight"] += 1
+            on_settled(False)
+            return False
+        if not self._make_room():
+            self.counters.not_stored["capacity"] += 1
+            on_settled(False)
+            return False
+        header = encode_header(meta, payload, self._digest)
+        state = _IoState()
+        task = asyncio.create_task(self._write_job(meta, header, payload, state, on_settled))
+        self._inflight[block_hash] = task
+        return await self._answer_by_deadline(task, state, "write")
+
+    async def read_into(self, meta: BlockMeta, out: memoryview, on_settled: Settled = _settled_nothing) -> bool:
+        """Read ``meta``'s payload into ``out``; True only if it passed every check.
+
+        ``out`` may be written until ``on_settled`` is called, possibly after
+        this returns False at the deadline; its content counts only if
+        ``on_settled`` gets True.
+        """
+        if out.nbytes != self.block_bytes or out.readonly:
+            raise InvalidBlockError(f"read buffer must be {self.block_bytes} writable bytes, got {out.nbytes}")
+        entry = self._index.get(meta.block_hash)
+        if entry is None:
+            on_settled(False)
+            return False
+        if entry.meta != meta:
+            self.counters.collisions += 1
+            on_settled(False)
+            return False
+        state = _IoState()
+        task = asyncio.create_task(self._read_job(entry, out, state, on_settled))
+        return await self._answer_by_deadline(task, state, "read")
+
+    async def aclose(self) -> None:
+        """Wait (up to one deadline) for I/O still running, then stop the I/O threads."""
+        pending = [*self._inflight.values(), *self._late]
+        if pending:
+            await asyncio.wait(pending, timeout=self._deadline_s)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------------- internal
+
+    async def _answer_by_deadline(self, task: asyncio.Task[bool], state: _IoState, op: str) -> bool:
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), self._deadline_s)
+        except TimeoutError:
+            self.counters.deadline_expired[op] += 1
+            # Not cancelled: the task must run its own clean-up (and on_settled) either way.
+            state.abandoned = not state.started
+            self._late.add(task)
+            task.add_done_callback(self._late.discard)
+            return False
+
+    async def _write_job(
+        self, meta: BlockMeta, header: bytes, payload: memoryview, state: _IoState, on_settled: Settled
+    ) -> bool:
+        ok = False
+        try:
+            async with self._semaphore:
+                if state.abandoned:
+                    self.counters.not_stored["timeout"] += 1
+                    return False
+                state.started = True
+                try:
+                    await self._write_file(meta.block_hash, header, payload)
+                except OSError as exc:
+                    self._count_write_error(exc)
+                    return False
+            self._insert(meta)
+            ok = True
+            return True
+        finally:
+            del self._inflight[meta.block_hash]
+            on_settled(ok)
+
+    async def _write_file(self, block_hash: int, header: bytes, payload: memoryview) -> None:
+        final = self.path_of(block_hash)
+        temp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
+        direct = self.direct_io and _aligned(payload)
+        head = _aligned_copy(header) if direct else memoryview(header)
+        try:
+            async with aiofiles.open(temp, "xb", buffering=0, opener=_opener(direct), executor=self._executor) as fh:
+                await _write_all(fh, head)
+                await _write_all(fh, payload)
+                if self._fsync:
+                    await asyncio.get_running_loop().run_in_executor(self._executor, os.fsync, fh.fileno())
+            await aiofiles.os.replace(temp, final, executor=self._executor)
+        except BaseException:
+            _remove(temp)
+            raise
+
+    def _count_write_error(self, exc: OSError) -> None:
+        if exc.errno in _FULL_ERRNOS:
+            self.counters.not_stored["disk_full"] += 1
+            held = self.used_bytes
+            if self._limit > held:
+                logger.warning("disk tier %s is full (%s): limited to the %d bytes held", self.directory, exc, held)
+            self._limit = min(self._limit, held)
+        else:
+            self.counters.not_stored["io_error"] += 1
+            self.counters.io_errors[_errno_name(exc)] += 1
+
+    async def _read_job(self, entry: _Entry, out: memoryview, state: _IoState, on_settled: Settled) -> bool:
+        ok = False
+        try:
+            async with self._semaphore:
+                if state.abandoned:
+                    return False
+                state.started = True
+                try:
+                    await self._read_file(entry.meta, out)
+                except IntegrityError as exc:
+                    self.counters.integrity_failures[exc.reason] += 1
+                    logger.warning("disk tier: refused %s: %s", self.path_of(entry.meta.block_hash), exc)
+                    self._drop(entry, unlink=True)
+                    return False
+                except FileNotFoundError:
+                    self.counters.integrity_failures["missing"] += 1
+                    self._drop(entry, unlink=False)
+                    return False
+                except OSError as exc:
+                    self.counters.io_errors[_errno_name(exc)] += 1
+                    self._drop(entry, unlink=True)
+                    return False
+            self._touch(entry.meta.block_hash)
+            ok = True
+            return True
+        finally:
+            on_settled(ok)
+
+    async def _read_file(self, meta: BlockMeta, out: memoryview) -> None:
+        """Fill ``out`` with ``meta``'s verified payload; raises IntegrityError or OSError."""
+        path = self.path_of(meta.block_hash)
+        hlen = header_len(self.identity.block_size)
+        direct = self.direct_io and _aligned(out)
+        head = memoryview(mmap.mmap(-1, hlen)) if direct else memoryview(bytearray(hlen))
+        async with aiofiles.open(path, "rb", buffering=0, opener=_opener(direct), executor=self._executor) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size != self.file_bytes:
+                raise IntegrityError("short_read" if size < self.file_bytes else "bad_length", f"file is {size} bytes")
+            got = await _read_full(fh, head)
+            header = decode_header(
+                head[:got],
+                identity_digest=self._digest,
+                block_size=self.identity.block_size,
+                block_bytes=self.block_bytes,
+            )
+            if header.meta.block_hash != meta.block_hash:
+                raise IntegrityError("wrong_hash", f"file holds block {header.meta.block_hash:#x}")
+            if header.meta != meta:
+                raise IntegrityError("wrong_tokens", "file holds other tokens or another parent for this hash")
+            got = await _read_full(fh, out)
+        verify(header, out[:got])
+
+    def _make_room(self) -> bool:
+        """Evict LRU files until one more (beside those in flight) fits under the limit."""
+        need = (len(self._inflight) + 1) * self.file_bytes
+        while self._index and self.used_bytes + need > self._limit:
+            block_hash = next(iter(self._index))
+            self._drop(self._index[block_hash], unlink=True)
+            self.counters.evictions += 1
+        return self.used_bytes + need <= self._limit
+
+    def _insert(self, meta: BlockMeta) -> None:
+        self._generation += 1
+        with self._lock:
+            self._index[meta.block_hash] = _Entry(meta, self._generation)
+        self._events.append(block_stored(meta, self.identity.block_size, MEDIUM_STORAGE))
+
+    def _touch(self, block_hash: int) -> None:
+        with self._lock:
+            self._index.move_to_end(block_hash)
+
+    def _drop(self, entry: _Entry, *, unlink: bool) -> None:
+        """Forget ``entry`` (and remove its file) unless a newer file of the block replaced it."""
+        block_hash = entry.meta.block_hash
+        if self._index.get(block_hash) != entry:
+            return
+        with self._lock:
+            del self._index[block_hash]
+        if unlink:
+            _remove(self.path_of(block_hash))
+        self._events.append(block_removed(entry.meta, MEDIUM_STORAGE))
+
+    def _choose_io_mode(self, wanted: bool) -> tuple[bool, str]:
+        if not wanted:
+            return False, "buffered (tiers.disk_direct_io is off)"
+        if self.block_bytes % ALIGN:
+            return False, f"buffered (block bytes {self.block_bytes} are not a multiple of {ALIGN})"
+        if not hasattr(os, "O_DIRECT"):
+            return False, "buffered (this platform has no O_DIRECT)"
+        probe = self.directory / f".probe-{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
+        buffer = mmap.mmap(-1, ALIGN)
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+            try:
+                os.write(fd, buffer)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            return False, f"buffered (the file system rejects O_DIRECT: {exc.strerror})"
+        finally:
+            _remove(probe)
+            buffer.close()
+        return True, "O_DIRECT"
+
+    def _scan(self) -> None:
+        """Rebuild the index from the directory (see the module docstring)."""
+        hlen = header_len(self.identity.block_size)
+        found: list[tuple[int, BlockMeta]] = []
+        for shard in sorted(self.directory.iterdir()):
+            if not shard.is_dir():
+                continue
+            with os.scandir(shard) as listing:
+                for item in listing:
+                    if item.name.endswith(TEMP_SUFFIX):
+                        _remove(Path(item.path))
+                        self.counters.scan_removed["temporary"] += 1
+                        continue
+                    if not item.name.endswith(SUFFIX) or not item.is_file(follow_symlinks=False):
+                        continue
+                    try:
+                        meta = self._check_file(Path(item.path), item.stat().st_size, hlen, shard.name)
+                    except IntegrityError as exc:
+                        _remove(Path(item.path))
+                        self.counters.scan_removed[exc.reason] += 1
+                        continue
+                    except OSError as exc:
+                        self.counters.io_errors[_errno_name(exc)] += 1
+                        continue
+                    found.append((item.stat().st_mtime_ns, meta))
+        found.sort(key=lambda pair: pair[0])
+        keep = min(len(found), self._limit // self.file_bytes)
+        for _, meta in found[: len(found) - keep]:
+            _remove(self.path_of(meta.block_hash))
+            self.counters.scan_removed["over_capacity"] += 1
+        for _, meta in found[len(found) - keep :]:
+            self._insert(meta)
+        if found or self.counters.scan_removed:
+            logger.info(
+                "disk tier %s: %d blocks kept, removed %s", self.directory, keep, dict(self.counters.scan_removed)
+            )
+
+    def _check_file(self, path: Path, size: int, hlen: int, shard: str) -> BlockMeta:
+        stem = path.name[: -len(SUFFIX)]
+        try:
+            named = int(stem, 16)
+        except ValueError:
+            raise IntegrityError("bad_name", f"{path.name} is not a block file name") from None
+        if path.name != file_name(named) or shard != shard_name(named):
+            raise IntegrityError("bad_name", f"{path} is not where block {named:#x} belongs")
+        if size != self.file_bytes:
+            raise IntegrityError("bad_length", f"{path} is {size} bytes, expected {self.file_bytes}")
+        with path.open("rb") as fh:
+            raw = fh.read(hlen)
+        header = decode_header(
+            raw, identity_digest=self._digest, block_size=self.identity.block_size, block_bytes=self.block_bytes
+        )
+        if header.meta.block_hash != named:
+            raise IntegrityError("wrong_hash", f"{path.name} holds block {header.meta.block_hash:#x}")
+        return header.meta
+
+    def check_invariants(self) -> None:
+        """Assert index and accounting agree; raises AssertionError naming the fault."""
+        assert self.used_bytes <= self._limit, f"{self.used_bytes} bytes held, limit {self._limit}"
+        generations = [entry.generation for entry in self._index.values()]
+        assert len(set(generations)) == len(generations), "two index entries share a generation"
+        for block_hash, entry in self._index.items():
+            assert entry.meta.block_hash == block_hash, f"entry {block_hash:#x} holds {entry.meta.block_hash:#x}"
+            assert len(entry.meta.token_ids) == self.identity.block_size
+        for block_hash in self._inflight:
+            assert block_hash not in self._index, f"block {block_hash:#x} is both stored and being written"
+
+
+async def _write_all(fh: Any, view: memoryview) -> None:
+    """Write every byte of ``view`` (raw file objects may write less than asked)."""
+    done = 0
+    while done < view.nbytes:
+        written = await fh.write(view[done:])
+        if not written:
+            raise OSError(errno.EIO, "write made no progress")
+        done += written
+
+
+async def _read_full(fh: Any, view: memoryview) -> int:
+    """Fill ``view`` from the file; fewer bytes only at end of file."""
+    done = 0
+    while done < view.nbytes:
+        got = await fh.readinto(view[done:])
+        if not got:
+            break
+        done += got
+    return done
+
+
+def _opener(direct: bool) -> Callable[[str, int], int]:
+    extra = os.O_DIRECT if direct else 0
+
+    def open_file(path: str, flags: int) -> int:
+        return os.open(path, flags | extra, 0o644)
+
+    return open_file
+
+
+def _aligned(view: memoryview) -> bool:
+    """Whether O_DIRECT can use ``view``: writable, contiguous, start and length 4096-aligned."""
+    if view.readonly or not view.c_contiguous or view.nbytes % ALIGN:
+        return False
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return address % ALIGN == 0
+
+
+def _aligned_copy(data: bytes) -> memoryview:
+    buffer = mmap.mmap(-1, len(data))
+    buffer[:] = data
+    return memoryview(buffer)
+
+
+def _remove(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("could not remove %s: %s", path, exc)
+
+
+def _errno_name(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, "unknown")
