@@ -14,7 +14,10 @@ registered in the prefix cache. It answers three questions a scheduler asks:
 3. The request is done or preempted: :meth:`free` releases its blocks tail
    first, so its unique suffix is evicted before any shared prefix.
 
-Prefix-cache queries and hits are counted in tokens, as vLLM does.
+Prefix-cache queries and hits are counted in tokens, as vLLM does, once per
+admission (at a request's first successful :meth:`allocate_slots`): a
+request that waits at the head of a full queue is looked up again every step,
+and counting each lookup would inflate both numbers under memory pressure.
 """
 
 from __future__ import annotations
@@ -100,9 +103,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: CacheRequest) -> PrefixHit:
         """The longest cached prefix of the request, at most ``num_tokens - 1`` tokens.
 
-        Counts the lookup in the prefix-cache stats. The returned blocks are
-        only valid until the next pool mutation: pass them straight to
-        :meth:`allocate_slots`, which takes references on them.
+        The returned blocks are only valid until the next pool mutation: pass
+        them straight to :meth:`allocate_slots`, which takes references on
+        them (and counts the lookup in the prefix-cache stats).
         """
         if not self.pool.enable_caching or request.request_id in self._requests:
             return NO_HIT
@@ -121,10 +124,7 @@ class KVCacheManager:
                 break
             hit.append(block)
             parent = block_hash
-        num_tokens = len(hit) * size
-        self._queries += request.num_tokens
-        self._hits += num_tokens
-        return PrefixHit(tuple(hit), num_tokens)
+        return PrefixHit(tuple(hit), len(hit) * size)
 
     # ------------------------------------------------------------- allocation
 
@@ -156,6 +156,9 @@ class KVCacheManager:
             return None
         if state is None:
             state = self._requests[request.request_id] = _RequestBlocks()
+            if self.pool.enable_caching:
+                self._queries += request.num_tokens
+                self._hits += hit.num_tokens
         if hit.blocks:
             self.pool.touch(hit.blocks)
             state.blocks.extend(hit.blocks)

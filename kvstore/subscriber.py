@@ -363,6 +363,10 @@ class EventListener:
         try:
             while not self._stop.is_set():
                 self._apply_commands(poller)
+                if not self._producers:
+                    # zmq's poll returns at once with no sockets registered: wait instead of spinning.
+                    self._stop.wait(self._poll_ms / 1000)
+                    continue
                 events = dict(poller.poll(self._poll_ms))
                 for producer in list(self._producers.values()):
                     if producer.sub is not None and producer.sub in events:

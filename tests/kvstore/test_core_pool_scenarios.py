@@ -421,3 +421,29 @@ def test_pool_events() -> None:
     assert events[3].block_hashes == ext(other.block_hashes) and events[3].parent_block_hash is None
     assert events[3].token_ids == list(range(100, 116))
     assert pool.take_events() == []
+
+
+def test_prefix_stats_count_each_request_once_at_admission() -> None:
+    _pool, manager = make(8, 2, watermark=0.0)
+    a = CacheRequest("a", list(range(6)))  # 3 blocks
+    admit(manager, a)
+    assert manager.prefix_cache_stats == (6, 0)
+    manager.free(a)
+
+    # A request that cannot be admitted (needs 9 blocks of 8) is looked up step after step:
+    # none of those lookups count, since it was never served.
+    waiting = CacheRequest("waiting", [*range(6), *range(100, 112)])
+    for _ in range(3):
+        hit = manager.get_computed_blocks(waiting)
+        assert hit.num_tokens == 6
+        assert manager.allocate_slots(waiting, waiting.num_tokens - hit.num_tokens, hit) is None
+    assert manager.prefix_cache_stats == (6, 0)
+
+    # Admitted once: counted once, with its hit; later allocations for it count nothing.
+    b = CacheRequest("b", [*range(6), 50, 51, 52])
+    hit, new = admit(manager, b)
+    assert hit.num_tokens == 6 and new is not None
+    assert manager.prefix_cache_stats == (6 + 9, 6)
+    b.append_tokens([53])
+    assert manager.allocate_slots(b, 1) is not None
+    assert manager.prefix_cache_stats == (15, 6)
