@@ -199,6 +199,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Cost of a full KV pool (usage 1.0), in tokens; scales linearly with usage."""
     temperature: Annotated[float, Meta(ge=0.0)] = 0.0
     """0 picks the lowest cost (ties at random); > 0 samples a softmax over normalised costs."""
+    policy: Literal["kvstore", "round_robin", "random", "least_loaded"] = "kvstore"
+    """Routing policy: ``kvstore`` (cached prefix vs load, the Scorer); the others are baselines
+    that ignore the cache (used by ``kvstore replay --compare``)."""
     model_name: str = "kvstore-toy"
     """Reported as ``model`` in completions when the request names none."""
     tokenizer: str = ""

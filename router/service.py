@@ -122,6 +122,7 @@ class RouterService:
         self._replicas: dict[str, _Replica] = {}
         self._tier_producers: dict[str, ProducerSpec] = {}
         self._rng = random.Random(seed)
+        self._round_robin = -1
         self._health_task: asyncio.Task[None] | None = None
         self.registry = registry or CollectorRegistry()
         self._decisions = Counter("kvstore_router_decisions", "Routing decisions.", ["replica"], registry=self.registry)
@@ -222,11 +223,29 @@ class RouterService:
         }
         num_blocks = -(-len(prompt.token_ids) // self.hasher.block_size)
         decision = self.scorer.choose(states, matches, num_blocks, self._rng)
+        policy = self.config.router.policy
+        if policy != "kvstore":
+            # A cache-blind baseline picks; the scores stay the Scorer's, for comparison.
+            replica = self._baseline_choice(policy, states)
+            decision = Decision(replica, decision.scores, matches.get(replica, _NO_MATCH))
         elapsed = time.perf_counter() - start
         self._route_seconds.observe(elapsed)
         self._decisions.labels(decision.replica).inc()
         matched = {name: matches.get(name, _NO_MATCH) for name in states}
         return RouteResult(decision, matched, num_blocks, elapsed)
+
+    def _baseline_choice(self, policy: str, states: dict[str, ReplicaState]) -> str:
+        names = sorted(states)
+        if policy == "round_robin":
+            self._round_robin += 1
+            return names[self._round_robin % len(names)]
+        if policy == "random":
+            return self._rng.choice(names)
+        assert policy == "least_loaded", policy
+        least = min((s.outstanding_tokens, s.running_requests + s.waiting_requests) for s in states.values())
+        tied = [n for n in names if (states[n].outstanding_tokens, states[n].running_requests
+                                     + states[n].waiting_requests) == least]  # fmt: skip
+        return self._rng.choice(tied)
 
     async def complete(self, prompt: ParsedPrompt) -> dict[str, Any]:
         """Route, dispatch (retrying once elsewhere on ReplicaUnavailable) and build the OpenAI response."""

@@ -233,3 +233,17 @@ def test_a_dead_replica_is_routed_around_and_dropped_from_the_index() -> None:
         assert owner not in fleet.service.index.lookup(hashes), "a dead replica's blocks must leave the index"
     finally:
         fleet.close()
+
+
+def test_baseline_policies_ignore_the_cache() -> None:
+    fleet = Fleet(["p", "q"], vocab_size=512, max_context=1024, policy="round_robin")
+    try:
+        replicas = [complete(fleet, [7] * 64).json()["kvstore"]["replica"] for _ in range(4)]
+        assert replicas in (["p", "q", "p", "q"], ["q", "p", "q", "p"])  # identical prompts, alternating
+        fleet.service.config = msgspec.structs.replace(
+            fleet.service.config, router=msgspec.structs.replace(fleet.service.config.router, policy="random")
+        )
+        fleet.service._rng.seed(1)  # deterministic: both replicas must come up within 12 picks
+        assert {complete(fleet, [7] * 64).json()["kvstore"]["replica"] for _ in range(12)} == {"p", "q"}
+    finally:
+        fleet.close()
