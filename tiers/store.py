@@ -254,7 +254,9 @@ class TierStore:
 
         None means: held already (or being written), not admitted yet, or no
         slot could be freed (all leased, or the disk was too slow to drain
-        one) -- each counted. Commit or release every grant.
+        one) -- each counted. A batch larger than the arena's unleased slots
+        gets None beyond them: split large batches (:meth:`put` and
+        ``TierLink.spill`` do). Commit or release every grant.
         """
         check_blocks(blocks, self.identity.block_size)
         cpu = self._cpu
@@ -309,10 +311,14 @@ class TierStore:
 
         Returns one grant per block of the prefix, in order (``medium`` says
         where each was found). Copy the slots out, then :meth:`release`.
+        Considers at most as many blocks as the arena has unleased slots, so
+        a shorter answer may mean "no room now": call again with the blocks
+        after the prefix until it comes back empty (:meth:`get` does).
         """
         check_blocks(blocks, self.identity.block_size)
+        budget = self._cpu.num_slots - self._cpu.num_leased_slots
         found: list[Lease | BlockMeta] = []  # a CPU lease, or a block to read from disk
-        for meta in blocks:
+        for meta in blocks[:budget]:
             lease = self._cpu.acquire(meta)
             if lease is not None:
                 found.append(lease)
@@ -371,18 +377,15 @@ class TierStore:
         rows = block_rows(out, self.identity.block_bytes) if len(blocks) else out
         media: list[str] = []
         while len(media) < len(blocks):
-            chunk = max(1, self._cpu.num_slots - self._cpu.num_leased_slots)
-            wanted = blocks[len(media) : len(media) + chunk]
-            grants = await self.acquire(wanted)
+            grants = await self.acquire(blocks[len(media) :])
+            if not grants:
+                break
             try:
-                if grants:
-                    destination = range(len(media), len(media) + len(grants))
-                    await asyncio.wrap_future(self._copy_engine().promote([g.slot for g in grants], rows, destination))
+                destination = range(len(media), len(media) + len(grants))
+                await asyncio.wrap_future(self._copy_engine().promote([g.slot for g in grants], rows, destination))
             finally:
                 self.release([g.lease_id for g in grants])
             media.extend(g.medium for g in grants)
-            if len(grants) < len(wanted):
-                break
         return TierGet(len(media), tuple(media), out[: len(media)])
 
     # ---------------------------------------------------------------- lifetime

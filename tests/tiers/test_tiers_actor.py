@@ -1,0 +1,66 @@
+"""TierActor on a local Ray cluster: placement and name, the store's methods through Ray, the arena from outside."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiers_helpers import IDENTITY, LOOPBACK, all_events, hashes, make_blocks, tier_config
+
+from kvstore.config import EventsConfig
+from kvstore.events import BlockStored
+from tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
+from tiers.client import RayTierClient
+from tiers.link import TierLink
+
+pytestmark = pytest.mark.ray
+
+
+def test_tier_actor_on_the_local_node(ray_session: Any, tmp_path: Path) -> None:
+    ray = ray_session
+    node_id = ray.get_runtime_context().get_node_id()
+    config = tier_config(tmp_path, cpu_blocks=4, disk_blocks=32)
+    events = EventsConfig(endpoint=LOOPBACK, replay_endpoint=LOOPBACK)
+    handle = get_or_create_tier_actor(config, IDENTITY, events=events, node_id=node_id)
+    try:
+        again = get_or_create_tier_actor(config, IDENTITY, events=events)  # same node, same name: same actor
+        assert again._actor_id == handle._actor_id
+        named = ray.get_actor(tier_actor_name(node_id), namespace=TIER_NAMESPACE)
+        assert named._actor_id == handle._actor_id
+
+        # The whole-block API, tensors through Ray.
+        metas, data = make_blocks(6)
+        assert ray.get(handle.put.remote(metas, data), timeout=60) == 6
+        assert ray.get(handle.lookup.remote(hashes(metas)), timeout=30) == (6, ("STORAGE",) * 2 + ("CPU",) * 4)
+        got = ray.get(handle.get.remote(metas), timeout=60)
+        assert got.num_blocks == 6 and torch.equal(got.data, data)
+
+        # A worker's path: this process maps the actor's arena by name and copies itself.
+        info = ray.get(handle.arena_info.remote(), timeout=30)
+        assert os.path.exists(os.path.join(info.shm_dir, info.name)) and info.tag == IDENTITY.digest()
+        link = TierLink(RayTierClient(handle), IDENTITY)
+        more, more_data = make_blocks(3, first_token=1000, seed=2)
+        assert link.spill(more, more_data, [0, 1, 2]) == 3
+        pool = torch.zeros_like(more_data)
+        promoted = link.promote(more, pool, lambda n: [2, 1, 0][:n])
+        assert promoted.block_ids == (2, 1, 0) and torch.equal(pool[[2, 1, 0]], more_data)
+        link.close()
+
+        stats = ray.get(handle.stats.remote(), timeout=30)
+        assert stats.offload_bytes["spill"] == 9 * IDENTITY.block_bytes and stats.blocks["CPU"] == 4
+        ray.get(handle.check_invariants.remote(), timeout=30)
+        text = ray.get(handle.metrics_text.remote(), timeout=30).decode()
+        assert 'kvstore_tier_usage_bytes{medium="CPU"}' in text
+
+        endpoints = ray.get(handle.event_endpoints.remote(), timeout=30)
+        assert ray.get(handle.flush_events.remote(), timeout=30)
+        media = {e.medium for e in all_events(endpoints.replay_endpoint) if isinstance(e, BlockStored)}
+        assert media == {"CPU", "STORAGE"}
+
+        ray.get(handle.shutdown.remote(), timeout=30)
+        assert not os.path.exists(os.path.join(info.shm_dir, info.name))  # the arena is unlinked
+    finally:
+        ray.kill(handle, no_restart=True)

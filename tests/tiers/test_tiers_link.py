@@ -1,0 +1,64 @@
+"""A worker's side (TierLink) over an in-process tier (LocalTierClient): spill and promote through the arena."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from tiers_helpers import IDENTITY, arena_name, hashes, make_blocks, tier_config
+
+from tiers.client import LocalTierClient
+from tiers.link import Promoted, TierLink
+
+
+def test_spill_then_promote_into_other_pool_blocks(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=3, disk_blocks=32), IDENTITY, arena_name=arena_name())
+    link = TierLink(client, IDENTITY)
+    try:
+        metas, data = make_blocks(5)
+        pool = torch.zeros((10, *IDENTITY.block_shape), dtype=IDENTITY.torch_dtype)
+        pool[[6, 2, 8, 0, 4]] = data
+        assert link.spill(metas, pool, [6, 2, 8, 0, 4]) == 5
+        assert link.lookup(hashes(metas)) == (5, ("STORAGE", "STORAGE", "CPU", "CPU", "CPU"))
+        assert link.spill(metas[4:], pool, [4]) == 0  # held in CPU already
+
+        other = torch.zeros_like(pool)
+        free = [9, 8, 7, 6, 5]
+        chunks: list[int] = []
+
+        def allocate(count: int) -> Sequence[int]:
+            chunks.append(count)
+            return [free.pop(0) for _ in range(count)]
+
+        promoted = link.promote(metas, other, allocate)
+        assert chunks == [3, 2]  # a 3-slot arena: the prefix comes in two chunks
+        assert promoted.block_ids == (9, 8, 7, 6, 5)
+        assert torch.equal(other[[9, 8, 7, 6, 5]], data)
+        # Promoting 0 and 1 pushed 3 and 4 out of the 3-slot arena (written back), so they come from disk.
+        assert promoted.media == ("STORAGE", "STORAGE", "CPU", "STORAGE", "STORAGE")
+        client.check_invariants()
+    finally:
+        link.close()
+        client.close()
+
+
+def test_failed_allocation_releases_the_leases(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=4), IDENTITY, arena_name=arena_name())
+    link = TierLink(client, IDENTITY)
+    try:
+        metas, data = make_blocks(2)
+        link.spill(metas, data, [0, 1])
+
+        def no_room(count: int) -> Sequence[int]:
+            raise MemoryError("pool is full")
+
+        with pytest.raises(MemoryError):
+            link.promote(metas, data, no_room)
+        assert client.store.cpu.num_leased_slots == 0
+        client.check_invariants()
+        assert link.promote(make_blocks(1, first_token=99)[0], data, no_room) == Promoted((), ())
+    finally:
+        link.close()
+        client.close()

@@ -1,0 +1,131 @@
+"""TierActor: one node's TierStore as a Ray actor, one per node and cache identity.
+
+Thin on purpose: every method delegates to :class:`~tiers.store.TierStore`
+(the logic, tested without Ray). The actor is async, so its methods run on
+one event loop -- the store's single-owner contract.
+
+Placement: :func:`get_or_create_tier_actor` pins the actor to a node with
+``NodeAffinitySchedulingStrategy(node_id, soft=False)`` under the
+deterministic name ``kvstore-tier-<node_id>`` (in namespace ``kvstore``),
+with ``get_if_exists`` so concurrent creators end up with the same actor. It
+asks for no CPU: the tier must fit on every node, even one whose CPUs the
+workers hold. Its arena is named after the identity and the node, so a
+restarted actor reclaims its predecessor's shared memory.
+
+Workers on the node map the arena named by :meth:`TierActor.arena_info`
+(see :class:`tiers.link.TierLink`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+from prometheus_client import CollectorRegistry
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvstore.config import EventsConfig, TierConfig
+from kvstore.metrics import render
+from tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit
+from tiers.identity import CacheIdentity
+from tiers.metrics import TierCollector
+from tiers.shared_memory import ArenaInfo
+from tiers.stats import TierStats
+from tiers.store import EventEndpoints, TierStore, default_arena_name
+
+TIER_NAMESPACE = "kvstore"
+
+
+def tier_actor_name(node_id: str) -> str:
+    return f"kvstore-tier-{node_id}"
+
+
+def tier_arena_name(identity: CacheIdentity, node_id: str) -> str:
+    return default_arena_name(identity, owner=node_id[:16])
+
+
+@ray.remote
+class TierActor:
+    """The node's tier store; the same methods as :class:`TierStore`."""
+
+    def __init__(
+        self, config: TierConfig, identity: CacheIdentity, events: EventsConfig | None, arena_name: str | None
+    ) -> None:
+        self._store = TierStore(config, identity, events=events, arena_name=arena_name)
+
+    async def put(self, blocks: list[BlockMeta], data: torch.Tensor) -> int:
+        return await self._store.put(blocks, data)
+
+    async def get(self, blocks: list[BlockMeta]) -> TierGet:
+        return await self._store.get(blocks)
+
+    async def lookup(self, block_hashes: list[int], start: int = 0) -> TierHit:
+        return self._store.lookup(block_hashes, start)
+
+    async def reserve(self, blocks: list[BlockMeta]) -> list[SlotGrant | None]:
+        return await self._store.reserve(blocks)
+
+    async def commit(self, lease_ids: list[int]) -> int:
+        return await self._store.commit(lease_ids)
+
+    async def acquire(self, blocks: list[BlockMeta]) -> list[SlotGrant]:
+        return await self._store.acquire(blocks)
+
+    async def release(self, lease_ids: list[int]) -> None:
+        self._store.release(lease_ids)
+
+    async def stats(self) -> TierStats:
+        return self._store.stats()
+
+    async def metrics_text(self) -> bytes:
+        """The store's metrics in Prometheus text format."""
+        registry = CollectorRegistry()
+        registry.register(TierCollector(self._store.stats))
+        return render(registry)
+
+    async def event_endpoints(self) -> EventEndpoints:
+        return self._store.event_endpoints
+
+    async def flush_events(self, timeout_s: float = 5.0) -> bool:
+        return self._store.flush_events(timeout_s)
+
+    async def arena_info(self) -> ArenaInfo:
+        return self._store.arena_info
+
+    async def check_invariants(self) -> None:
+        self._store.check_invariants()
+
+    async def shutdown(self) -> None:
+        """Settle disk I/O, close the event sockets and unlink the arena; the actor can then be killed."""
+        await self._store.aclose()
+
+
+def tier_actor_options(node_id: str, *, namespace: str = TIER_NAMESPACE) -> dict[str, Any]:
+    """Ray ``.options(...)`` placing the tier actor on ``node_id`` (hard affinity) under its name."""
+    return {
+        "name": tier_actor_name(node_id),
+        "namespace": namespace,
+        "get_if_exists": True,
+        "num_cpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+    }
+
+
+def get_or_create_tier_actor(
+    config: TierConfig,
+    identity: CacheIdentity,
+    *,
+    events: EventsConfig | None = None,
+    node_id: str | None = None,
+    namespace: str = TIER_NAMESPACE,
+) -> Any:
+    """The tier actor of ``node_id`` (default: this process's node), created if absent.
+
+    Returns its Ray actor handle. Call from a process connected to Ray.
+    """
+    node = node_id or ray.get_runtime_context().get_node_id()
+    options = tier_actor_options(node, namespace=namespace)
+    return TierActor.options(**options).remote(  # type: ignore[attr-defined]
+        config, identity, events, tier_arena_name(identity, node)
+    )

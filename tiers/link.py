@@ -1,0 +1,114 @@
+"""A worker process's side of its node's tier: the mapped arena, a copy engine, a client.
+
+The two operations a worker's offload seam needs, with the lease protocol
+done right (every grant committed or released, even when a copy fails):
+
+- :meth:`TierLink.spill` -- inside the block pool's eviction hook: reserve
+  slots, copy the pool rows into them, commit. Returns once the bytes are
+  in the arena, so the pool may reuse the blocks.
+- :meth:`TierLink.promote` -- at admission: lease the longest held prefix,
+  let the caller allocate that many pool blocks, copy into them, release
+  (in chunks when the prefix is longer than the arena's free slots).
+
+Copies go straight between the worker's pool tensor and the shared arena
+(pinned, on a side stream, when the pool is on a GPU); only block metas and
+lease ids travel to the tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from tiers.blocks import BlockMeta, TierHit
+from tiers.client import TierClient
+from tiers.copy_engine import CopyEngine
+from tiers.identity import CacheIdentity
+from tiers.shared_memory import SharedSlots
+
+
+class Promoted(NamedTuple):
+    block_ids: tuple[int, ...]  # pool blocks now holding the promoted KV, in prefix order
+    media: tuple[str, ...]  # where each block came from: "CPU" or "STORAGE"
+
+
+class TierLink:
+    """Maps the node's arena by name and moves blocks between it and a pool tensor."""
+
+    def __init__(
+        self, client: TierClient, identity: CacheIdentity, *, copy_threads: int = 2, pin: bool | None = None
+    ) -> None:
+        self.client = client
+        self.identity = identity
+        info = client.arena_info()
+        self.slots = SharedSlots.attach(info.name, shm_dir=info.shm_dir, expect_tag=identity.digest())
+        try:
+            self.engine = CopyEngine(self.slots.tensor, num_threads=copy_threads, pin=pin)
+        except BaseException:
+            self.slots.close()
+            raise
+
+    def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit:
+        return self.client.lookup(block_hashes, start)
+
+    def spill(self, blocks: Sequence[BlockMeta], pool: torch.Tensor, block_ids: Sequence[int]) -> int:
+        """Copy pool rows ``block_ids`` out as ``blocks``; returns how many the tier newly stored.
+
+        Blocks the tier already holds, does not admit, or has no room for
+        are skipped (the tier counts them). Batches larger than the arena go
+        in arena-sized chunks (the tier writes earlier chunks back to disk to
+        make room). Returns after the copies.
+        """
+        if len(blocks) != len(block_ids):
+            raise ValueError(f"{len(blocks)} blocks but {len(block_ids)} block ids")
+        stored = 0
+        chunk = self.slots.num_slots
+        for first in range(0, len(blocks), chunk):
+            stored += self._spill_chunk(blocks[first : first + chunk], pool, block_ids[first : first + chunk])
+        return stored
+
+    def _spill_chunk(self, blocks: Sequence[BlockMeta], pool: torch.Tensor, block_ids: Sequence[int]) -> int:
+        grants = self.client.reserve(blocks)
+        chosen = [(block_id, grant) for block_id, grant in zip(block_ids, grants, strict=True) if grant is not None]
+        if not chosen:
+            return 0
+        try:
+            self.engine.spill(pool, [b for b, _ in chosen], [g.slot for _, g in chosen]).result()
+        except BaseException:
+            self.client.release([g.lease_id for _, g in chosen])
+            raise
+        return self.client.commit([g.lease_id for _, g in chosen])
+
+    def promote(
+        self, blocks: Sequence[BlockMeta], pool: torch.Tensor, allocate: Callable[[int], Sequence[int]]
+    ) -> Promoted:
+        """Bring the longest held prefix of ``blocks`` into the pool.
+
+        ``allocate(n)`` returns ``n`` pool block ids to fill; it is called
+        once per chunk (a prefix longer than the arena's free slots comes in
+        several) and may raise -- the leases are released either way, and
+        blocks copied by earlier chunks stay in the ids already returned.
+        Returns after the copies.
+        """
+        block_ids: list[int] = []
+        media: list[str] = []
+        while len(media) < len(blocks):
+            grants = self.client.acquire(blocks[len(media) :])
+            if not grants:
+                break
+            try:
+                chunk_ids = tuple(allocate(len(grants)))
+                if len(chunk_ids) != len(grants):
+                    raise ValueError(f"allocate({len(grants)}) returned {len(chunk_ids)} block ids")
+                self.engine.promote([g.slot for g in grants], pool, chunk_ids).result()
+            finally:
+                self.client.release([g.lease_id for g in grants])
+            block_ids.extend(chunk_ids)
+            media.extend(g.medium for g in grants)
+        return Promoted(tuple(block_ids), tuple(media))
+
+    def close(self) -> None:
+        self.engine.close()
+        self.slots.close()
