@@ -10,6 +10,7 @@ shuts Ray down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import sys
@@ -60,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         example = json.dumps({"prompt": "The KV cache makes the second request faster.", "max_tokens": 8})
         print(f"  try: curl -s {url}/v1/completions -H 'content-type: application/json' -d '{example}'", flush=True)
         server = uvicorn.Server(uvicorn.Config(create_app(deployment.service), log_level="warning", lifespan="on"))
-        server.run(sockets=[sock])
+        # uvicorn re-raises the SIGINT it handled; the shutdown asked for is a success.
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[sock])
     finally:
         sock.close()
         deployment.stop()
