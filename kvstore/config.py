@@ -27,6 +27,7 @@ HashAlgo = Literal["sha256_cbor", "xxh3_128"]
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+_Z85_ALPHABET = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
 
 ENV_PREFIX = "KVSTORE_"
 
@@ -68,6 +69,22 @@ class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Batches waiting for the publisher thread before new ones are dropped."""
     hwm: PositiveInt = 100_000
     snapshot_batch_blocks: PositiveInt = 512
+    curve_secret_key: str = ""
+    """This publisher's CURVE secret key (Z85 text, 40 characters, as ``zmq.curve_keypair()`` makes); empty =
+    no CURVE. With a key pair set, PUB and ROUTER are CURVE servers: traffic is encrypted, and a subscriber
+    connects only if it gives this publisher's public key as its ``curve_server_key`` (plain ZeroMQ
+    clients cannot connect at all). Clients are not authenticated: hand the public key only to the
+    subscribers you trust."""
+    curve_public_key: str = ""
+    """The public half of ``curve_secret_key`` (``zmq.curve_public(secret)``); subscribers need it."""
+
+    def __post_init__(self) -> None:
+        for field in ("curve_secret_key", "curve_public_key"):
+            key = getattr(self, field)
+            if key and (len(key) != 40 or not _Z85_ALPHABET.issuperset(key)):
+                raise ValueError(f"{field} must be a 40-character Z85 key (see zmq.curve_keypair()), or empty")
+        if bool(self.curve_secret_key) != bool(self.curve_public_key):
+            raise ValueError("curve_secret_key and curve_public_key must be set together (or both left empty)")
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -10,6 +10,11 @@ Sockets (both owned by one background thread; ZeroMQ sockets are not thread-safe
   batches, each tagged with the seq the snapshot already reflects, then the
   same terminator. Any other request is ignored (and counted).
 
+With ``curve_secret_key``/``curve_public_key`` configured both sockets are
+CURVE servers (encrypted; a subscriber must name this publisher's public key
+as its server key, and a client without CURVE cannot connect). Without them
+the sockets are plain TCP, which is why they bind to loopback by default.
+
 Sequence numbers are assigned in :meth:`publish`, on the caller's thread,
 so that (with the owner holding its own lock) "pool state" and "last seq"
 can be read together for a consistent snapshot. If the queue to the thread is
@@ -30,6 +35,7 @@ from typing import NamedTuple
 import zmq
 
 from kvstore.config import EventsConfig
+from kvstore.errors import ConfigError
 from kvstore.events import BlockStored, EventBatch, EventEncoder, KVEvent
 
 logger = logging.getLogger(__name__)
@@ -121,9 +127,12 @@ class ZmqEventPublisher:
         self._replay = self._ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
         try:
+            if config.curve_secret_key:
+                for sock in (self._pub, self._replay):
+                    _make_curve_server(sock, config.curve_secret_key, config.curve_public_key)
             self.endpoint = _attach(self._pub, config.endpoint, config.bind)
             self.replay_endpoint = _attach(self._replay, config.replay_endpoint, config.bind)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, ConfigError):
             self._pub.close()
             self._replay.close()
             raise
@@ -228,6 +237,15 @@ class ZmqEventPublisher:
         for start in range(0, max(len(events), 1), chunk):
             batch = EventBatch(now, list(events[start : start + chunk]), self._dp_rank)
             self._replay.send_multipart((client, b"", self._topic, seq_bytes, encoder.encode(batch)))
+
+
+def _make_curve_server(sock: zmq.Socket[bytes], secret_key: str, public_key: str) -> None:
+    """Must run before bind/connect: the security mechanism is fixed when a connection starts."""
+    if not zmq.has("curve"):
+        raise ConfigError("events.curve_secret_key is set, but this libzmq was built without CURVE support")
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret_key.encode())
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public_key.encode())
 
 
 def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool) -> str:

@@ -32,6 +32,11 @@ stale and skipped. Likewise, a live batch that a replay already applied
 connection: it is stale, not a restart.
 A producer that answers a snapshot with nothing (plain vLLM) cannot be
 recovered exactly: we resume at the oldest buffered batch and mark it lossy.
+
+A producer added with ``curve_server_key`` (its publisher's CURVE public
+key) is reached over CURVE on both sockets, with a client key pair the
+listener makes once (``zmq.curve_keypair()``); a wrong key, or a CURVE
+publisher subscribed without one, delivers nothing.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import zmq
+from zmq.utils import z85
 
-from kvstore.errors import EventDecodeError
+from kvstore.errors import ConfigError, EventDecodeError
 from kvstore.events import EventBatch, EventDecoder
 from kvstore.publisher import END_SEQ, SNAPSHOT_REQUEST
 
@@ -238,6 +244,18 @@ class ProducerStream:
 # ------------------------------------------------------------- the listener
 
 
+def _check_curve_key(producer: str, key: str) -> None:
+    """Raise ConfigError here, on the caller's thread: a bad key would fail setsockopt on the listener's."""
+    if not zmq.has("curve"):
+        raise ConfigError(f"producer {producer}: a curve_server_key was given, but this libzmq has no CURVE support")
+    try:
+        valid = len(z85.decode(key)) == 32
+    except (ValueError, KeyError):
+        valid = False
+    if not valid:
+        raise ConfigError(f"producer {producer}: curve_server_key must be a 40-character Z85 public key")
+
+
 class BatchSink(Protocol):
     """Receives ordered batches. Called on the listener thread."""
 
@@ -270,11 +288,14 @@ class ProducerHealth(NamedTuple):
 
 
 class _Producer:
-    def __init__(self, name: str, endpoint: str, replay_endpoint: str | None, topic: bytes) -> None:
+    def __init__(
+        self, name: str, endpoint: str, replay_endpoint: str | None, topic: bytes, curve_server_key: str | None
+    ) -> None:
         self.name = name
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
+        self.curve_server_key = curve_server_key
         self.stream = ProducerStream()
         self.sub: zmq.Socket[bytes] | None = None
         self.dealer: zmq.Socket[bytes] | None = None
@@ -316,12 +337,29 @@ class EventListener:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._decoder = EventDecoder()
+        self._curve_client: tuple[bytes, bytes] | None = None  # (public, secret), made on first use
 
     # -------------------------------------------------------------- control
 
-    def add_producer(self, name: str, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "") -> None:
+    def add_producer(
+        self,
+        name: str,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        curve_server_key: str | None = None,
+    ) -> None:
+        """Subscribe to a producer (replacing one of the same name).
+
+        ``curve_server_key``: the producer's CURVE public key (Z85) when its
+        publisher has CURVE on; None for a plain publisher.
+        """
+        if curve_server_key is not None:
+            _check_curve_key(name, curve_server_key)
+        producer = _Producer(name, endpoint, replay_endpoint, topic.encode(), curve_server_key)
         with self._lock:
-            self._commands.append(("add", _Producer(name, endpoint, replay_endpoint, topic.encode())))
+            self._commands.append(("add", producer))
 
     def remove_producer(self, name: str) -> None:
         with self._lock:
@@ -392,6 +430,7 @@ class EventListener:
                     self._unregister(old, poller)
                 sub = self._ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.LINGER, 0)
+                self._secure(sub, arg)
                 sub.setsockopt(zmq.RCVHWM, 100_000)
                 sub.setsockopt(zmq.SUBSCRIBE, arg.topic)
                 sub.connect(arg.endpoint)
@@ -472,11 +511,23 @@ class EventListener:
         if producer.dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            self._secure(dealer, producer)
             dealer.connect(producer.replay_endpoint)
             producer.dealer = dealer
             poller.register(dealer, zmq.POLLIN)
         producer.dealer.send_multipart((b"", body))
         producer.sync_deadline = time.monotonic() + self._sync_timeout
+
+    def _secure(self, sock: zmq.Socket[bytes], producer: _Producer) -> None:
+        """CURVE client options, before connect (no-op for a plain producer)."""
+        if producer.curve_server_key is None:
+            return
+        if self._curve_client is None:
+            self._curve_client = zmq.curve_keypair()
+        public, secret = self._curve_client
+        sock.setsockopt(zmq.CURVE_SERVERKEY, producer.curve_server_key.encode())
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
 
     def _reset_dealer(self, producer: _Producer, poller: zmq.Poller) -> None:
         # Replies to a timed-out request must not be mistaken for the next one's.

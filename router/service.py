@@ -56,13 +56,18 @@ logger = logging.getLogger(__name__)
 
 
 class ProducerSpec(NamedTuple):
-    """One KV event stream; ``rekey`` when it hashes differently from us (e.g. a vLLM fleet)."""
+    """One KV event stream; ``rekey`` when it hashes differently from us (e.g. a vLLM fleet).
+
+    ``curve_server_key``: the publisher's CURVE public key (Z85) when it runs with CURVE
+    (``events.curve_public_key`` of its config); None for a plain publisher.
+    """
 
     name: str
     endpoint: str
     replay_endpoint: str | None
     rekey: bool = False
     topic: str = ""
+    curve_server_key: str | None = None
 
 
 class ReplicaSpec(NamedTuple):
@@ -200,7 +205,13 @@ class RouterService:
         return list(self._replicas)
 
     def _listen(self, producer: ProducerSpec) -> None:
-        self.listener.add_producer(producer.name, producer.endpoint, producer.replay_endpoint, topic=producer.topic)
+        self.listener.add_producer(
+            producer.name,
+            producer.endpoint,
+            producer.replay_endpoint,
+            topic=producer.topic,
+            curve_server_key=producer.curve_server_key,
+        )
 
     # ----------------------------------------------------------------- routing
 

@@ -1,0 +1,201 @@
+"""Real components for the fault tests (a uniquely named module: tests/ is not a package).
+
+- :class:`HttpFleet`: KV workers (real model, real paged pool, real ZeroMQ
+  publishers) behind the OpenAI-compatible app of ``kvstore worker``, and a
+  :class:`RouterService` over them behind the router app -- every socket on
+  127.0.0.1, free ports. The service is built here rather than from a
+  ``[[router.replicas]]`` config so a test can give a replica's stream a
+  CURVE key or point it at a lossy proxy.
+- :class:`LossyProxy`: SUB from a publisher, PUB to the router, dropping
+  frames with a seeded RNG; the router's replay requests go to the real
+  publisher, as they would across a lossy network.
+- :class:`PoolView`: an independent event subscriber's sink (what
+  ``kvstore events tail`` sees), to check the events themselves.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import zmq
+
+from deploy.worker_http import create_worker_app
+from kvstore.config import Config, config_from_dict
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from router.app import create_app
+from router.backends import HttpBackend
+from router.index import PrefixIndex
+from router.protocol import ModelLimits
+from router.service import ProducerSpec, ReplicaSpec, RouterService
+from router.tokenizer import load_tokenizer
+from tests.http_servers import ServerThread
+from workers.worker import KVWorker
+
+BLOCK = 16
+VOCAB = 512
+LOOPBACK = "tcp://127.0.0.1:*"
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass (bounded: never hangs)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def fault_config(**sections: dict[str, Any]) -> Config:
+    """The toy model on the CPU, a fast health loop; ``sections`` override per section."""
+    tree: dict[str, dict[str, Any]] = {
+        "cache": {"block_size": BLOCK},
+        "pool": {"num_blocks": 256},
+        "worker": {"device": "cpu", "max_context": 1024},
+        "router": {"health_interval_s": 0.2, "unhealthy_after": 1, "vocab_size": VOCAB, "max_context": 1024},
+    }
+    for section, values in sections.items():
+        tree[section] = {**tree.get(section, {}), **values}
+    return config_from_dict(tree)
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+class HttpFleet:
+    """Workers behind HTTP, a RouterService over them, the router app; all on 127.0.0.1."""
+
+    def __init__(
+        self,
+        names: list[str],
+        config: Config | None = None,
+        *,
+        curve_server_key: str | None = None,
+        events_via: Callable[[str, str], str] | None = None,
+    ) -> None:
+        """``events_via(name, endpoint)`` may return another endpoint for the router to subscribe to."""
+        self.config = config or fault_config()
+        self.workers = {name: KVWorker(name, self.config) for name in names}
+        self.servers = {name: ServerThread(create_worker_app(w)).start() for name, w in self.workers.items()}
+        info = next(iter(self.workers.values())).info()
+        self.service = RouterService(
+            self.config, load_tokenizer(""), ModelLimits(info.vocab_size, info.max_context), seed=0
+        )
+        for name, worker in self.workers.items():
+            ep = worker.event_endpoints()
+            endpoint = ep.endpoint if events_via is None else events_via(name, ep.endpoint)
+            backend = HttpBackend(name, self.servers[name].url, timeout_s=self.config.router.request_timeout_s)
+            events = ProducerSpec(f"{name}/events", endpoint, ep.replay_endpoint, curve_server_key=curve_server_key)
+            self.service.add_replica(ReplicaSpec(name, None, backend, events))
+        self.router = ServerThread(create_app(self.service)).start()
+        self.client = httpx.Client(base_url=self.router.url, timeout=30)
+
+    def complete(self, prompt: Any, max_tokens: int = 2, **extra: Any) -> httpx.Response:
+        return self.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, **extra})
+
+    def route(self, prompt: Any, **extra: Any) -> dict[str, Any]:
+        response = self.client.post("/route", json={"prompt": prompt, "max_tokens": 1, **extra})
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    def close(self) -> None:
+        self.client.close()
+        self.router.stop()
+        for name, server in self.servers.items():
+            server.stop()
+            self.workers[name].shutdown()
+
+
+class LossyProxy:
+    """SUB from ``upstream``, PUB on 127.0.0.1, dropping each message with probability ``loss``.
+
+    The RNG is seeded, so the drop pattern is a function of the message
+    order. ``loss`` may be changed while it runs.
+    """
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], upstream: str, loss: float, seed: int) -> None:
+        self.loss = loss
+        self.forwarded = 0
+        self.dropped = 0
+        self._rng = random.Random(seed)
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.connect(upstream)
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self._pub.bind(LOOPBACK)
+        endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT)
+        self.endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lossy-proxy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sub.poll(10):
+                continue
+            frames = self._sub.recv_multipart()
+            if self._rng.random() < self.loss:
+                self.dropped += 1
+                continue
+            self._pub.send_multipart(frames)
+            self.forwarded += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sub.close(linger=0)
+        self._pub.close(linger=0)
+
+
+class PoolView:
+    """A BatchSink: per producer, the multiset of block hashes its events say it holds, and every stored hash."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: dict[str, Counter[int]] = {}
+        self.stored: dict[str, set[int]] = {}
+        self.batches = 0
+
+    def apply_batch(self, producer: str, seq: int, batch: EventBatch) -> None:
+        with self._lock:
+            self.batches += 1
+            blocks = self._blocks.setdefault(producer, Counter())
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    blocks.update(event.block_hashes)
+                    self.stored.setdefault(producer, set()).update(event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    blocks.subtract(event.block_hashes)
+                    blocks += Counter()  # drop the zeros
+                elif isinstance(event, AllBlocksCleared):
+                    blocks.clear()
+
+    def reset_producer(self, producer: str) -> None:
+        with self._lock:
+            self._blocks[producer] = Counter()
+
+    def view(self, producer: str) -> Counter[int]:
+        with self._lock:
+            return Counter(self._blocks.get(producer, Counter()))
+
+
+def held(index: PrefixIndex, producer: str) -> Counter[int]:
+    """What the index believes ``producer`` holds on GPU."""
+    return index.dump().get(producer, {}).get("GPU", Counter())
+
+
+def pool_state(worker: KVWorker) -> Counter[int]:
+    """The worker's true cache: external hash -> number of cached blocks holding it."""
+    return Counter(worker.cached_hashes())
