@@ -35,6 +35,7 @@ from router.protocol import ModelLimits
 from router.service import ProducerSpec, ReplicaSpec, RouterService
 from router.tokenizer import load_tokenizer
 from tests.http_servers import ServerThread
+from workers.api import GenerateRequest
 from workers.worker import KVWorker
 
 BLOCK = 16
@@ -199,3 +200,49 @@ def held(index: PrefixIndex, producer: str) -> Counter[int]:
 def pool_state(worker: KVWorker) -> Counter[int]:
     """The worker's true cache: external hash -> number of cached blocks holding it."""
     return Counter(worker.cached_hashes())
+
+
+class Traffic:
+    """Keeps a worker busy from a background thread: ``concurrency`` requests in flight, until stopped.
+
+    Prompts draw on a few shared prefixes (hits, duplicates) plus random tails
+    (new blocks), so every step changes the pool and publishes a batch. Bounded:
+    stops by itself after ``max_requests``.
+    """
+
+    def __init__(
+        self, worker: KVWorker, seed: int, *, concurrency: int = 8, max_requests: int = 20_000, block: int = 4
+    ) -> None:
+        self.worker = worker
+        self.completed = 0
+        self.failed = 0
+        self._rng = random.Random(seed)
+        self._prefixes = [tokens(self._rng, 3 * block) for _ in range(6)]
+        self._concurrency = concurrency
+        self._max = max_requests
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"traffic-{worker.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        rng = self._rng
+        sent = 0
+        while not self._stop.is_set() and sent < self._max:
+            batch = [
+                GenerateRequest(rng.choice(self._prefixes) + tokens(rng, rng.randint(1, 9)), rng.randint(1, 6))
+                for _ in range(self._concurrency)
+            ]
+            futures = [self.worker.submit(request) for request in batch]
+            sent += len(futures)
+            for future in futures:
+                try:
+                    future.result(timeout=30)
+                    self.completed += 1
+                except Exception:
+                    self.failed += 1
+
+    def stop(self) -> None:
+        """Stop sending; returns once every request sent has finished (the pool is then quiet)."""
+        self._stop.set()
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive(), "traffic did not drain"

@@ -1,0 +1,112 @@
+"""A Ray worker killed in the middle of a burst of requests, behind the real router over HTTP.
+
+Two KVWorkerActor replicas on the session's local Ray cluster, placed and
+wired by the launcher's own code (place_workers, build_service), the router
+app under uvicorn on 127.0.0.1. One worker is killed (``ray.kill``) while it
+runs requests. Every request must end -- no client waits forever -- and,
+since a healthy replica remains, every one must succeed: the ones the dead
+worker held are retried once on the other. The dead worker's blocks leave
+the index within 2 s, and a replacement worker rejoins and is routed to.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from faults_helpers import BLOCK, fault_config, tokens, wait_for
+
+from deploy.launcher import build_service, place_workers, replica_spec
+from kvstore.hashing import to_external
+from router.app import create_app
+from tests.http_servers import ServerThread
+
+CONCURRENT = 40
+CLIENT_TIMEOUT_S = 30.0
+
+
+def post(client: httpx.Client, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    response = client.post("/v1/completions", json=body)
+    return response.status_code, response.json()
+
+
+@pytest.mark.ray
+def test_worker_killed_mid_load_loses_no_request(ray_session: Any) -> None:
+    config = fault_config(router={"health_interval_s": 0.25, "unhealthy_after": 2})
+    workers = place_workers(config, 2, start_index=300)
+    service = build_service(config, workers)
+    server = ServerThread(create_app(service)).start()
+    client = httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(max_connections=64))
+    replacement = None
+    try:
+        rng = random.Random(17)
+        prefix = tokens(rng, 8 * BLOCK)
+        status, first = post(client, {"prompt": [*prefix, 1, 2], "max_tokens": 2})
+        assert status == 200, first
+        victim = next(w for w in workers if w.name == first["kvstore"]["replica"])
+        survivor = next(w for w in workers if w is not victim)
+        hashes = [to_external(h) for h in service.hasher.hash_blocks(prefix)]
+        assert wait_for(lambda: service.index.lookup(hashes).get(victim.name, (0,))[0] == 8, timeout=10)
+
+        # Half the burst shares the victim's cached prefix (routed to it), half is fresh (spread).
+        bodies = [
+            {"prompt": [*prefix, *tokens(rng, 8)] if i % 2 else tokens(rng, 6 * BLOCK), "max_tokens": 24}
+            for i in range(CONCURRENT)
+        ]
+        with ThreadPoolExecutor(CONCURRENT) as pool:
+            futures = [pool.submit(post, client, body) for body in bodies]
+            assert wait_for(lambda: ray.get(victim.handle.load.remote(), timeout=5).running > 0, timeout=20)
+            killed_at = time.monotonic()
+            ray.kill(victim.handle, no_restart=True)
+            # The router drops the dead worker's blocks: no prefix is routed to it any more.
+            assert wait_for(lambda: victim.name not in service.index.lookup(hashes), timeout=5, interval=0.005)
+            removed_s = time.monotonic() - killed_at
+            # Bounded: a request that hangs fails the test instead of hanging it.
+            results = [f.result(timeout=CLIENT_TIMEOUT_S + 10) for f in futures]
+        burst_s = time.monotonic() - killed_at
+
+        failed = [(status, body) for status, body in results if status != 200]
+        for status, body in failed:  # any failure must be a clear error, never a hang or a bare 500
+            assert status in (500, 503) and body["error"]["message"], (status, body)
+        ok = [body for status, body in results if status == 200]
+        retried = [body for body in ok if body["kvstore"]["retried"]]
+        print(
+            f"\nworker death: {len(ok)}/{CONCURRENT} ok, {len(retried)} retried on {survivor.name}, "
+            f"{len(failed)} failed; blocks gone from the index {removed_s:.3f} s after the kill; "
+            f"burst done {burst_s:.2f} s after it"
+        )
+        assert not failed, f"{len(failed)} requests were lost though {survivor.name} was healthy: {failed[:2]}"
+        assert retried, "the victim was killed while running requests: some must have been retried"
+        assert all(body["kvstore"]["replica"] == survivor.name for body in retried)
+        assert removed_s <= 2.0
+        assert wait_for(lambda: client.get("/healthz").json()["healthy_replicas"] == 1, timeout=5)
+        assert set(client.post("/route", json={"prompt": prefix, "max_tokens": 1}).json()["scores"]) == {survivor.name}
+
+        # A replacement joins (launcher code again) and takes traffic: concurrent requests spread over both.
+        (replacement,) = place_workers(config, 1, start_index=310)
+        service.add_replica(replica_spec(replacement))
+        assert wait_for(lambda: client.get("/healthz").json()["healthy_replicas"] == 2, timeout=10)
+        fresh = [tokens(rng, 4 * BLOCK) for _ in range(8)]
+        with ThreadPoolExecutor(len(fresh)) as pool:
+            answers = list(pool.map(lambda p: post(client, {"prompt": p, "max_tokens": 16}), fresh))
+        assert all(status == 200 for status, _ in answers), answers
+        served = [(p, body) for p, (_, body) in zip(fresh, answers, strict=True)]
+        on_new = [p for p, body in served if body["kvstore"]["replica"] == replacement.name]
+        assert on_new, "the replacement worker took none of the requests"
+        # ...and its events reach the index: its cached prefix is routed back to it.
+        probe = {"prompt": [*on_new[0], 5], "max_tokens": 1}
+        assert wait_for(lambda: client.post("/route", json=probe).json()["replica"] == replacement.name, timeout=5)
+
+        for worker in (survivor, replacement):
+            assert wait_for(lambda w=worker: ray.get(w.handle.load.remote(), timeout=5).kv_usage == 0.0, timeout=10)
+            ray.get(worker.handle.check_invariants.remote(), timeout=30)
+    finally:
+        client.close()
+        server.stop()
+        for w in [*workers, *([replacement] if replacement is not None else [])]:
+            ray.kill(w.handle, no_restart=True)
