@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "router.simulate",
     "deploy.serve_cli",
     "benchmarks.pool_bench",
+    "benchmarks.router_bench",
     "benchmarks.ttft_bench",
 )
 

@@ -1,0 +1,478 @@
+"""``kvstore bench router``: the router's prefix index -- ingest, end to end, lookups -- vs Dynamo.
+
+The event streams are recorded from real block pools: the Mooncake
+conversation trace is expanded into ``--block-size``-token blocks (derived
+chain hashes, :mod:`router.mooncake`), each conversation is pinned to one of
+R replicas (by its first conversation-specific block, as a cache-aware
+router would), and each replica is a real :class:`~kvstore.block_pool.BlockPool`
+sized so that the replicas together hold ``--blocks`` blocks. Each request is
+one batch of its pool's events (stores, and the evictions that made room),
+so by the end the index holds about a million blocks and has churned through
+more.
+
+Measured, in one run:
+
+- **ingest**: blocks/s applying the already-decoded batches into a fresh
+  :class:`~router.index.PrefixIndex` (stored + removed blocks / time);
+- **end to end**: blocks/s from R real ZmqEventPublishers on 127.0.0.1 (in a
+  child process, as producers are) through one
+  :class:`~kvstore.subscriber.EventListener` into the index; baseline: the
+  same stream into a listener whose sink only counts (ZMQ + msgspec decode);
+- **lookup**: p50/p99 latency of 32-block queries -- runs of recorded
+  prompts starting at a trace-block boundary, from the shared system prompt
+  (every replica holds it) to conversation blocks (held by one replica, or
+  evicted) -- on the index holding the whole stream, for R = 8 and 64; each
+  query set is timed in 5 passes and the median pass reported; plus a worst
+  case where every replica holds all 32 blocks;
+- **Dynamo** (when ``ai-dynamo-runtime`` is installed): the same batches into
+  ``dynamo._core.RadixTree`` (one ``apply_event`` per event, its JSON
+  pre-encoded outside the timing) and the same queries through
+  ``find_matches``; its per-replica scores are checked against ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from kvstore.block_pool import BlockPool
+from kvstore.config import CacheConfig, EventsConfig
+from kvstore.errors import ConfigError
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvstore.hashing import BlockHasher
+from kvstore.publisher import ZmqEventPublisher
+from kvstore.subscriber import EventListener
+from router.index import PrefixIndex
+from router.mooncake import DEFAULT_TRACE, MOONCAKE_BLOCK_TOKENS, TraceExpander, read_trace
+
+IS_BENCHMARK = True
+QUERY_BLOCKS = 32
+
+
+class Recording(NamedTuple):
+    replicas: int
+    batches: list[tuple[int, EventBatch]]  # (replica, batch) in publish order
+    blocks: int  # stored + removed blocks over all batches
+    queries: list[list[int]]  # 32-block prompt prefixes, external hashes
+    pool_contents: list[set[int]]  # each pool's cached hashes at the end
+
+
+def record(trace_path: str, limit: int | None, replicas: int, total_blocks: int, block_size: int) -> Recording:
+    """Drive one pool per replica with the trace and keep its events, one batch per request."""
+    expander = TraceExpander(BlockHasher("sha256_cbor", "kvstore", block_size), "derived")
+    pools = [BlockPool(max(1, total_blocks // replicas), block_size=block_size) for _ in range(replicas)]
+    batches: list[tuple[int, EventBatch]] = []
+    queries: list[list[int]] = []
+    blocks = 0
+    for request in read_trace(trace_path, limit):
+        expanded = expander.expand(request)
+        anchor = request.hash_ids[1] if len(request.hash_ids) > 1 else request.hash_ids[0]
+        replica = anchor % replicas
+        pool = pools[replica]
+        hits = []
+        for digest in expanded.digests:
+            block = pool.get_cached_block(digest)
+            if block is None:
+                break
+            hits.append(block)
+        wanted = min(len(expanded.digests), pool.num_blocks)
+        pool.touch(hits)
+        new = pool.get_new_blocks(max(0, wanted - len(hits)))
+        allocated = hits + new
+        pool.cache_full_blocks(allocated, expanded.digests, len(hits), wanted, expanded.token_ids)
+        pool.free_blocks(reversed(allocated))
+        events = pool.take_events()
+        blocks += sum(len(e.block_hashes) for e in events if not isinstance(e, AllBlocksCleared))
+        batches.append((replica, EventBatch(request.timestamp_ms / 1000.0, events)))
+        if len(expanded.external) >= QUERY_BLOCKS:
+            queries.append(expanded.external[:QUERY_BLOCKS])  # the prompt's first 32 blocks
+    contents: list[set[int]] = [
+        {b.external_hash for b in pool.cached_blocks() if b.external_hash is not None} for pool in pools
+    ]
+    return Recording(replicas, batches, blocks, queries, contents)
+
+
+def producer_names(replicas: int) -> list[str]:
+    return [f"replica-{i}" for i in range(replicas)]
+
+
+def fresh_index(replicas: int) -> PrefixIndex:
+    index = PrefixIndex(CacheConfig())
+    for name in producer_names(replicas):
+        index.add_producer(name, "gpu", [name], node=name)
+    return index
+
+
+def check_index(index: PrefixIndex, recording: Recording) -> None:
+    """The index holds exactly what the pools hold (distinct hashes per replica)."""
+    stats = index.stats()
+    for name, contents in zip(producer_names(recording.replicas), recording.pool_contents, strict=True):
+        held = stats.per_producer[name].held_blocks
+        if held != len(contents):
+            raise RuntimeError(f"{name}: index holds {held} blocks, its pool {len(contents)}")
+
+
+# ------------------------------------------------------------------ ingest
+
+
+def measure_ingest(recording: Recording, repeat: int) -> tuple[float, PrefixIndex]:
+    names = producer_names(recording.replicas)
+    times = []
+    index = fresh_index(recording.replicas)
+    for _ in range(repeat):
+        index = fresh_index(recording.replicas)
+        apply = index.apply_batch
+        start = time.perf_counter()
+        for seq, (replica, batch) in enumerate(recording.batches):
+            apply(names[replica], seq, batch)
+        times.append(time.perf_counter() - start)
+    check_index(index, recording)
+    return recording.blocks / statistics.median(times), index
+
+
+# ------------------------------------------------------------------ lookups
+
+
+class Latency(NamedTuple):
+    p50_us: float
+    p99_us: float
+    mean_us: float
+
+
+def measure_lookups(lookup: Callable[[list[int]], object], queries: list[list[int]], passes: int = 5) -> Latency:
+    """Latency of each query, per pass; the median over passes (one descheduled pass does not set p99)."""
+    for query in queries[:200]:
+        lookup(query)  # warm caches and memos
+    clock = time.perf_counter_ns
+    results = []
+    for _ in range(passes):
+        samples = []
+        for query in queries:
+            start = clock()
+            lookup(query)
+            samples.append(clock() - start)
+        samples.sort()
+        results.append(
+            Latency(
+                samples[len(samples) // 2] / 1e3,
+                samples[min(len(samples) - 1, int(0.99 * len(samples)))] / 1e3,
+                statistics.fmean(samples) / 1e3,
+            )
+        )
+    return Latency(*(statistics.median(values) for values in zip(*results, strict=True)))
+
+
+def worst_case_queries(index: PrefixIndex, replicas: int, count: int, rng: random.Random) -> list[list[int]]:
+    """Prefixes every replica holds entirely: the largest possible lookup result."""
+    queries = []
+    for q in range(count):
+        hashes = [rng.getrandbits(64) for _ in range(QUERY_BLOCKS)]
+        event = BlockStored(
+            block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=16,
+            lora_id=None, medium="GPU", lora_name=None,
+        )  # fmt: skip
+        for name in producer_names(replicas):
+            index.apply_batch(name, -1 - q, EventBatch(0.0, [event]))
+        queries.append(hashes)
+    return queries
+
+
+# -------------------------------------------------------------- end to end
+
+
+class CountingSink:
+    """A BatchSink that only counts blocks: the transport's own cost."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def apply_batch(self, producer: str, seq: int, batch: EventBatch) -> None:
+        self.batches += 1
+
+    def reset_producer(self, producer: str) -> None:
+        return None
+
+
+def _publish_process(conn: Connection, recording: Recording) -> None:
+    """Child process: one real publisher per replica; publishes the whole recording on "go"."""
+    config = EventsConfig(buffer_batches=1_000_000, queue_batches=1_000_000, hwm=1_000_000)
+    publishers = [ZmqEventPublisher(config) for _ in range(recording.replicas)]
+    conn.send([(p.endpoint, p.replay_endpoint) for p in publishers])
+    assert conn.recv() == "go"
+    for replica, batch in recording.batches:
+        publishers[replica].publish(batch.events, ts=batch.ts)
+    for publisher in publishers:
+        publisher.flush(timeout=300.0)
+    conn.send("sent")
+    assert conn.recv() == "stop"
+    for publisher in publishers:
+        publisher.close()
+
+
+def measure_end_to_end(recording: Recording) -> tuple[float, float]:
+    """(blocks/s into the index, blocks/s into a counting sink), each through fresh real publishers."""
+    index = fresh_index(recording.replicas)
+    rate = _one_round(recording, index, lambda: sum(s.batches for s in index.stats().per_producer.values()))
+    check_index(index, recording)
+    sink = CountingSink()
+    baseline = _one_round(recording, sink, lambda: sink.batches)
+    return rate, baseline
+
+
+def _one_round(recording: Recording, sink: PrefixIndex | CountingSink, applied: Callable[[], int]) -> float:
+    ctx = multiprocessing.get_context("fork")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=_publish_process, args=(child, recording), daemon=True)
+    process.start()
+    listener = EventListener(sink, sync_timeout_s=30.0)
+    try:
+        for name, (endpoint, replay) in zip(producer_names(recording.replicas), conn.recv(), strict=True):
+            listener.add_producer(name, endpoint, replay)
+        listener.start()
+        time.sleep(1.0)  # the subscriptions must reach the publishers before the first batch
+        start = time.perf_counter()
+        conn.send("go")
+        deadline = start + 300.0
+        total = len(recording.batches)
+        while applied() < total:
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"end to end: only {applied()} of {total} batches arrived in 300 s")
+            time.sleep(0.002)
+        elapsed = time.perf_counter() - start
+        assert conn.recv() == "sent"
+        conn.send("stop")
+        troubled = [h for h in listener.health() if h.gaps or h.lossy or h.decode_errors]
+        if troubled:
+            raise RuntimeError(f"end to end: the stream was not clean: {troubled}")
+    finally:
+        listener.close()
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    return recording.blocks / elapsed
+
+
+# ------------------------------------------------------------------- Dynamo
+
+
+def load_dynamo() -> Any | None:
+    """``dynamo._core.RadixTree`` if ai-dynamo-runtime is installed, else None."""
+    os.environ.setdefault("DYN_LOG", "error")  # it logs every missed removal otherwise
+    try:
+        from dynamo._core import RadixTree
+    except ImportError:
+        return None
+    return RadixTree
+
+
+def dynamo_events(recording: Recording) -> list[tuple[int, bytes | None]]:
+    """Dynamo's KvCacheEvent JSON per event (None: clear that worker), encoded ahead of timing."""
+    out: list[tuple[int, bytes | None]] = []
+    event_id = 0
+    for replica, batch in recording.batches:
+        for event in batch.events:
+            event_id += 1
+            if isinstance(event, BlockStored):
+                blocks = [{"block_hash": h, "tokens_hash": h} for h in event.block_hashes]
+                data: dict[str, Any] = {"stored": {"parent_hash": event.parent_block_hash, "blocks": blocks}}
+            elif isinstance(event, BlockRemoved):
+                data = {"removed": {"block_hashes": event.block_hashes}}
+            else:
+                out.append((replica, None))
+                continue
+            out.append((replica, json.dumps({"event_id": event_id, "data": data}).encode()))
+    return out
+
+
+def measure_dynamo(
+    radix_tree_class: Any, recording: Recording, events: list[tuple[int, bytes | None]]
+) -> tuple[float, Any, int]:
+    tree = radix_tree_class()
+    apply, clear = tree.apply_event, tree.clear_all_blocks
+    failures = 0
+    start = time.perf_counter()
+    for replica, payload in events:
+        if payload is None:
+            clear(replica)
+            continue
+        try:
+            apply(replica, payload)
+        except RuntimeError:
+            failures += 1  # it refuses a store whose parent it lost, and a removal it never saw
+    elapsed = time.perf_counter() - start
+    return recording.blocks / elapsed, tree, failures
+
+
+def _scores_of(tree: Any) -> Callable[[list[int]], object]:
+    """Dynamo's lookup with its per-worker scores materialised, as ours returns per-replica counts."""
+    return lambda query: tree.find_matches(query).scores
+
+
+def agreement(index: PrefixIndex, tree: Any, queries: list[list[int]], replicas: int) -> float:
+    """Fraction of queries where Dynamo's per-worker scores equal our per-replica prefix lengths."""
+    names = producer_names(replicas)
+    same = 0
+    for query in queries:
+        ours = {names.index(name): counts.total for name, counts in index.lookup(query).items()}
+        theirs = {worker: score for (worker, _), score in tree.find_matches(query).scores.items() if score}
+        same += ours == theirs
+    return same / len(queries) if queries else 1.0
+
+
+# --------------------------------------------------------------------- run
+
+
+def run(args: argparse.Namespace) -> int:
+    replica_counts = sorted({int(r) for r in str(args.replicas).split(",") if r.strip()})
+    if not replica_counts or min(replica_counts) < 1:
+        raise ConfigError("--replicas must list positive counts, e.g. 8,64")
+    for flag in ("block_size", "lookup_block_size"):
+        size = getattr(args, flag)
+        if size < 1 or MOONCAKE_BLOCK_TOKENS % size:
+            raise ConfigError(f"--{flag.replace('_', '-')} must divide {MOONCAKE_BLOCK_TOKENS}")
+    if args.blocks < 1 or args.repeat < 1 or args.queries < 1 or (args.limit is not None and args.limit < 1):
+        raise ConfigError("--blocks, --repeat, --queries and --limit must be >= 1")
+    rng = random.Random(0)
+    radix_tree = None if args.no_dynamo else load_dynamo()
+    report: dict[str, Any] = {
+        "block_size": args.block_size,
+        "lookup_block_size": args.lookup_block_size,
+        "target_blocks": args.blocks,
+        "per_replicas": {},
+    }
+    for replicas in replica_counts:
+        result: dict[str, Any] = {}
+        dynamo: dict[str, Any] = {}
+        # 1. The event stream at vLLM's block size: ingest, end to end, Dynamo's ingest.
+        started = time.perf_counter()
+        stream = record(args.trace, args.limit, replicas, args.blocks, args.block_size)
+        result["record_s"] = time.perf_counter() - started
+        ingest, index = measure_ingest(stream, args.repeat)
+        result.update(batches=len(stream.batches), blocks=stream.blocks, ingest_blocks_per_s=ingest)
+        result["ingest_index_nodes"] = len(index)
+        del index
+        if replicas == min(replica_counts) and not args.no_e2e:
+            result["e2e_blocks_per_s"], result["e2e_baseline_blocks_per_s"] = measure_end_to_end(stream)
+        if radix_tree is not None:
+            dynamo["ingest_blocks_per_s"], tree, dynamo["rejected_events"] = measure_dynamo(
+                radix_tree, stream, dynamo_events(stream)
+            )
+            del tree
+        del stream
+        # 2. Lookups: prompts' first 32 blocks, on an index of the whole trace at a larger block size.
+        lookups = record(args.trace, args.lookup_limit, replicas, args.blocks, args.lookup_block_size)
+        index = fresh_index(replicas)
+        for seq, (replica, batch) in enumerate(lookups.batches):
+            index.apply_batch(producer_names(replicas)[replica], seq, batch)
+        check_index(index, lookups)
+        stats = index.stats()
+        queries = rng.sample(lookups.queries, min(args.queries, len(lookups.queries)))
+        latency = measure_lookups(index.lookup, queries)
+        result.update(
+            index_nodes=stats.nodes,
+            index_entries=stats.entries,
+            lookup_p50_us=latency.p50_us,
+            lookup_p99_us=latency.p99_us,
+            lookup_mean_us=latency.mean_us,
+            lookup_mean_matching_replicas=statistics.fmean(len(index.lookup(q)) for q in queries),
+        )
+        if radix_tree is not None:
+            _, tree, _ = measure_dynamo(radix_tree, lookups, dynamo_events(lookups))
+            theirs = measure_lookups(_scores_of(tree), queries)
+            dynamo.update(
+                lookup_p50_us=theirs.p50_us,
+                lookup_p99_us=theirs.p99_us,
+                agreement=agreement(index, tree, queries[:500], replicas),
+            )
+            result["dynamo"] = dynamo
+            del tree
+        worst = measure_lookups(index.lookup, worst_case_queries(index, replicas, 500, rng))
+        result.update(lookup_worst_case_p50_us=worst.p50_us, lookup_worst_case_p99_us=worst.p99_us)
+        report["per_replicas"][str(replicas)] = result
+        del index, lookups
+    _summarise(report, radix_tree is not None)
+    _print(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _summarise(report: dict[str, Any], with_dynamo: bool) -> None:
+    """Top-level numbers: the least favourable over the replica counts measured."""
+    runs = list(report["per_replicas"].values())
+    report["ingest_blocks_per_s"] = min(r["ingest_blocks_per_s"] for r in runs)
+    e2e = [r for r in runs if "e2e_blocks_per_s" in r]
+    report["e2e_blocks_per_s"] = e2e[0]["e2e_blocks_per_s"] if e2e else None
+    report["e2e_baseline_blocks_per_s"] = e2e[0]["e2e_baseline_blocks_per_s"] if e2e else None
+    report["lookup_p50_us"] = max(r["lookup_p50_us"] for r in runs)
+    report["lookup_p99_us"] = max(r["lookup_p99_us"] for r in runs)
+    report["dynamo"] = None
+    if with_dynamo:
+        report["dynamo"] = {
+            "ingest_blocks_per_s": min(r["dynamo"]["ingest_blocks_per_s"] for r in runs),
+            "lookup_p50_us": max(r["dynamo"]["lookup_p50_us"] for r in runs),
+            "lookup_p99_us": max(r["dynamo"]["lookup_p99_us"] for r in runs),
+        }
+        report["ingest_ratio_vs_dynamo"] = report["ingest_blocks_per_s"] / report["dynamo"]["ingest_blocks_per_s"]
+        report["lookup_p99_ratio_dynamo_over_ours"] = report["dynamo"]["lookup_p99_us"] / report["lookup_p99_us"]
+
+
+def _print(report: dict[str, Any]) -> None:
+    print(
+        f"router index benchmark: ~{report['target_blocks']:,} blocks held; stream of {report['block_size']}-token "
+        f"blocks (ingest), lookups on {report['lookup_block_size']}-token blocks (32-block prompt prefixes)"
+    )
+    header = f"{'replicas':>8}{'nodes':>11}{'ingest blk/s':>15}{'p50 us':>9}{'p99 us':>9}{'worst p99':>11}"
+    print(header + f"{'dyn blk/s':>12}{'dyn p99':>9}")
+    for replicas, r in report["per_replicas"].items():
+        dyn = r.get("dynamo")
+        dynamo_cols = (
+            f"{dyn['ingest_blocks_per_s']:>12,.0f}{dyn['lookup_p99_us']:>9.1f}" if dyn else f"{'-':>12}{'-':>9}"
+        )
+        print(
+            f"{replicas:>8}{r['index_nodes']:>11,}{r['ingest_blocks_per_s']:>15,.0f}{r['lookup_p50_us']:>9.1f}"
+            f"{r['lookup_p99_us']:>9.1f}{r['lookup_worst_case_p99_us']:>11.1f}" + dynamo_cols
+        )
+    if report["e2e_blocks_per_s"] is not None:
+        print(
+            f"end to end (ZMQ publishers -> listener -> index): {report['e2e_blocks_per_s']:,.0f} blocks/s; "
+            f"transport alone: {report['e2e_baseline_blocks_per_s']:,.0f} blocks/s"
+        )
+    if report["dynamo"] is not None:
+        print(
+            f"vs Dynamo RadixTree: ingest {report['ingest_ratio_vs_dynamo']:.2f}x, "
+            f"lookup p99 {report['lookup_p99_ratio_dynamo_over_ours']:.2f}x faster"
+        )
+    else:
+        print("Dynamo: not installed (pip install ai-dynamo-runtime to compare)")
+
+
+def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("router", help="prefix index ingest, end-to-end and lookup speed (vs Dynamo's RadixTree)")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
+    p.add_argument("--limit", type=int, default=3000, help="requests taken from the trace")
+    p.add_argument("--replicas", default="8,64", help="comma-separated replica counts (default 8,64)")
+    p.add_argument("--blocks", type=int, default=1_100_000, help="blocks the replicas' pools hold together")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (vLLM's default)")
+    p.add_argument("--repeat", type=int, default=3, help="ingest runs; the median is reported")
+    p.add_argument("--queries", type=int, default=2000, help="lookups per pass (5 passes) per replica count")
+    p.add_argument(
+        "--lookup-block-size",
+        type=int,
+        default=64,
+        help="block size of the lookup index: 32-block prompt prefixes then span 4 trace blocks (default 64)",
+    )
+    p.add_argument("--lookup-limit", type=int, default=None, help="requests for the lookup index (default: all)")
+    p.add_argument("--no-e2e", action="store_true", help="skip the ZeroMQ end-to-end measurement")
+    p.add_argument("--no-dynamo", action="store_true", help="skip Dynamo even if installed")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.set_defaults(func=run)
