@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "deploy.serve_cli",
     "benchmarks.pool_bench",
     "benchmarks.router_bench",
+    "benchmarks.offload_bench",
     "benchmarks.ttft_bench",
 )
 

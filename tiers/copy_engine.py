@@ -6,7 +6,9 @@ large span.
 
 - Host tensors (a CPU worker's pool, the tier store's own staging): the
   runs are split by rows across a thread pool; ``torch`` copies release the
-  GIL, so the copy overlaps the caller's compute.
+  GIL, so the copy overlaps the caller's compute. Batches of at most 1 MiB
+  are copied on the caller's thread, where a hand-off would cost more than
+  the copy.
 - CUDA tensors (*CUDA path*, kept thin; no GPU on the development
   machines, so it is exercised only where one exists): the arena is
   registered once per process as pinned memory (``cudaHostRegister``), the
@@ -30,7 +32,8 @@ import torch
 
 from tiers.errors import InvalidBlockError, TierError
 
-_MIN_SPLIT_BYTES = 1 << 20  # below this a batch is one task: a thread hop costs more than it saves
+_INLINE_BYTES = 1 << 20  # up to this a batch is copied on the caller's thread (a hand-off costs more)
+_MIN_SPLIT_BYTES = 4 << 20  # below this a batch is one task: splitting it costs more than it saves
 
 
 class Run(NamedTuple):
@@ -56,12 +59,19 @@ def block_rows(tensor: torch.Tensor, block_bytes: int) -> torch.Tensor:
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     """Runs of pairs that advance together by one row, in the order given."""
+    if len(src) != len(dst):
+        raise InvalidBlockError(f"{len(src)} source rows but {len(dst)} destination rows")
     runs: list[Run] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs and s == runs[-1].src + runs[-1].length and d == runs[-1].dst + runs[-1].length:
-            runs[-1] = runs[-1]._replace(length=runs[-1].length + 1)
+    if not src:
+        return runs
+    start_s, start_d, length = src[0], dst[0], 1
+    for s, d in zip(src[1:], dst[1:], strict=True):
+        if s == start_s + length and d == start_d + length:
+            length += 1
         else:
-            runs.append(Run(s, d, 1))
+            runs.append(Run(start_s, start_d, length))
+            start_s, start_d, length = s, d, 1
+    runs.append(Run(start_s, start_d, length))
     return runs
 
 
@@ -120,29 +130,40 @@ class CopyEngine:
     def _submit(
         self, src: torch.Tensor, src_rows: Sequence[int], dst: torch.Tensor, dst_rows: Sequence[int]
     ) -> Future[None]:
-        if len(src_rows) != len(dst_rows):
-            raise InvalidBlockError(f"{len(src_rows)} source rows but {len(dst_rows)} destination rows")
         _check_rows(src_rows, src.shape[0], "source")
         _check_rows(dst_rows, dst.shape[0], "destination")
-        runs = coalesce(src_rows, dst_rows)
+        runs = coalesce(src_rows, dst_rows)  # (raises if the lengths differ)
         if src.is_cuda or dst.is_cuda:
             if self._cuda is None:
                 raise TierError("a CUDA tensor was given but this copy engine was built without pinning (pin=False)")
             return self._cuda.copy(src, dst, runs)
-        parts = 1 if len(src_rows) * self.block_bytes < _MIN_SPLIT_BYTES else self._threads
-        groups = split_runs(runs, parts) if runs else []
-        return _gather([self._pool.submit(_copy_runs, src, dst, group) for group in groups])
+        nbytes = len(src_rows) * self.block_bytes
+        if nbytes <= _INLINE_BYTES:
+            # Tens of microseconds of copying: a thread hand-off (and the wake-up after it) costs more.
+            done: Future[None] = Future()
+            try:
+                _copy_runs(src, dst, runs)
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+            return done
+        parts = 1 if nbytes < _MIN_SPLIT_BYTES else self._threads
+        return _gather([self._pool.submit(_copy_runs, src, dst, group) for group in split_runs(runs, parts)])
 
 
 def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[Run]) -> None:
     for s, d, n in runs:
-        dst[d : d + n].copy_(src[s : s + n])
+        if n == 1:  # scattered blocks are the common case; an index is cheaper than a slice
+            dst[d].copy_(src[s])
+        else:
+            dst[d : d + n].copy_(src[s : s + n])
 
 
 def _check_rows(rows: Sequence[int], limit: int, what: str) -> None:
-    for row in rows:
-        if not 0 <= row < limit:
-            raise InvalidBlockError(f"{what} row {row} is outside 0..{limit - 1}")
+    if rows and (min(rows) < 0 or max(rows) >= limit):
+        bad = next(row for row in rows if not 0 <= row < limit)
+        raise InvalidBlockError(f"{what} row {bad} is outside 0..{limit - 1}")
 
 
 def _gather(parts: list[Future[None]]) -> Future[None]:

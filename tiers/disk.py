@@ -47,7 +47,7 @@ import threading
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -290,8 +290,7 @@ class DiskTier:
         head = _aligned_copy(header) if direct else memoryview(header)
         try:
             async with aiofiles.open(temp, "xb", buffering=0, opener=_opener(direct), executor=self._executor) as fh:
-                await _write_all(fh, head)
-                await _write_all(fh, payload)
+                await _write_all(fh, [head, payload], self._executor)
                 if self._fsync:
                     await asyncio.get_running_loop().run_in_executor(self._executor, os.fsync, fh.fileno())
             await aiofiles.os.replace(temp, final, executor=self._executor)
@@ -348,9 +347,9 @@ class DiskTier:
             size = os.fstat(fh.fileno()).st_size
             if size != self.file_bytes:
                 raise IntegrityError("short_read" if size < self.file_bytes else "bad_length", f"file is {size} bytes")
-            got = await _read_full(fh, head)
+            got = await _read_full(fh, [head, out], self._executor)
             header = decode_header(
-                head[:got],
+                head[: min(got, hlen)],
                 identity_digest=self._digest,
                 block_size=self.identity.block_size,
                 block_bytes=self.block_bytes,
@@ -359,8 +358,7 @@ class DiskTier:
                 raise IntegrityError("wrong_hash", f"file holds block {header.meta.block_hash:#x}")
             if header.meta != meta:
                 raise IntegrityError("wrong_tokens", "file holds other tokens or another parent for this hash")
-            got = await _read_full(fh, out)
-        verify(header, out[:got])
+        verify(header, out[: max(got - hlen, 0)])
 
     def _make_room(self) -> bool:
         """Evict LRU files until one more (beside those in flight) fits under the limit."""
@@ -482,25 +480,46 @@ class DiskTier:
             assert block_hash not in self._index, f"block {block_hash:#x} is both stored and being written"
 
 
-async def _write_all(fh: Any, view: memoryview) -> None:
-    """Write every byte of ``view`` (raw file objects may write less than asked)."""
-    done = 0
-    while done < view.nbytes:
-        written = await fh.write(view[done:])
+_pwritev = aiofiles.os.wrap(os.pwritev)  # type: ignore[attr-defined]
+_preadv = aiofiles.os.wrap(os.preadv)  # type: ignore[attr-defined]
+
+
+async def _write_all(fh: Any, views: list[memoryview], executor: Executor) -> None:
+    """Write ``views`` back to back from offset 0: one vectored write, so header and payload are
+    one device I/O (raw and O_DIRECT files may write less than asked; the rest follows)."""
+    offset = 0
+    pending = views
+    while pending:
+        written = await _pwritev(fh.fileno(), pending, offset, executor=executor)
         if not written:
             raise OSError(errno.EIO, "write made no progress")
-        done += written
+        offset += written
+        pending = _advance(pending, written)
 
 
-async def _read_full(fh: Any, view: memoryview) -> int:
-    """Fill ``view`` from the file; fewer bytes only at end of file."""
-    done = 0
-    while done < view.nbytes:
-        got = await fh.readinto(view[done:])
+async def _read_full(fh: Any, views: list[memoryview], executor: Executor) -> int:
+    """Fill ``views`` back to back from offset 0 with vectored reads; fewer bytes only at end of file."""
+    offset = 0
+    pending = views
+    while pending:
+        got = await _preadv(fh.fileno(), pending, offset, executor=executor)
         if not got:
             break
-        done += got
-    return done
+        offset += got
+        pending = _advance(pending, got)
+    return offset
+
+
+def _advance(views: list[memoryview], done: int) -> list[memoryview]:
+    """What is left of ``views`` after their first ``done`` bytes."""
+    rest = []
+    for view in views:
+        if done >= view.nbytes:
+            done -= view.nbytes
+            continue
+        rest.append(view[done:])
+        done = 0
+    return rest
 
 
 def _opener(direct: bool) -> Callable[[str, int], int]:

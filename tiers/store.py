@@ -38,6 +38,7 @@ import asyncio
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,22 @@ from tiers.errors import InvalidBlockError, LeaseError
 from tiers.identity import CacheIdentity
 from tiers.shared_memory import ArenaInfo, SharedSlots
 from tiers.stats import DISK_READ, DISK_WRITE, PROMOTE, SPILL, StoreCounters, TierStats
+
+_CHUNK_BYTES = 16 * 1024 * 1024
+
+
+def _rows(rows: Sequence[int] | None, count: int, limit: int) -> Sequence[int]:
+    """The tensor rows of ``count`` blocks (default ``0..count-1``), checked against ``limit`` rows."""
+    if rows is None:
+        if count > limit:
+            raise InvalidBlockError(f"{count} blocks but the tensor has {limit} rows")
+        return range(count)
+    if len(rows) != count:
+        raise InvalidBlockError(f"{count} blocks but {len(rows)} rows")
+    for row in rows:
+        if not 0 <= row < limit:
+            raise InvalidBlockError(f"row {row} is outside the tensor's 0..{limit - 1}")
+    return rows
 
 
 class EventEndpoints(NamedTuple):
@@ -216,37 +233,46 @@ class TierStore:
 
     # ------------------------------------------------------------------- spill
 
-    async def put(self, blocks: Sequence[BlockMeta], data: torch.Tensor) -> int:
-        """Spill ``data[i]`` as ``blocks[i]``: reserve, copy (copy engine), commit.
+    async def put(self, blocks: Sequence[BlockMeta], data: torch.Tensor, rows: Sequence[int] | None = None) -> int:
+        """Spill ``blocks``: reserve, copy (copy engine), commit.
 
-        ``data`` is block-major (``[len(blocks), *identity.block_shape]`` or
-        any contiguous tensor with those bytes per row). Batches larger than
-        the arena go in chunks of the slots no lease pins, so early blocks of
-        a long batch are written back to disk to make room for later ones. Returns how
-        many blocks were newly stored; the rest were held already or not
-        stored (counted).
+        ``data`` is block-major (any contiguous tensor with the identity's
+        block bytes per row); block ``i`` comes from row ``rows[i]`` (default
+        ``i``) -- pass a worker's whole pool and the evicted block ids.
+        Long batches go in chunks: the next chunk's bookkeeping overlaps the
+        current chunk's copy, and once the arena is full earlier blocks are
+        written back to disk to make room. Returns how many blocks were newly
+        stored; the rest were held already or not stored (counted).
         """
-        rows = block_rows(data, self.identity.block_bytes)
-        if rows.shape[0] != len(blocks):
-            raise InvalidBlockError(f"{len(blocks)} blocks but {rows.shape[0]} rows of data")
+        source = block_rows(data, self.identity.block_bytes)
+        rows = _rows(rows, len(blocks), source.shape[0])
         stored = 0
-        first = 0
-        while first < len(blocks):
-            # At most the slots no lease pins: a chunk never waits on its own write leases.
-            chunk = max(1, self._cpu.num_slots - self._cpu.num_leased_slots)
-            grants = await self.reserve(blocks[first : first + chunk])
-            chosen = [(first + row, grant) for row, grant in enumerate(grants) if grant is not None]
-            first += chunk
-            if not chosen:
-                continue
-            try:
-                await asyncio.wrap_future(
-                    self._copy_engine().spill(rows, [row for row, _ in chosen], [g.slot for _, g in chosen])
-                )
-            except BaseException:
-                self.release([g.lease_id for _, g in chosen])
-                raise
-            stored += await self.commit([g.lease_id for _, g in chosen])
+        inflight: tuple[Future[None], list[int]] | None = None  # a copy under way and its write leases
+        try:
+            first = 0
+            while first < len(blocks):
+                if inflight is not None and not self._room_for_another_chunk():
+                    stored += await self._finish_spill(inflight)
+                    inflight = None
+                chunk = self._chunk_blocks()
+                grants = await self.reserve(blocks[first : first + chunk])
+                chosen = [(rows[first + i], g) for i, g in enumerate(grants) if g is not None]
+                first += chunk
+                copy = None
+                if chosen:
+                    future = self._copy_engine().spill(source, [r for r, _ in chosen], [g.slot for _, g in chosen])
+                    copy = (future, [g.lease_id for _, g in chosen])
+                if inflight is not None:
+                    stored += await self._finish_spill(inflight)
+                inflight = copy
+            if inflight is not None:
+                stored += await self._finish_spill(inflight)
+                inflight = None
+        except BaseException:
+            if inflight is not None:
+                await asyncio.wait([asyncio.wrap_future(inflight[0])])
+                self.release([i for i in inflight[1] if self._cpu.holds(i)])
+            raise
         return stored
 
     async def reserve(self, blocks: Sequence[BlockMeta]) -> list[SlotGrant | None]:
@@ -362,31 +388,52 @@ class TierStore:
             self._cpu.release(lease.lease_id)
         self._publish()
 
-    async def get(self, blocks: Sequence[BlockMeta], out: torch.Tensor | None = None) -> TierGet:
+    async def get(
+        self, blocks: Sequence[BlockMeta], out: torch.Tensor | None = None, rows: Sequence[int] | None = None
+    ) -> TierGet:
         """Read back the longest held prefix of ``blocks``: acquire, copy (copy engine), release.
 
-        Copies into ``out[:n]`` when given (block-major, at least
-        ``len(blocks)`` rows), else into a new tensor ``[n, *block_shape]``.
-        Goes in chunks of the slots no lease pins, so a prefix longer than
-        the arena works.
+        Block ``i`` goes to row ``rows[i]`` (default ``i``) of ``out``
+        (block-major; default a new ``[len(blocks), *block_shape]`` tensor).
+        ``TierGet.data`` is ``out[:n]``, or all of ``out`` when ``rows`` were
+        given. Goes in chunks, the next chunk's bookkeeping (and disk reads)
+        overlapping the current chunk's copy, so a prefix longer than the
+        arena works.
         """
         if out is None:
+            if rows is not None:
+                raise InvalidBlockError("rows need an out tensor to index")
             out = torch.empty((len(blocks), *self.identity.block_shape), dtype=self.identity.torch_dtype)
-        if out.shape[0] < len(blocks):
-            raise InvalidBlockError(f"out has {out.shape[0]} rows for {len(blocks)} blocks")
-        rows = block_rows(out, self.identity.block_bytes) if len(blocks) else out
+        target = block_rows(out, self.identity.block_bytes)
+        explicit_rows = rows is not None
+        rows = _rows(rows, len(blocks), target.shape[0])
         media: list[str] = []
-        while len(media) < len(blocks):
-            grants = await self.acquire(blocks[len(media) :])
-            if not grants:
-                break
-            try:
-                destination = range(len(media), len(media) + len(grants))
-                await asyncio.wrap_future(self._copy_engine().promote([g.slot for g in grants], rows, destination))
-            finally:
-                self.release([g.lease_id for g in grants])
-            media.extend(g.medium for g in grants)
-        return TierGet(len(media), tuple(media), out[: len(media)])
+        inflight: tuple[Future[None], list[int]] | None = None  # a copy under way and its read leases
+        try:
+            while len(media) < len(blocks):
+                if inflight is not None and not self._room_for_another_chunk():
+                    await self._finish_promote(inflight)
+                    inflight = None
+                position = len(media)
+                grants = await self.acquire(blocks[position : position + self._chunk_blocks()])
+                if not grants:
+                    break
+                destination = rows[position : position + len(grants)]
+                future = self._copy_engine().promote([g.slot for g in grants], target, destination)
+                media.extend(g.medium for g in grants)
+                if inflight is not None:
+                    await self._finish_promote(inflight)
+                inflight = (future, [g.lease_id for g in grants])
+            if inflight is not None:
+                await self._finish_promote(inflight)
+                inflight = None
+        except BaseException:
+            if inflight is not None:
+                await asyncio.wait([asyncio.wrap_future(inflight[0])])
+                self.release([i for i in inflight[1] if self._cpu.holds(i)])
+            raise
+        count = len(media)
+        return TierGet(count, tuple(media), out if explicit_rows else out[:count])
 
     # ---------------------------------------------------------------- lifetime
 
@@ -415,6 +462,31 @@ class TierStore:
         assert all(self._cpu.holds(lease_id) for lease_id in self._lease_started), "timing kept for an ended lease"
 
     # ---------------------------------------------------------------- internal
+
+    def _chunk_blocks(self) -> int:
+        """Blocks per chunk of put/get: about 16 MiB (large copies, yet several per batch so that
+        bookkeeping overlaps copying), at most half the unleased slots (two chunks in flight)."""
+        available = self._cpu.num_slots - self._cpu.num_leased_slots
+        return max(1, min(_CHUNK_BYTES // self.identity.block_bytes, available // 2))
+
+    def _room_for_another_chunk(self) -> bool:
+        return self._cpu.num_slots - self._cpu.num_leased_slots >= self._chunk_blocks()
+
+    async def _finish_spill(self, copy: tuple[Future[None], list[int]]) -> int:
+        future, lease_ids = copy
+        try:
+            await asyncio.wrap_future(future)
+        except BaseException:
+            self.release(lease_ids)
+            raise
+        return await self.commit(lease_ids)
+
+    async def _finish_promote(self, copy: tuple[Future[None], list[int]]) -> None:
+        future, lease_ids = copy
+        try:
+            await asyncio.wrap_future(future)
+        finally:
+            self.release(lease_ids)
 
     async def _make_cpu_room(self, count: int) -> None:
         """Free slots until ``count`` are free, writing evicted blocks to disk first."""

@@ -285,7 +285,7 @@ def test_enospc_degrades_to_not_stored_and_shrinks_the_limit(tmp_path: Path, mon
         assert await tier.write(metas[0], views[0])
         assert await tier.write(metas[1], views[1])
 
-        async def disk_full(fh: Any, view: memoryview) -> None:
+        async def disk_full(*args: Any) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(disk_module, "_write_all", disk_full)
@@ -305,7 +305,7 @@ def test_enospc_degrades_to_not_stored_and_shrinks_the_limit(tmp_path: Path, mon
 
 
 def test_other_write_errors_are_counted_by_errno(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def broken(fh: Any, view: memoryview) -> None:
+    async def broken(*args: Any) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
     async def scenario() -> None:
@@ -324,9 +324,9 @@ def test_write_deadline_answers_in_time_and_settles_later(tmp_path: Path, monkey
     real_write_all = disk_module._write_all
     release = asyncio.Event()
 
-    async def stuck(fh: Any, view: memoryview) -> None:
+    async def stuck(*args: Any) -> None:
         await release.wait()
-        await real_write_all(fh, view)
+        await real_write_all(*args)
 
     async def scenario() -> None:
         tier = new_tier(tmp_path, deadline_s=0.2, max_concurrent_io=1)
@@ -359,9 +359,9 @@ def test_read_deadline_is_a_miss_and_the_buffer_is_handed_back_later(
     real_read_full = disk_module._read_full
     release = asyncio.Event()
 
-    async def slow(fh: Any, view: memoryview) -> int:
+    async def slow(*args: Any) -> int:
         await release.wait()
-        return await real_read_full(fh, view)
+        return await real_read_full(*args)
 
     async def scenario() -> None:
         tier = new_tier(tmp_path, deadline_s=0.2)

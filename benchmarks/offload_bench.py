@@ -1,0 +1,539 @@
+"""``kvstore bench offload``: CPU and disk tier bandwidth against same-run physical baselines.
+
+CPU tier -- for each model shape, blocks of a block-major pool tensor are
+spilled into the shared-memory arena by ``TierStore.put(blocks, pool,
+rows)`` in batches of ``--batch-blocks`` blocks at scattered pool rows
+(reserve -> copy engine -> commit, as a worker's eviction does), then read
+back by ``TierStore.get(blocks, pool, rows)`` into other scattered rows
+(acquire -> copy engine -> release). Baseline: one large ``torch`` copy of
+the same total size between the same memories (pool -> arena, arena ->
+pool), i.e. memcpy bandwidth.
+
+Disk tier -- the same blocks are written from arena slots to their files by
+``DiskTier.write`` (``--io`` I/Os in flight), then ``os.sync()``; the page
+cache of the files is dropped (``posix_fadvise(DONTNEED)``) and they are
+read back into arena slots by ``DiskTier.read_into`` (header and checksum
+verified). Baseline: one large sequential O_DIRECT write (then fsync) and
+read of one file of the same size, from page-aligned memory. Where the file
+system rejects O_DIRECT (tmpfs) both sides run buffered and the output says
+so. Use a directory on the disk you want measured (``--disk-dir``; the
+default is the repository's ignored ``out/`` folder), not /dev/shm.
+
+Every number is the median of ``--repeat`` runs; ratios are ours / baseline.
+JSON (``--json``) holds the headline ratios for the 2 MiB Llama-3-8B block
+(or the largest shape measured) under ``cpu`` and ``disk``, all rows, and an
+empty ``ttft`` list (the worker integration adds TTFT later).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from tqdm import tqdm
+
+from kvstore.config import TierConfig
+from kvstore.errors import ConfigError
+from tiers.blocks import BlockMeta
+from tiers.disk import DiskTier
+from tiers.identity import CacheIdentity
+from tiers.shared_memory import SharedSlots
+from tiers.store import TierStore
+
+IS_BENCHMARK = True
+HEADLINE_SHAPE = "llama-3-8b"
+_GB = 1e9
+_CHUNK = 256 * 1024 * 1024
+
+
+def _identity(model: str, layers: int, kv_heads: int, head_dim: int, dtype: str, block_size: int) -> CacheIdentity:
+    return CacheIdentity(
+        model=model,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,  # type: ignore[arg-type]
+        block_size=block_size,
+        hash_algo="sha256_cbor",
+        hash_seed="kvstore",
+    )
+
+
+SHAPES: dict[str, CacheIdentity] = {
+    "tiny": _identity("kvstore-tiny", 2, 2, 32, "float32", 16),  # the built-in worker model: 16 KiB
+    "qwen2.5-0.5b": _identity("Qwen2.5-0.5B", 24, 2, 64, "bfloat16", 16),  # 192 KiB
+    "llama-3-8b": _identity("Llama-3-8B", 32, 8, 128, "float16", 16),  # 2 MiB
+    "llama-3-8b-bs32": _identity("Llama-3-8B", 32, 8, 128, "float16", 32),  # 4 MiB
+    "llama-3-70b": _identity("Llama-3-70B", 80, 8, 128, "float16", 16),  # 5 MiB
+}
+
+
+class CpuRow(NamedTuple):
+    shape: str
+    block_bytes: int
+    blocks: int
+    spill_gbps: float
+    promote_gbps: float
+    memcpy_spill_gbps: float
+    memcpy_promote_gbps: float
+    spill_ratio: float  # median over runs of (spill / the memcpy measured right after it)
+    promote_ratio: float
+
+
+class DiskRow(NamedTuple):
+    shape: str
+    block_bytes: int
+    blocks: int
+    io_mode: str
+    write_gbps: float
+    read_gbps: float
+    baseline_write_gbps: float
+    baseline_read_gbps: float
+    write_ratio: float  # median over runs of (tier / the baseline measured right after it)
+    read_ratio: float
+
+
+def _metas(identity: CacheIdentity, count: int, salt: int) -> list[BlockMeta]:
+    """Distinct blocks per run (a repeated hash would be a duplicate, not a copy)."""
+    size = identity.block_size
+    base = salt * count * size
+    return [
+        BlockMeta((salt << 40) + index + 1, (salt << 40) + index if index else None, tuple(range(base, base + size)))  # type: ignore[arg-type]
+        for index in range(count)
+    ]
+
+
+def _gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / _GB
+
+
+def _ratio(ours: list[float], baseline: list[float]) -> float:
+    """Median of per-run bandwidth ratios (each run's baseline ran right beside it: a busy machine
+    slows both alike, where a ratio of medians would mix quiet and busy moments)."""
+    return statistics.median(base / mine for mine, base in zip(ours, baseline, strict=True))
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- CPU tier
+
+
+def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, progress: tqdm) -> CpuRow:
+    block_bytes = identity.block_bytes
+    count = max(1, args.total_mib * 1024 * 1024 // block_bytes)
+    config = TierConfig(cpu_capacity_bytes=count * block_bytes, copy_threads=args.copy_threads)
+    pool = torch.empty((count, *identity.block_shape), dtype=identity.torch_dtype)
+    pool.view(torch.uint8).random_()  # touched: no page faults inside the timings
+    target = torch.zeros_like(pool)
+    generator = torch.Generator().manual_seed(0)
+    spill_order = torch.randperm(count, generator=generator).tolist()
+    promote_order = torch.randperm(count, generator=generator).tolist()
+    batch = args.batch_blocks
+
+    async def run() -> tuple[list[float], list[float], list[float], list[float]]:
+        store = TierStore(config, identity, arena_name=f"kvstore-bench-{uuid.uuid4().hex[:12]}")
+        arena = store.cpu.slots.tensor
+        flat_pool, flat_target = pool.view(count, -1).view(torch.uint8), target.view(count, -1).view(torch.uint8)
+        # The baselines copy between the same kinds of memory -- pool -> shared arena, shared arena -> pool --
+        # into spare buffers of the same size, so they never disturb the blocks under test.
+        scratch = SharedSlots.create(f"kvstore-bench-{uuid.uuid4().hex[:12]}", count, block_bytes)
+        scratch_arena = scratch.tensor
+        scratch_target = torch.zeros_like(flat_target)
+        spills, promotes, base_spill, base_promote = [], [], [], []
+        try:
+            for rep in range(args.repeat + 1):  # the first round warms up
+                metas = _metas(identity, count, rep)
+                start = time.perf_counter()
+                for first in range(0, count, batch):
+                    rows = spill_order[first : first + batch]
+                    stored = await store.put(metas[first : first + batch], pool, rows)
+                    assert stored == len(rows), "the arena must hold the whole run"
+                spill_s = time.perf_counter() - start
+                memcpy_spill = _timed(lambda: scratch_arena.copy_(flat_pool))
+                progress.update()
+                start = time.perf_counter()
+                for first in range(0, count, batch):
+                    got = await store.get(metas[first : first + batch], target, promote_order[first : first + batch])
+                    assert got.num_blocks == min(batch, count - first), "a block went missing"
+                promote_s = time.perf_counter() - start
+                memcpy_promote = _timed(lambda: scratch_target.copy_(arena))
+                progress.update()
+                for index in (0, count - 1):  # raw bytes: random bits include NaNs, which never compare equal
+                    promoted, spilled = flat_target[promote_order[index]], flat_pool[spill_order[index]]
+                    assert torch.equal(promoted, spilled), "promoted bytes differ from spilled ones"
+                progress.update()
+                if rep:
+                    spills.append(spill_s)
+                    promotes.append(promote_s)
+                    base_spill.append(memcpy_spill)
+                    base_promote.append(memcpy_promote)
+        finally:
+            scratch.close()
+            await store.aclose()
+        return spills, promotes, base_spill, base_promote
+
+    spills, promotes, base_spill, base_promote = asyncio.run(run())
+    total = count * block_bytes
+    return CpuRow(
+        name,
+        block_bytes,
+        count,
+        _gbps(total, spills),
+        _gbps(total, promotes),
+        _gbps(total, base_spill),
+        _gbps(total, base_promote),
+        _ratio(spills, base_spill),
+        _ratio(promotes, base_promote),
+    )
+
+
+# --------------------------------------------------------------------------- disk tier
+
+
+def _direct_supported(directory: Path) -> bool:
+    probe = directory / f".probe-{uuid.uuid4().hex[:8]}"
+    buffer = mmap.mmap(-1, 4096)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            os.write(fd, buffer)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        buffer.close()
+        probe.unlink(missing_ok=True)
+
+
+def _drop_cache(paths: Iterator[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def baseline_write(path: Path, data: memoryview, direct: bool) -> float:
+    """One sequential write of ``data`` to a new file, then fsync; seconds."""
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        done = 0
+        while done < data.nbytes:
+            done += os.write(fd, data[done : done + _CHUNK])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def baseline_read(path: Path, data: memoryview, direct: bool) -> float:
+    """One sequential read of the file into ``data``; seconds (page cache dropped first)."""
+    if not direct:
+        _drop_cache(iter([path]))
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        done = 0
+        while done < data.nbytes:
+            got = os.readv(fd, [data[done : done + _CHUNK]])
+            if not got:
+                raise OSError(f"{path} ended after {done} bytes")
+            done += got
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, root: Path, progress: tqdm) -> DiskRow:
+    block_bytes = identity.block_bytes
+    count = max(1, args.disk_total_mib * 1024 * 1024 // block_bytes)
+    total = count * block_bytes
+    run_dir = root / f"{name}-{uuid.uuid4().hex[:8]}"
+    run_dir.mkdir(parents=True)
+    direct = _direct_supported(run_dir)
+    source = mmap.mmap(-1, total)  # page-aligned, for the baseline
+    source_view = memoryview(source)
+
+    async def run() -> tuple[str, list[float], list[float], list[float], list[float]]:
+        arena = SharedSlots.create(f"kvstore-bench-{uuid.uuid4().hex[:12]}", count, block_bytes)
+        arena.tensor.random_()
+        torch.frombuffer(source_view, dtype=torch.uint8).copy_(arena.tensor.view(-1))
+        writes, reads, base_writes, base_reads = [], [], [], []
+        io_mode = ""
+        try:
+            for rep in range(args.repeat):
+                disk = DiskTier(
+                    run_dir / f"tier-{rep}",
+                    identity,
+                    capacity_bytes=count * (block_bytes + 8192),
+                    deadline_s=args.deadline_s,
+                    max_concurrent_io=args.io,
+                )
+                io_mode = disk.io_mode
+                metas = _metas(identity, count, rep)
+
+                async def write_all(tier: DiskTier = disk, blocks: list[BlockMeta] = metas) -> None:
+                    ok = await asyncio.gather(*(tier.write(m, arena.view(i)) for i, m in enumerate(blocks)))
+                    assert all(ok), f"{ok.count(False)} blocks not stored: {dict(tier.counters.not_stored)}"
+                    os.sync()
+
+                big = run_dir / "baseline.bin"
+                start = time.perf_counter()
+                await write_all()
+                writes.append(time.perf_counter() - start)
+                base_writes.append(baseline_write(big, source_view, direct))
+                progress.update()
+                _drop_cache(disk.path_of(m.block_hash) for m in metas)
+                order = list(reversed(range(count)))  # into other slots than they came from
+                start = time.perf_counter()
+                ok = await asyncio.gather(*(disk.read_into(m, arena.view(order[i])) for i, m in enumerate(metas)))
+                reads.append(time.perf_counter() - start)
+                assert all(ok), f"reads failed: {dict(disk.counters.integrity_failures)}"
+                base_reads.append(baseline_read(big, source_view, direct))
+                progress.update()
+                await disk.aclose()
+                shutil.rmtree(disk.directory.parent)
+                big.unlink()
+                progress.update()
+        finally:
+            arena.close()
+        return io_mode, writes, reads, base_writes, base_reads
+
+    try:
+        io_mode, writes, reads, base_writes, base_reads = asyncio.run(run())
+    finally:
+        source_view.release()
+        source.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if not direct:
+        io_mode += "; baseline buffered + fsync (the file system rejects O_DIRECT)"
+    return DiskRow(
+        name,
+        block_bytes,
+        count,
+        io_mode,
+        _gbps(total, writes),
+        _gbps(total, reads),
+        _gbps(total, base_writes),
+        _gbps(total, base_reads),
+        _ratio(writes, base_writes),
+        _ratio(reads, base_reads),
+    )
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 1024:.0f} KiB" if nbytes < 1024 * 1024 else f"{nbytes / 1024 / 1024:.0f} MiB"
+
+
+def print_tables(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespace, disk_dir: Path) -> None:
+    if cpu:
+        print(
+            f"\nCPU tier: TierStore.put / get at scattered pool rows ({args.copy_threads} copy threads, "
+            f"batches of {args.batch_blocks} blocks) vs one large torch copy of the same size"
+        )
+        print(
+            f"{'shape':<17}{'block':>9}{'blocks':>8}{'spill GB/s':>12}{'promote GB/s':>14}"
+            f"{'memcpy GB/s':>13}{'spill/memcpy':>14}{'promote/memcpy':>16}"
+        )
+        for row in cpu:
+            memcpy = (row.memcpy_spill_gbps + row.memcpy_promote_gbps) / 2
+            print(
+                f"{row.shape:<17}{_mib(row.block_bytes):>9}{row.blocks:>8}{row.spill_gbps:>12.2f}"
+                f"{row.promote_gbps:>14.2f}{memcpy:>13.2f}{row.spill_ratio:>14.2f}{row.promote_ratio:>16.2f}"
+            )
+    if disk:
+        print(f"\nDisk tier: {args.io} I/Os in flight, files under {disk_dir}, vs one large sequential O_DIRECT file")
+        for mode in sorted({row.io_mode for row in disk}):
+            print(f"  I/O mode: {mode}")
+        print(
+            f"{'shape':<17}{'block':>9}{'blocks':>8}{'write GB/s':>12}{'read GB/s':>11}"
+            f"{'base write':>12}{'base read':>11}{'write ratio':>13}{'read ratio':>12}"
+        )
+        for drow in disk:
+            print(
+                f"{drow.shape:<17}{_mib(drow.block_bytes):>9}{drow.blocks:>8}{drow.write_gbps:>12.2f}"
+                f"{drow.read_gbps:>11.2f}{drow.baseline_write_gbps:>12.2f}{drow.baseline_read_gbps:>11.2f}"
+                f"{drow.write_ratio:>13.2f}{drow.read_ratio:>12.2f}"
+            )
+
+
+def _headline(rows: list[Any]) -> Any:
+    for row in rows:
+        if row.shape == HEADLINE_SHAPE:
+            return row
+    return max(rows, key=lambda row: row.block_bytes)
+
+
+def report(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {"cpu": {}, "disk": {}, "ttft": []}
+    if cpu:
+        head = _headline(cpu)
+        result["cpu"] = {
+            "spill_ratio": head.spill_ratio,
+            "promote_ratio": head.promote_ratio,
+            "shape": head.shape,
+            "block_bytes": head.block_bytes,
+            "rows": [row._asdict() for row in cpu],
+        }
+    if disk:
+        dhead = _headline(disk)
+        result["disk"] = {
+            "write_ratio": dhead.write_ratio,
+            "read_ratio": dhead.read_ratio,
+            "shape": dhead.shape,
+            "block_bytes": dhead.block_bytes,
+            "io_mode": dhead.io_mode,
+            "rows": [row._asdict() for row in disk],
+        }
+    result["setup"] = {
+        "total_mib": args.total_mib,
+        "disk_total_mib": args.disk_total_mib,
+        "batch_blocks": args.batch_blocks,
+        "copy_threads": args.copy_threads,
+        "io": args.io,
+        "repeat": args.repeat,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.platform(),
+    }
+    return result
+
+
+def plot(cpu: list[CpuRow], disk: list[DiskRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    panels: list[tuple[Any, list[str], dict[str, list[float]], str]] = [
+        (
+            axes[0],
+            [row.shape for row in cpu],
+            {
+                "spill": [row.spill_gbps for row in cpu],
+                "promote": [row.promote_gbps for row in cpu],
+                "memcpy (pool->arena)": [row.memcpy_spill_gbps for row in cpu],
+                "memcpy (arena->pool)": [row.memcpy_promote_gbps for row in cpu],
+            },
+            "CPU tier vs memcpy",
+        ),
+        (
+            axes[1],
+            [row.shape for row in disk],
+            {
+                "write": [row.write_gbps for row in disk],
+                "read": [row.read_gbps for row in disk],
+                "O_DIRECT write": [row.baseline_write_gbps for row in disk],
+                "O_DIRECT read": [row.baseline_read_gbps for row in disk],
+            },
+            "Disk tier vs one sequential O_DIRECT file",
+        ),
+    ]
+    for axis, labels, series, title in panels:
+        width = 0.8 / max(len(series), 1)
+        for index, (label, values) in enumerate(series.items()):
+            axis.bar([x + index * width for x in range(len(labels))], values, width, label=label)
+        axis.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, rotation=20)
+        axis.set_ylabel("GB/s")
+        axis.set_title(title)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("batch_blocks", "copy_threads", "io", "repeat"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("total_mib", "disk_total_mib"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (0 skips that part)")
+    if args.deadline_s <= 0:
+        raise ConfigError("--deadline-s must be > 0")
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    disk_shapes = [s.strip() for s in args.disk_shapes.split(",") if s.strip()]
+    unknown = sorted(set(shapes + disk_shapes) - set(SHAPES))
+    if unknown:
+        raise ConfigError(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    disk_root = Path(args.disk_dir).expanduser()
+    try:
+        disk_root.mkdir(parents=True, exist_ok=True)
+        disk_dir = Path(tempfile.mkdtemp(prefix="offload-bench-", dir=disk_root))
+    except OSError as exc:
+        raise ConfigError(f"--disk-dir {disk_root}: {exc.strerror}") from None
+    cpu_shapes = shapes if args.total_mib else []
+    disk_shapes = disk_shapes if args.disk_total_mib else []
+    steps = len(cpu_shapes) * 3 * (args.repeat + 1) + len(disk_shapes) * 3 * args.repeat
+    cpu_rows: list[CpuRow] = []
+    disk_rows: list[DiskRow] = []
+    try:
+        with tqdm(total=steps, desc="offload bench", unit="step", disable=args.no_progress) as progress:
+            for name in cpu_shapes:
+                progress.set_postfix_str(f"cpu {name}")
+                cpu_rows.append(measure_cpu(name, SHAPES[name], args, progress))
+            for name in disk_shapes:
+                progress.set_postfix_str(f"disk {name}")
+                disk_rows.append(measure_disk(name, SHAPES[name], args, disk_dir, progress))
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    print_tables(cpu_rows, disk_rows, args, disk_root)
+    result = report(cpu_rows, disk_rows, args)
+    if cpu_rows:
+        print(
+            f"\nheadline ({result['cpu']['shape']}): spill {result['cpu']['spill_ratio']:.2f}x memcpy, "
+            f"promote {result['cpu']['promote_ratio']:.2f}x memcpy (target >= 0.70)"
+        )
+    if disk_rows:
+        print(
+            f"headline ({result['disk']['shape']}): disk write {result['disk']['write_ratio']:.2f}x, "
+            f"read {result['disk']['read_ratio']:.2f}x the O_DIRECT baseline (target >= 0.80)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot(cpu_rows, disk_rows, Path(args.plot))
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("offload", help="CPU and disk tier GB/s vs memcpy and O_DIRECT baselines")
+    p.add_argument("--shapes", default="tiny,qwen2.5-0.5b,llama-3-8b,llama-3-8b-bs32,llama-3-70b")
+    p.add_argument("--disk-shapes", default="qwen2.5-0.5b,llama-3-8b")
+    p.add_argument("--total-mib", type=int, default=1024, help="bytes moved per CPU measurement (0 skips CPU)")
+    p.add_argument("--disk-total-mib", type=int, default=1024, help="bytes per disk measurement (0 skips disk)")
+    p.add_argument("--disk-dir", default="out/offload-bench", help="directory on the disk to measure (not tmpfs)")
+    p.add_argument("--batch-blocks", type=int, default=32, help="blocks per spill / promote call")
+    p.add_argument("--copy-threads", type=int, default=2, help="copy engine threads")
+    p.add_argument("--io", type=int, default=16, help="disk I/Os in flight")
+    p.add_argument("--deadline-s", type=float, default=30.0, help="per-I/O deadline of the disk tier")
+    p.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is reported")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run)
