@@ -1,0 +1,68 @@
+"""``kvstore bench offload`` runs end to end at toy sizes and writes its JSON and plot (no timing is asserted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import offload_bench
+from kvstore.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstore bench`` parser with only this benchmark (as deploy.cli registers it)."""
+    parser = argparse.ArgumentParser(prog="kvstore")
+    bench = parser.add_subparsers(dest="command").add_parser("bench").add_subparsers(dest="bench")
+    offload_bench.add_cli(bench)
+    return parser
+
+
+def test_offload_bench_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    out, plot = tmp_path / "offload.json", tmp_path / "offload.png"
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "offload",
+            "--shapes",
+            "tiny",
+            "--disk-shapes",
+            "tiny",
+            "--total-mib",
+            "2",
+            "--disk-total-mib",
+            "1",
+            "--repeat",
+            "1",
+            "--disk-dir",
+            str(tmp_path / "disk"),
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+            "--no-progress",
+        ]
+    )
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert set(report) >= {"cpu", "disk", "ttft"} and report["ttft"] == []
+    assert isinstance(report["cpu"]["spill_ratio"], float) and isinstance(report["cpu"]["promote_ratio"], float)
+    assert isinstance(report["disk"]["write_ratio"], float) and isinstance(report["disk"]["read_ratio"], float)
+    assert report["cpu"]["rows"][0]["shape"] == "tiny" and report["disk"]["rows"][0]["blocks"] == 64
+    assert plot.stat().st_size > 0
+    assert list((tmp_path / "disk").iterdir()) == []  # its files are cleaned up
+    text = capsys.readouterr().out
+    assert "spill/memcpy" in text and "I/O mode:" in text
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--shapes", "gpt-5", "unknown shape"), ("--repeat", "0", "--repeat"), ("--total-mib", "-1", "--total-mib")],
+)
+def test_offload_bench_rejects_bad_flags(tmp_path: Path, flag: str, value: str, message: str) -> None:
+    args = build_parser().parse_args(["bench", "offload", flag, value, "--disk-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match=message):
+        args.func(args)
