@@ -523,8 +523,9 @@ def run(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("offload", help="CPU and disk tier GB/s vs memcpy and O_DIRECT baselines")
-    p.add_argument("--shapes", default="tiny,qwen2.5-0.5b,llama-3-8b,llama-3-8b-bs32,llama-3-70b")
-    p.add_argument("--disk-shapes", default="qwen2.5-0.5b,llama-3-8b")
+    known = ", ".join(f"{name} ({identity.block_bytes // 1024} KiB)" for name, identity in SHAPES.items())
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"CPU tier shapes, comma-separated: {known}")
+    p.add_argument("--disk-shapes", default="qwen2.5-0.5b,llama-3-8b", help="disk tier shapes, comma-separated")
     p.add_argument("--total-mib", type=int, default=1024, help="bytes moved per CPU measurement (0 skips CPU)")
     p.add_argument("--disk-total-mib", type=int, default=1024, help="bytes per disk measurement (0 skips disk)")
     p.add_argument("--disk-dir", default="out/offload-bench", help="directory on the disk to measure (not tmpfs)")

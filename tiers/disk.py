@@ -31,6 +31,12 @@ Contracts
   (when the file system accepts it and the buffer is 4096-aligned, as arena
   slots are) no page cache copy is made.
 
+I/O: files are opened, closed and renamed with aiofiles on the tier's own
+thread pool (``max_concurrent_io`` threads); header and payload move in one
+vectored ``pwritev`` / ``preadv`` (run through aiofiles' executor wrapper),
+so each block is one device I/O. Eviction unlinks inline: it is a metadata
+operation, and doing it later could delete a newer file of the same block.
+
 Not thread-safe: drive it from one event loop; :meth:`snapshot_events`
 may run on another thread.
 """
@@ -246,6 +252,10 @@ class DiskTier:
         pending = [*self._inflight.values(), *self._late]
         if pending:
             await asyncio.wait(pending, timeout=self._deadline_s)
+        self.close()
+
+    def close(self) -> None:
+        """Stop the I/O threads without waiting (I/O already running finishes on its own)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- internal

@@ -133,6 +133,8 @@ class TierStore:
         except BaseException:
             if self._engine is not None:
                 self._engine.close()
+            if self._disk is not None:
+                self._disk.close()
             self._cpu.close()
             raise
         self._admission = AdmissionFilter(config.admit_after_spills, config.admission_window_blocks)
@@ -404,6 +406,8 @@ class TierStore:
             if rows is not None:
                 raise InvalidBlockError("rows need an out tensor to index")
             out = torch.empty((len(blocks), *self.identity.block_shape), dtype=self.identity.torch_dtype)
+        if not blocks:
+            return TierGet(0, (), out if rows is not None else out[:0])
         target = block_rows(out, self.identity.block_bytes)
         explicit_rows = rows is not None
         rows = _rows(rows, len(blocks), target.shape[0])
@@ -510,6 +514,8 @@ class TierStore:
         started = time.perf_counter()
 
         def settled(ok: bool) -> None:
+            if self._closed:  # settled after aclose() gave up waiting: the arena is gone
+                return
             lease.release()
             if ok:
                 self._counters.offload_bytes[DISK_WRITE] += self.identity.block_bytes
@@ -538,6 +544,8 @@ class TierStore:
         started = time.perf_counter()
 
         def settled(ok: bool) -> None:
+            if self._closed:  # settled after aclose() gave up waiting: the arena is gone
+                return
             # Even after the caller's deadline: a verified read still lands in the CPU tier.
             if ok:
                 self._cpu.commit(write_lease.lease_id)
