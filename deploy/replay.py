@@ -114,6 +114,8 @@ def build_workload(args: argparse.Namespace, shape: ModelShape) -> Workload:
         raise ConfigError(f"--trace {trace}: no such file")
     if args.compare and args.limit is None:
         raise ConfigError("--compare replays the trace three times: pass --limit N to choose the slice")
+    if args.trace is None and trace.is_relative_to(Path.cwd()):
+        trace = trace.relative_to(Path.cwd())  # shorter in the report
     workload = mooncake_workload(
         trace, limit=args.limit, block_tokens=args.block_tokens, max_tokens=args.max_tokens, shape=shape
     )

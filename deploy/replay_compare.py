@@ -49,7 +49,7 @@ RUNS: dict[str, tuple[str, ...]] = {
 }
 """Run label -> config overrides applied after the caller's (so they win)."""
 
-BASE_OVERRIDES: tuple[str, ...] = ("worker.device=cpu", "pool.num_blocks=2048", "tiers.enabled=false")
+BASE_OVERRIDES: tuple[str, ...] = ("worker.device=cpu", "pool.num_blocks=4096", "tiers.enabled=false")
 """Applied before the caller's ``--set``: the small CPU model with a finite GPU-pool cache and no
 lower tiers, so the three runs differ only in routing and caching."""
 
