@@ -86,6 +86,10 @@ def decode_request(body: bytes) -> CompletionRequest:
         return _raise(400, text, param)
     except msgspec.DecodeError as exc:
         return _raise(400, f"request body is not valid JSON: {exc}", None)
+    except UnicodeDecodeError as exc:  # msgspec raises it, not DecodeError, for bad UTF-8 inside a string
+        return _raise(400, f"request body is not valid JSON: invalid UTF-8 in a string ({exc.reason})", None)
+    except RecursionError:  # arrays/objects nested deeper than msgspec's decoder allows
+        return _raise(400, "request body is not valid JSON: nested too deeply", None)
 
 
 def _raise(status: int, message: str, param: str | None) -> Any:

@@ -25,7 +25,7 @@ from deploy.cli import build_parser
 from kvstore.config import EventsConfig, load_config
 from kvstore.errors import ConfigError
 from kvstore.hashing import to_external
-from kvstore.publisher import SNAPSHOT_REQUEST
+from kvstore.publisher import SNAPSHOT_REQUEST, ZmqEventPublisher
 from kvstore.subscriber import EventListener
 
 
@@ -220,7 +220,9 @@ def test_curve_event_stream_reaches_only_subscribers_with_the_server_key(
         assert raw_dealer.poll(500) == 0
         raw_dealer.close(linger=0)
         # Only the key holders' requests ever reached the ROUTER socket.
-        stats = worker.publisher.stats
+        publisher = worker.publisher
+        assert isinstance(publisher, ZmqEventPublisher)
+        stats = publisher.stats
         served = stats.replays_served + stats.snapshots_served
         router_side = fleet.service.listener.health()[0]
         assert served == sum(h.replays + h.snapshots for h in (insider.health()[0], router_side))
