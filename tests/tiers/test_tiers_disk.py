@@ -7,6 +7,7 @@ import errno
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -285,7 +286,7 @@ def test_enospc_degrades_to_not_stored_and_shrinks_the_limit(tmp_path: Path, mon
         assert await tier.write(metas[0], views[0])
         assert await tier.write(metas[1], views[1])
 
-        async def disk_full(*args: Any) -> None:
+        def disk_full(*args: Any) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(disk_module, "_write_all", disk_full)
@@ -305,7 +306,7 @@ def test_enospc_degrades_to_not_stored_and_shrinks_the_limit(tmp_path: Path, mon
 
 
 def test_other_write_errors_are_counted_by_errno(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def broken(*args: Any) -> None:
+    def broken(*args: Any) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
     async def scenario() -> None:
@@ -322,11 +323,11 @@ def test_other_write_errors_are_counted_by_errno(tmp_path: Path, monkeypatch: py
 
 def test_write_deadline_answers_in_time_and_settles_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_write_all = disk_module._write_all
-    release = asyncio.Event()
+    release = threading.Event()
 
-    async def stuck(*args: Any) -> None:
-        await release.wait()
-        await real_write_all(*args)
+    def stuck(*args: Any) -> None:  # runs on an I/O thread: a disk that hangs
+        release.wait(10)
+        real_write_all(*args)
 
     async def scenario() -> None:
         tier = new_tier(tmp_path, deadline_s=0.2, max_concurrent_io=1)
@@ -357,11 +358,11 @@ def test_read_deadline_is_a_miss_and_the_buffer_is_handed_back_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_read_full = disk_module._read_full
-    release = asyncio.Event()
+    release = threading.Event()
 
-    async def slow(*args: Any) -> int:
-        await release.wait()
-        return await real_read_full(*args)
+    def slow(*args: Any) -> int:
+        release.wait(10)
+        return real_read_full(*args)
 
     async def scenario() -> None:
         tier = new_tier(tmp_path, deadline_s=0.2)

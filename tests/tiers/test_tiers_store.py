@@ -194,7 +194,7 @@ def test_corrupt_disk_block_ends_the_hit_and_is_never_served(tmp_path: Path) -> 
 
 
 def test_full_disk_degrades_spill_without_raising(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def disk_full(*args: Any) -> None:
+    def disk_full(*args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     async def scenario() -> None:
