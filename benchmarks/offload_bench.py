@@ -15,11 +15,14 @@ cache of the files is dropped (``posix_fadvise(DONTNEED)``) and they are
 read back into arena slots by ``DiskTier.read_into`` (header and checksum
 verified). Baseline: one large sequential O_DIRECT write (then fsync) and
 read of one file of the same size, from page-aligned memory. Where the file
-system rejects O_DIRECT (tmpfs) both sides run buffered and the output says
-so. Use a directory on the disk you want measured (``--disk-dir``; the
-default is the repository's ignored ``out/`` folder), not /dev/shm.
+system rejects O_DIRECT (tmpfs before Linux 6.6, some network file systems)
+both sides run buffered and the output says so. Use a directory on the disk
+you want measured (``--disk-dir``; the default is the repository's ignored
+``out/`` folder), not /dev/shm.
 
-Every number is the median of ``--repeat`` runs; ratios are ours / baseline.
+Every GB/s is the median of ``--repeat`` runs; each ratio is the median of
+per-run ratios, each baseline measured right beside the run it is compared
+with.
 JSON (``--json``) holds the headline ratios for the 2 MiB Llama-3-8B block
 (or the largest shape measured) under ``cpu`` and ``disk``, all rows, and an
 empty ``ttft`` list (the worker integration adds TTFT later).
@@ -48,7 +51,7 @@ from tqdm import tqdm
 from kvstore.config import TierConfig
 from kvstore.errors import ConfigError
 from tiers.blocks import BlockMeta
-from tiers.disk import DiskTier
+from tiers.disk import DiskTier, direct_io_refusal
 from tiers.identity import CacheIdentity
 from tiers.shared_memory import SharedSlots
 from tiers.store import TierStore
@@ -207,23 +210,6 @@ def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, pr
 # --------------------------------------------------------------------------- disk tier
 
 
-def _direct_supported(directory: Path) -> bool:
-    probe = directory / f".probe-{uuid.uuid4().hex[:8]}"
-    buffer = mmap.mmap(-1, 4096)
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-        try:
-            os.write(fd, buffer)
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        buffer.close()
-        probe.unlink(missing_ok=True)
-
-
 def _drop_cache(paths: Iterator[Path]) -> None:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
@@ -271,7 +257,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
     total = count * block_bytes
     run_dir = root / f"{name}-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir(parents=True)
-    direct = _direct_supported(run_dir)
+    direct = direct_io_refusal(run_dir) is None
     source = mmap.mmap(-1, total)  # page-aligned, for the baseline
     source_view = memoryview(source)
 

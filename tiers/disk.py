@@ -401,21 +401,9 @@ class DiskTier:
             return False, "buffered (tiers.disk_direct_io is off)"
         if self.block_bytes % ALIGN:
             return False, f"buffered (block bytes {self.block_bytes} are not a multiple of {ALIGN})"
-        if not hasattr(os, "O_DIRECT"):
-            return False, "buffered (this platform has no O_DIRECT)"
-        probe = self.directory / f".probe-{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
-        buffer = mmap.mmap(-1, ALIGN)
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
-            try:
-                os.write(fd, buffer)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            return False, f"buffered (the file system rejects O_DIRECT: {exc.strerror})"
-        finally:
-            _remove(probe)
-            buffer.close()
+        refusal = direct_io_refusal(self.directory)
+        if refusal is not None:
+            return False, f"buffered ({refusal})"
         return True, "O_DIRECT"
 
     def _scan(self) -> None:
@@ -484,6 +472,26 @@ class DiskTier:
             assert len(entry.meta.token_ids) == self.identity.block_size
         for block_hash in self._inflight:
             assert block_hash not in self._index, f"block {block_hash:#x} is both stored and being written"
+
+
+def direct_io_refusal(directory: Path) -> str | None:
+    """None if files in ``directory`` take O_DIRECT writes, else why not (tmpfs before Linux 6.6 refuses)."""
+    if not hasattr(os, "O_DIRECT"):
+        return "this platform has no O_DIRECT"
+    probe = directory / f".probe-{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
+    buffer = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        try:
+            os.write(fd, buffer)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"the file system rejects O_DIRECT: {exc.strerror}"
+    finally:
+        _remove(probe)
+        buffer.close()
+    return None
 
 
 def _write_block_file(temp: Path, final: Path, views: list[memoryview], direct: bool, fsync: bool) -> None:

@@ -81,6 +81,19 @@ def test_round_trip_on_the_real_disk(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_buffered_when_direct_io_is_off(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, direct_io=False)
+        assert tier.io_mode == "buffered (tiers.disk_direct_io is off)" and not tier.direct_io
+        metas, views = payloads(1)
+        assert await tier.write(metas[0], views[0])
+        out = out_buffer()
+        assert await tier.read_into(metas[0], out) and bytes(out) == bytes(views[0])
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_buffered_path_for_blocks_that_are_not_page_multiples(tmp_path: Path) -> None:
     async def scenario() -> None:
         tier = new_tier(tmp_path, identity=ODD_IDENTITY)
