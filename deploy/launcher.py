@@ -20,9 +20,11 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError
@@ -30,7 +32,9 @@ from router.backends import RayActorBackend
 from router.protocol import ModelLimits
 from router.service import ProducerSpec, ReplicaSpec, RouterService
 from router.tokenizer import load_tokenizer
-from workers.actor import KVWorkerActor, worker_actor_options
+from tiers.actor import get_or_create_tier_actor
+from tiers.identity import CacheIdentity
+from workers.actor import KVWorkerActor, routable_endpoint, worker_actor_options
 from workers.api import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -75,20 +79,21 @@ class Deployment:
         self.owns_ray = owns_ray
 
     def stop(self) -> None:
-        """Kill the actors (their sockets and shared memory go with them) and shut an embedded Ray down."""
-        for worker in self.workers:
+        """Shut workers then tiers down (sockets closed, arenas unlinked), kill them, stop an embedded Ray."""
+        for actor in [*(w.handle for w in self.workers), *(t.handle for t in self.tiers)]:
             try:
-                ray.get(worker.handle.shutdown.remote(), timeout=10)
+                ray.get(actor.shutdown.remote(), timeout=10)
             except Exception as exc:  # a dead actor cannot shut down; killing it below is enough
-                logger.info("worker %s did not shut down cleanly: %s", worker.name, exc)
-            ray.kill(worker.handle, no_restart=True)
+                logger.info("actor did not shut down cleanly: %s", exc)
+        _kill([w.handle for w in self.workers] + [t.handle for t in self.tiers])
         self.workers = []
+        self.tiers = []
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
 
 
 def launch(config: Config, *, address: str | None = None, num_workers: int | None = None) -> Deployment:
-    """Start workers on Ray (embedded when ``address`` is None) and a router service over them."""
+    """Start tiers (one per node) and workers on Ray (embedded when ``address`` is None) and a router over them."""
     owns_ray = not ray.is_initialized() and address is None
     if not ray.is_initialized():
         ray.init(
@@ -98,45 +103,119 @@ def launch(config: Config, *, address: str | None = None, num_workers: int | Non
             configure_logging=False,
             log_to_driver=False,
         )
+    tiers: dict[str, PlacedTier] = {}
+    workers: list[PlacedWorker] = []
     try:
+        if config.tiers.enabled:
+            tiers = place_tiers(config)
         count = num_workers or default_num_workers(config)
-        workers = place_workers(config, count)
-        service = build_service(config, workers)
+        workers = place_workers(config, count, tiers=tiers)
+        service = build_service(config, workers, tiers)
     except BaseException:
+        _kill([w.handle for w in workers] + [t.handle for t in tiers.values()])
         if owns_ray:
             ray.shutdown()
         raise
-    return Deployment(config, workers, service, owns_ray)
+    deployment = Deployment(config, workers, service, owns_ray)
+    deployment.tiers = list(tiers.values())
+    return deployment
 
 
-def place_workers(config: Config, count: int, *, start_index: int = 0, timeout_s: float = 120.0) -> list[PlacedWorker]:
-    """Create ``count`` worker actors spread over the cluster and wait until each answers."""
+def alive_nodes(*, gpu_first: bool) -> list[str]:
+    """Node ids of the live Ray nodes, GPU nodes first when asked, then in a stable order."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    nodes.sort(key=lambda n: (-(n.get("Resources", {}).get("GPU", 0) > 0) if gpu_first else 0, n["NodeID"]))
+    return [n["NodeID"] for n in nodes]
+
+
+def place_tiers(config: Config, *, timeout_s: float = 120.0) -> dict[str, PlacedTier]:
+    """One tier actor per live node (created, or found by name), keyed by node id."""
+    identity = CacheIdentity.from_config(config)
+    handles = {
+        node: get_or_create_tier_actor(config.tiers, identity, events=config.events, node_id=node)
+        for node in alive_nodes(gpu_first=False)
+    }
+    endpoints = ray.get([h.event_endpoints.remote() for h in handles.values()], timeout=timeout_s)
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    ips = [address[node] for node in handles]
+    return {
+        node: PlacedTier(
+            node,
+            handle,
+            routable_endpoint(ep.endpoint, ip),
+            routable_endpoint(ep.replay_endpoint, ip),
+        )
+        for (node, handle), ep, ip in zip(handles.items(), endpoints, ips, strict=True)
+    }
+
+
+def place_workers(
+    config: Config,
+    count: int,
+    *,
+    tiers: dict[str, PlacedTier] | None = None,
+    start_index: int = 0,
+    timeout_s: float = 120.0,
+) -> list[PlacedWorker]:
+    """Create ``count`` worker actors, pinned round robin over the live nodes (GPU nodes first).
+
+    With ``tiers`` each worker spills to and promotes from its node's tier actor.
+    """
     if count < 1:
         raise ConfigError(f"need at least one worker, got {count}")
     options = worker_actor_options(config)
+    nodes = alive_nodes(gpu_first=options.get("num_gpus", 0) > 0)
     handles = []
     names = [f"worker-{start_index + i}" for i in range(count)]
-    for name in names:
+    for index, name in enumerate(names):
+        node = nodes[index % len(nodes)]
+        tier = tiers[node].handle if tiers and node in tiers else None
         handle = KVWorkerActor.options(  # type: ignore[attr-defined]
-            name=f"kvstore-{name}", namespace=NAMESPACE, scheduling_strategy="SPREAD", **options
-        ).remote(name, config)
+            name=f"kvstore-{name}",
+            namespace=NAMESPACE,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            **options,
+        ).remote(name, config, tier)
         handles.append(handle)
     deadline = time.monotonic() + timeout_s
     placed = []
     for name, handle in zip(names, handles, strict=True):
         remaining = max(1.0, deadline - time.monotonic())
         endpoints, health = ray.get([handle.event_endpoints.remote(), handle.health.remote()], timeout=remaining)
-        placed.append(PlacedWorker(name, handle, health["node_ip"], endpoints.endpoint, endpoints.replay_endpoint))
+        placed.append(PlacedWorker(name, handle, health["node_id"], endpoints.endpoint, endpoints.replay_endpoint))
     return placed
 
 
-def build_service(config: Config, workers: list[PlacedWorker]) -> RouterService:
+def _kill(handles: list[Any]) -> None:
+    for handle in handles:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception as exc:  # already dead: nothing left to release
+            logger.info("kill failed: %s", exc)
+
+
+def build_service(
+    config: Config, workers: list[PlacedWorker], tiers: dict[str, PlacedTier] | None = None
+) -> RouterService:
+    """A router over the workers; each node's tier stream counts for that node's workers."""
     info = ray.get(workers[0].handle.info.remote(), timeout=60)
     limits = ModelLimits(info.vocab_size, info.max_context)
     service = RouterService(config, load_tokenizer(config.router.tokenizer), limits)
+    for tier in (tiers or {}).values():
+        producer = ProducerSpec(f"tier-{tier.node[:12]}", tier.endpoint, tier.replay_endpoint)
+        service.add_tier_producer(tier.node, producer)
+        service.add_metrics_source(producer.name, _text_fetcher(tier.handle))
     for worker in workers:
         service.add_replica(replica_spec(worker))
     return service
+
+
+def _text_fetcher(handle: Any) -> Callable[[], Awaitable[str]]:
+    async def fetch() -> str:
+        page = await asyncio.wait_for(handle.metrics_text.remote(), 5.0)
+        return page.decode() if isinstance(page, bytes) else str(page)
+
+    return fetch
 
 
 def replica_spec(worker: PlacedWorker) -> ReplicaSpec:

@@ -29,7 +29,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -126,6 +126,8 @@ class RouterService:
         self.listener = EventListener(self.index, sync_timeout_s=config.router.sync_timeout_s)
         self._replicas: dict[str, _Replica] = {}
         self._tier_producers: dict[str, ProducerSpec] = {}
+        self._metrics_sources: dict[str, Callable[[], Awaitable[str]]] = {}
+        self._metrics_pages: dict[str, str] = {}
         self._rng = random.Random(seed)
         self._round_robin = -1
         self._health_task: asyncio.Task[None] | None = None
@@ -200,6 +202,10 @@ class RouterService:
         if self._tier_producers.pop(name, None) is not None:
             self.listener.remove_producer(name)
             self.index.remove_producer(name)
+
+    def add_metrics_source(self, name: str, fetch: Callable[[], Awaitable[str]]) -> None:
+        """Another Prometheus page (e.g. a node's tier actor) polled with the replicas and merged into /metrics."""
+        self._metrics_sources[name] = fetch
 
     def replica_names(self) -> list[str]:
         return list(self._replicas)
@@ -381,6 +387,14 @@ class RouterService:
     async def poll_health(self) -> None:
         """Poll every replica's load once; update health."""
         replicas = list(self._replicas.items())
+        sources = list(self._metrics_sources.items())
+        pages = await asyncio.gather(*(fetch() for _, fetch in sources), return_exceptions=True)
+        for (source, _), page in zip(sources, pages, strict=True):
+            if isinstance(page, str):
+                self._metrics_pages[source] = page
+            else:
+                self._metrics_pages.pop(source, None)
+                logger.warning("metrics source %s did not answer: %s", source, page)
         results = await asyncio.gather(*(r.spec.backend.poll() for _, r in replicas), return_exceptions=True)
         for (name, replica), result in zip(replicas, results, strict=True):
             if isinstance(result, ReplicaPoll):
@@ -422,7 +436,8 @@ class RouterService:
         return out
 
     def _replica_pages(self) -> list[str]:
-        return [r.metrics_text for r in self._replicas.values() if r.healthy and r.metrics_text]
+        pages = [r.metrics_text for r in self._replicas.values() if r.healthy and r.metrics_text]
+        return pages + list(self._metrics_pages.values())
 
     def healthy_count(self) -> int:
         return sum(r.healthy for r in self._replicas.values())

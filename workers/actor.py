@@ -26,7 +26,11 @@ import ray
 from ray.util import get_node_ip_address
 
 from kvstore.config import Config
+from tiers.client import RayTierClient
+from tiers.identity import CacheIdentity
+from tiers.link import TierLink
 from workers.api import EventEndpoints, GenerateRequest, GenerateResult, ModelInfo, WorkerLoad
+from workers.tier_offload import TierOffload
 from workers.worker import KVWorker
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
@@ -62,11 +66,19 @@ def routable_endpoint(endpoint: str, node_ip: str) -> str:
 class KVWorkerActor:
     """One KV worker replica on a Ray node; the same methods as :class:`KVWorker`."""
 
-    def __init__(self, name: str, config: Config) -> None:
+    def __init__(self, name: str, config: Config, tier: Any | None = None) -> None:
+        """``tier``: this node's TierActor handle; when given, evicted blocks spill to it and hits promote from it."""
         if config.worker.device == "auto" and not ray.get_gpu_ids():
             config = msgspec.structs.replace(config, worker=msgspec.structs.replace(config.worker, device="cpu"))
-        self._worker = KVWorker(name, config)
+        self._offload: TierOffload | None = None
+        if tier is not None:
+            link = TierLink(
+                RayTierClient(tier, timeout_s=2 * config.tiers.io_deadline_s), CacheIdentity.from_config(config)
+            )
+            self._offload = TierOffload(link)
+        self._worker = KVWorker(name, config, offload=self._offload)
         self._node_ip = get_node_ip_address()
+        self._node_id = ray.get_runtime_context().get_node_id()
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Raises InvalidRequestError (before queuing) or the error that stopped the request."""
@@ -86,7 +98,8 @@ class KVWorkerActor:
         )
 
     async def health(self) -> dict[str, Any]:
-        return {**self._worker.health(), "node_ip": self._node_ip}
+        tiered = self._offload is not None
+        return {**self._worker.health(), "node_ip": self._node_ip, "node_id": self._node_id, "tiered": tiered}
 
     async def cached_hashes(self) -> list[int]:
         return self._worker.cached_hashes()
@@ -99,3 +112,5 @@ class KVWorkerActor:
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self._worker.shutdown)
+        if self._offload is not None:
+            self._offload.close()  # unmap the node's arena (the tier actor owns and unlinks it)

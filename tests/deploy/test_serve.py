@@ -44,7 +44,7 @@ def test_serve_embedded_then_sigint_leaves_nothing_behind(tmp_path: Path) -> Non
     command = [
         sys.executable, "-m", "deploy.cli", "serve", "--workers", "2", "--port", "0",
         "--set", "pool.num_blocks=256", "--set", "worker.device=cpu",
-        "--set", f"tiers.disk_dir={tmp_path / 'disk'}",
+        "--set", f"tiers.disk_dir={tmp_path / 'disk'}", "--set", "tiers.cpu_capacity_bytes=33554432",
     ]  # fmt: skip
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
@@ -69,6 +69,7 @@ def test_serve_embedded_then_sigint_leaves_nothing_behind(tmp_path: Path) -> Non
             assert line, "".join(output)
             output.append(line)
         printed = "".join(output)
+        assert "events tier " in printed, printed  # one tier actor on the (single) node
         ports = {int(p) for p in ENDPOINT.findall(printed)} | {int(url.rsplit(":", 1)[1])}
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
 
@@ -95,11 +96,14 @@ def test_serve_embedded_then_sigint_leaves_nothing_behind(tmp_path: Path) -> Non
             for name in router_metrics:
                 assert name in metrics, name
             deadline = time.monotonic() + 10
-            while "kvstore_gpu_cache_usage_perc" not in metrics and time.monotonic() < deadline:
+            while not ("kvstore_gpu_cache_usage_perc" in metrics and "kvstore_tier_usage_bytes" in metrics) and (
+                time.monotonic() < deadline
+            ):
                 time.sleep(0.2)
                 metrics = client.get("/metrics").text
             for name in ("kvstore_gpu_cache_usage_perc", "kvstore_prefix_cache_queries_total",
-                         "kvstore_prefix_cache_hits_total", "kvstore_preemptions_total"):  # fmt: skip
+                         "kvstore_prefix_cache_hits_total", "kvstore_preemptions_total",
+                         "kvstore_tier_usage_bytes", "kvstore_offload_bytes_total"):  # fmt: skip
                 assert name in metrics, name
 
         proc.send_signal(signal.SIGINT)

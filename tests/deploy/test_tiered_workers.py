@@ -1,0 +1,83 @@
+"""Workers with their node's tiers, on the session Ray cluster, placed by the launcher.
+
+A block one worker spills is promoted into another worker of the node, and
+a prompt whose prefix comes back from the CPU arena or from disk produces
+exactly the output computed with no cache at all.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from deploy.launcher import place_tiers, place_workers
+from kvstore.config import Config, config_from_dict
+from workers.api import GenerateRequest
+from workers.worker import KVWorker
+
+BLOCK = 16
+
+
+def tiered_config(tmp_path: Path, *, cpu_slots: int) -> Config:
+    base = config_from_dict({"cache": {"block_size": BLOCK}, "worker": {"device": "cpu"}})
+    block_bytes = 2 * BLOCK * base.worker.num_kv_heads * base.worker.head_dim * 4 * base.worker.num_layers
+    return config_from_dict(
+        {
+            "cache": {"block_size": BLOCK},
+            "pool": {"num_blocks": 48},
+            "worker": {"device": "cpu"},
+            "tiers": {"cpu_capacity_bytes": cpu_slots * block_bytes, "disk_dir": str(tmp_path / "disk")},
+        }
+    )
+
+
+def reference_outputs(config: Config, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy outputs with the prefix cache off: the ground truth."""
+    plain = config_from_dict({"cache": {"block_size": BLOCK, "enable_prefix_caching": False},
+                              "pool": {"num_blocks": 64}, "worker": {"device": "cpu"},
+                              "events": {"enabled": False}})  # fmt: skip
+    worker = KVWorker("reference", plain)
+    try:
+        return [worker.generate(GenerateRequest(p, max_tokens)).output_token_ids for p in prompts]
+    finally:
+        worker.shutdown()
+
+
+def run(handle: Any, prompt: list[int], max_tokens: int) -> Any:
+    return ray.get(handle.generate.remote(GenerateRequest(prompt, max_tokens)), timeout=120)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(("cpu_slots", "medium"), [(256, "CPU"), (4, "STORAGE")])
+def test_spilled_prefix_is_promoted_into_another_worker_exactly(
+    ray_session: Any, tmp_path: Path, cpu_slots: int, medium: str
+) -> None:
+    config = tiered_config(tmp_path, cpu_slots=cpu_slots)
+    rng = random.Random(cpu_slots)
+    prompts = [[rng.randrange(512) for _ in range(20 * BLOCK + 5)] for _ in range(4)]  # 21 blocks each
+    expected = reference_outputs(config, prompts, 6)
+    tiers = place_tiers(config)
+    workers = place_workers(config, 2, tiers=tiers, start_index=200)
+    try:
+        first, second = (w.handle for w in workers)
+        assert all(ray.get(w.handle.health.remote())["tiered"] for w in workers)
+        # The first worker computes every prompt; its 48-block pool evicts (spills) the older ones.
+        for prompt, want in zip(prompts, expected, strict=True):
+            assert run(first, prompt, 6).output_token_ids == want
+        ray.get(next(iter(tiers.values())).handle.flush_events.remote())
+        # The second worker has never seen prompt 0: its prefix comes from the node's tiers.
+        result = run(second, prompts[0], 6)
+        assert result.output_token_ids == expected[0]
+        assert result.cached_tokens_by_medium["GPU"] == 0
+        assert result.cached_tokens_by_medium[medium] > 0, result.cached_tokens_by_medium
+        assert result.cached_tokens == sum(result.cached_tokens_by_medium.values())
+        for w in workers:
+            ray.get(w.handle.check_invariants.remote())
+    finally:
+        for actor in [*(w.handle for w in workers), *(t.handle for t in tiers.values())]:
+            ray.get(actor.shutdown.remote(), timeout=30)
+            ray.kill(actor, no_restart=True)
