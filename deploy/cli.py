@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "benchmarks.router_bench",
     "benchmarks.offload_bench",
     "benchmarks.ttft_bench",
+    "benchmarks.chaos_bench",
 )
 
 

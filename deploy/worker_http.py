@@ -1,8 +1,9 @@
 """``kvstore worker``: one KV worker behind an OpenAI-compatible HTTP front, no Ray.
 
 This is a replica exactly as a vLLM server is one: ``POST /v1/completions``
-(prompt as text or token ids), ``GET /health``, ``GET /metrics``, and KV
-events on ZeroMQ. A fleet of these behind ``kvstore router`` is the same
+(prompt as text or token ids), ``GET /health``, ``GET /metrics`` (503 once
+the worker can no longer serve: the router's health poll reads this page),
+and KV events on ZeroMQ. A fleet of these behind ``kvstore router`` is the same
 deployment as a vLLM fleet behind it, so the plain-HTTP path is tested end to
 end without Ray.
 """
@@ -102,6 +103,11 @@ def create_worker_app(worker: KVWorker, *, max_body_bytes: int = 4 << 20) -> Fas
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        # The router's health poll reads this page: a worker that can no longer serve must not look healthy.
+        state = worker.health()
+        if not state["alive"]:
+            reason = state["last_error"] or "shut down"
+            raise ApiError(503, f"worker {worker.name} is not serving ({reason})")
         return Response(worker.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from faults_helpers import BLOCK, fault_config, tokens, wait_for
+from faults_helpers import BLOCK, HttpFleet, fault_config, tokens, wait_for
 
 from deploy.launcher import build_service, place_workers, replica_spec
 from kvstore.hashing import to_external
@@ -117,3 +117,31 @@ def test_worker_killed_mid_load_loses_no_request(ray_session: Any) -> None:
         server.stop()
         for w in [*workers, *([replacement] if replacement is not None else [])]:
             ray.kill(w.handle, no_restart=True)
+
+
+def test_worker_whose_engine_died_behind_a_live_http_front_stays_out_of_routing() -> None:
+    """The engine stops but the process (and its HTTP front) lives on, as when a step loop dies.
+
+    The router's health poll must see it as down -- not mark it healthy again
+    on every poll, resubscribe to it and send it requests that fail.
+    """
+    fleet = HttpFleet(["engine-ok", "engine-dead"])
+    try:
+        rng = random.Random(23)
+        assert all(fleet.complete(tokens(rng, 2 * BLOCK)).status_code == 200 for _ in range(4))
+        fleet.workers["engine-dead"].shutdown()  # its uvicorn front keeps answering
+        seen_healthy: set[int] = set()
+        retried = 0
+        deadline = time.monotonic() + 2.0  # ten health polls
+        while time.monotonic() < deadline:
+            response = fleet.complete(tokens(rng, 2 * BLOCK))
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["kvstore"]["replica"] == "engine-ok"
+            retried += body["kvstore"]["retried"]
+            seen_healthy.add(fleet.client.get("/healthz").json()["healthy_replicas"])
+            time.sleep(0.05)
+        assert seen_healthy == {1}, f"the dead engine flapped back into routing: {seen_healthy}"
+        assert retried <= 1, f"{retried} requests were sent to the dead engine and retried"
+    finally:
+        fleet.close()
