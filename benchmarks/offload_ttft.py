@@ -1,0 +1,123 @@
+"""TTFT of one prompt served by recompute vs from a GPU, CPU-tier and disk-tier hit.
+
+One worker with its node's tiers in process (a real TierStore behind a
+LocalTierClient, the same TierLink and connector a Ray worker uses). For a
+prompt P of each length:
+
+- recompute: P on a cold worker (the baseline);
+- GPU hit: P again with a new last block (every earlier block in the pool);
+- CPU hit: after two other prompts of the same length evicted P from the
+  pool (it holds one prompt), P's blocks are spilled to the CPU arena and
+  promoted back;
+- disk hit: the same with an arena of two slots, so P's blocks went on to
+  disk before coming back.
+
+Each run checks its hit came from the medium it claims; a prompt is one
+output token, so TTFT is the prefill (and the promotion).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+from kvstore.config import Config, config_from_dict
+from kvstore.hashing import BlockHasher, to_external
+from tiers.client import LocalTierClient
+from tiers.identity import CacheIdentity
+from tiers.link import TierLink
+from workers.api import GenerateRequest, GenerateResult
+from workers.tier_offload import TierOffload
+from workers.worker import KVWorker
+
+BLOCK = 16
+
+
+class TTFTRow(NamedTuple):
+    prompt_tokens: int
+    recompute_ms: float
+    gpu_hit_ms: float
+    cpu_hit_ms: float
+    disk_hit_ms: float
+
+
+def _config(length: int, *, cpu_slots: int, disk_dir: Path | None) -> Config:
+    blocks = -(-length // BLOCK) + 2
+    base = config_from_dict({})
+    w = base.worker
+    block_bytes = 2 * BLOCK * w.num_kv_heads * w.head_dim * 4 * w.num_layers
+    return config_from_dict(
+        {
+            "cache": {"block_size": BLOCK},
+            "pool": {"num_blocks": blocks + 8, "watermark": 0.0},
+            "events": {"enabled": False},
+            "worker": {"device": "cpu", "max_context": length + 64, "max_num_batched_tokens": 4096},
+            "tiers": {
+                "cpu_capacity_bytes": cpu_slots * block_bytes,
+                "cpu_prefault": False,
+                **({"disk_dir": str(disk_dir)} if disk_dir is not None else {}),
+            },
+        }
+    )
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the tier did not settle in time")
+        time.sleep(0.01)
+
+
+def _tiered_hit(length: int, cpu_slots: int, medium: str, rng: random.Random) -> tuple[float, float, float]:
+    """(recompute, GPU hit, tier hit) TTFT in ms for one fresh worker whose tier serves ``medium``."""
+    with tempfile.TemporaryDirectory(prefix="kvstore-ttft-") as tmp:
+        # The CPU case has no disk: its arena holds every block spilled, so nothing is written back.
+        config = _config(length, cpu_slots=cpu_slots, disk_dir=Path(tmp) if medium == "STORAGE" else None)
+        client = LocalTierClient(config.tiers, CacheIdentity.from_config(config))
+        offload = TierOffload(TierLink(client, CacheIdentity.from_config(config)))
+        worker = KVWorker("bench", config, offload=offload)
+        try:
+            prompt = [rng.randrange(256) for _ in range(length)]
+            others = [[rng.randrange(256) for _ in range(length)] for _ in range(2)]
+
+            def run(tokens: list[int]) -> GenerateResult:
+                return worker.generate(GenerateRequest(tokens, 1))
+
+            recompute = run(prompt)
+            gpu = run([*prompt[:-BLOCK], *(t ^ 1 for t in prompt[-BLOCK:])])
+            assert gpu.cached_tokens_by_medium["GPU"] >= length - 2 * BLOCK, gpu.cached_tokens_by_medium
+            for other in others:  # evict (spill) every block of the prompt: the pool holds one prompt
+                run(other)
+            hashes = [to_external(h) for h in BlockHasher.from_config(config.cache).hash_blocks(prompt)]
+            want = len(hashes) - 1 if medium == "CPU" else len(hashes) - 1 - cpu_slots
+
+            def settled() -> bool:
+                hit = client.lookup(hashes[: len(hashes) - 1])
+                return hit.num_blocks >= len(hashes) - 1 and list(hit.media).count(medium) >= want
+
+            _wait(settled)
+            tier = run([*prompt[:-BLOCK], *(t ^ 2 for t in prompt[-BLOCK:])])
+            assert tier.cached_tokens_by_medium[medium] > 0, tier.cached_tokens_by_medium
+            assert tier.cached_tokens_by_medium["GPU"] == 0, tier.cached_tokens_by_medium
+            return recompute.ttft_s * 1e3, gpu.ttft_s * 1e3, tier.ttft_s * 1e3
+        finally:
+            worker.shutdown()
+            offload.close()
+            client.close()
+
+
+def measure_ttft(lengths: list[int], *, seed: int = 0) -> list[TTFTRow]:
+    """One row per prompt length (see the module docstring)."""
+    rng = random.Random(seed)
+    rows = []
+    for length in lengths:
+        arena = 4 * (-(-length // BLOCK) + 1) + 8  # the prompt, its variant and the two evicting prompts
+        recompute, gpu, cpu = _tiered_hit(length, cpu_slots=arena, medium="CPU", rng=rng)
+        _, _, disk = _tiered_hit(length, cpu_slots=2, medium="STORAGE", rng=rng)
+        rows.append(TTFTRow(length, recompute, gpu, cpu, disk))
+    return rows
