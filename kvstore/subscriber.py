@@ -21,7 +21,19 @@ live seq                           action
 ``< next`` (went backwards)        producer restarted: reset, replay from 0
 first message, seq 0               apply (we saw the producer start)
 first message, seq > 0 (late)      buffer it; replay from 0
+after a disconnect, ``> next``     buffer it; snapshot (see below)
 =================================  ==============================================
+
+A producer that restarts publishes from seq 0 again, and usually the
+subscriber sees the sequence go backwards. But if the new incarnation has
+already published more batches than the old one had by the time the
+subscriber reconnects, its seq jumps *ahead*: a replay would graft the new
+incarnation's batches onto the old one's state. So when the live connection
+drops (a ZeroMQ monitor event), whatever was buffered or being fetched is
+dropped, and the next live batch decides: below ``next`` is a restart,
+``next`` itself continues the stream, above ``next`` (or any batch after a
+sync was cut off) is resolved by a snapshot, which replaces the producer's
+state whichever incarnation it is.
 
 A replay that does not start at ``next`` (the producer's buffer no longer
 holds it, or the reply is empty) falls back to a snapshot: reset, apply the
@@ -50,6 +62,7 @@ from typing import NamedTuple, Protocol
 
 import zmq
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from kvstore.errors import ConfigError, EventDecodeError
 from kvstore.events import EventBatch, EventDecoder
@@ -98,6 +111,8 @@ class ProducerStream:
         # hash(payload) of each batch a replay applied, until the live stream passes them: their
         # live copies may still be in flight (another connection), and must not look like a restart.
         self._replayed: dict[int, int] = {}
+        self._disconnected = False  # the live connection dropped since the last live batch
+        self._sync_cut = False  # ... while a replay or snapshot was in flight
         self.gaps = 0
         self.restarts = 0
         self.replays = 0
@@ -116,6 +131,15 @@ class ProducerStream:
                 return [Apply(seq, payload)]
             self._buffer(seq, payload)
             return self._start_replay()
+        if self._disconnected:
+            self._disconnected = False
+            cut, self._sync_cut = self._sync_cut, False
+            if seq > self.next_seq or (seq == self.next_seq and cut):
+                # Maybe a new incarnation that outran our seq: only a snapshot tells its state exactly.
+                self.gaps += seq > self.next_seq
+                self._buffer(seq, payload)
+                return self._start_snapshot()
+            # seq == next: the same stream, nothing missed; seq < next: a restart (below).
         if self._stale_through is not None:
             if seq <= self._stale_through:
                 self.stale += 1
@@ -142,6 +166,24 @@ class ProducerStream:
             return [Reset(), Apply(seq, payload)]
         self._buffer(seq, payload)
         return [Reset(), *self._start_replay()]
+
+    def on_disconnect(self) -> None:
+        """The live connection dropped: the producer died, restarted, or the network failed.
+
+        What is buffered or being fetched may belong to an incarnation that is
+        gone, so it is dropped (the caller discards replies to a request in
+        flight); the next live batch decides how to resync (module table).
+        """
+        if not self.started:
+            return
+        self._disconnected = True
+        self._pending.clear()
+        self._stale_through = None
+        self._replayed.clear()
+        if self.syncing is not None:
+            self.syncing = None
+            self._snapshot_seq = None
+            self._sync_cut = True
 
     def on_sync_item(self, seq: int, payload: bytes) -> list[Action]:
         """One reply (not the terminator) to our replay or snapshot request."""
@@ -298,6 +340,7 @@ class _Producer:
         self.curve_server_key = curve_server_key
         self.stream = ProducerStream()
         self.sub: zmq.Socket[bytes] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None  # the SUB's connection events (disconnects)
         self.dealer: zmq.Socket[bytes] | None = None
         self.sync_deadline: float | None = None
         self.connected_since = time.monotonic()
@@ -407,8 +450,12 @@ class EventListener:
                     continue
                 events = dict(poller.poll(self._poll_ms))
                 for producer in list(self._producers.values()):
+                    drained = True
                     if producer.sub is not None and producer.sub in events:
-                        self._drain_live(producer, poller)
+                        drained = self._drain_live(producer, poller)
+                    # Only once every batch the old connection delivered has been handled.
+                    if drained and producer.monitor is not None and producer.monitor in events:
+                        self._drain_monitor(producer, poller)
                     if producer.dealer is not None and producer.dealer in events:
                         self._drain_sync(producer, poller)
                     if producer.sync_deadline is not None and time.monotonic() > producer.sync_deadline:
@@ -433,9 +480,11 @@ class EventListener:
                 self._secure(sub, arg)
                 sub.setsockopt(zmq.RCVHWM, 100_000)
                 sub.setsockopt(zmq.SUBSCRIBE, arg.topic)
+                arg.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 sub.connect(arg.endpoint)
                 arg.sub = sub
                 poller.register(sub, zmq.POLLIN)
+                poller.register(arg.monitor, zmq.POLLIN)
                 self._producers[arg.name] = arg
             else:
                 assert isinstance(arg, str)
@@ -444,30 +493,46 @@ class EventListener:
                     self._unregister(gone, poller)
 
     def _unregister(self, producer: _Producer, poller: zmq.Poller) -> None:
-        for sock in (producer.sub, producer.dealer):
+        for sock in (producer.sub, producer.monitor, producer.dealer):
             if sock is not None:
                 poller.unregister(sock)
         self._close_sockets(producer)
 
     @staticmethod
     def _close_sockets(producer: _Producer) -> None:
-        for sock in (producer.sub, producer.dealer):
+        if producer.sub is not None and producer.monitor is not None:
+            producer.sub.disable_monitor()
+        for sock in (producer.monitor, producer.sub, producer.dealer):
             if sock is not None:
                 sock.close(linger=0)
-        producer.sub = producer.dealer = None
+        producer.sub = producer.monitor = producer.dealer = None
 
-    def _drain_live(self, producer: _Producer, poller: zmq.Poller) -> None:
+    def _drain_live(self, producer: _Producer, poller: zmq.Poller) -> bool:
+        """Handle queued live batches; True when the queue is empty."""
         assert producer.sub is not None
         for _ in range(1000):  # bounded so one busy producer cannot starve the others
             try:
                 frames = producer.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return True
             if len(frames) != 3 or len(frames[1]) != 8:
                 producer.decode_errors += 1
                 continue
             seq = int.from_bytes(frames[1], "big")
             self._execute(producer, producer.stream.on_live(seq, frames[2]), poller)
+        return False
+
+    def _drain_monitor(self, producer: _Producer, poller: zmq.Poller) -> None:
+        assert producer.monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(producer.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                if producer.stream.syncing is not None:
+                    self._reset_dealer(producer, poller)  # its reply may come from either incarnation
+                producer.stream.on_disconnect()
 
     def _drain_sync(self, producer: _Producer, poller: zmq.Poller) -> None:
         assert producer.dealer is not None

@@ -17,17 +17,21 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 import zmq
 from faults_helpers import LossyProxy, Traffic, fault_config, held, pool_state, wait_for
 
-from kvstore.config import Config
+from kvstore.config import CacheConfig, Config, EventsConfig
+from kvstore.publisher import ZmqEventPublisher
 from kvstore.subscriber import EventListener
 from router.index import PrefixIndex
+from tests.router.router_helpers import BLOCK_SIZE, WorkloadProducer
 from workers.worker import KVWorker
 
 LOSS = 0.01
+T = TypeVar("T")
 BUFFER_BATCHES = 64  # replay window: a router that restarts after more batches than this needs a snapshot
 
 
@@ -125,8 +129,8 @@ def test_lossy_stream_and_a_restarted_router_converge_to_the_pools(ctx: zmq.Cont
             worker.shutdown()
 
 
-def rebind(start: Callable[[], KVWorker], timeout_s: float = 5.0) -> KVWorker:
-    """Start a worker on ports just released in this process: ZeroMQ closes a listener asynchronously."""
+def rebind(start: Callable[[], T], timeout_s: float = 5.0) -> T:
+    """Bind ports just released in this process: ZeroMQ closes a listening socket asynchronously."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -174,3 +178,60 @@ def test_restarted_producer_is_cleared_and_resynced(ctx: zmq.Context[zmq.Socket[
         old.shutdown()
         if new is not None:
             new.shutdown()
+
+
+def published(producer: WorkloadProducer, config: EventsConfig) -> ZmqEventPublisher:
+    """A publisher for ``producer`` whose snapshots are taken under the producer's lock."""
+    publisher: list[ZmqEventPublisher] = []
+    publisher.append(ZmqEventPublisher(config, snapshot_source=lambda: producer.snapshot(publisher[0])))
+    return publisher[0]
+
+
+def test_restarted_producer_that_outruns_the_old_seq_is_still_cleared(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """The new incarnation publishes more batches than the old one ever did before the router reconnects.
+
+    Its seq then jumps *ahead* of the router's, which looks like a gap, not a
+    restart: a replay would graft the new incarnation's batches onto the old
+    one's blocks. The router must notice the dropped connection and resync by
+    snapshot. Producers: real pools and cache managers under a random workload.
+    """
+    old = WorkloadProducer(seed=31)
+    old_pub = published(old, EventsConfig())
+    index = PrefixIndex(CacheConfig(block_size=BLOCK_SIZE))
+    index.add_producer("p", "gpu", ["p"])
+    listener = EventListener(index, context=ctx, sync_timeout_s=1.0)
+    listener.add_producer("p", old_pub.endpoint, old_pub.replay_endpoint)
+    listener.start()
+    new_pub: ZmqEventPublisher | None = None
+    try:
+        time.sleep(0.3)
+        for _ in range(5):
+            with old.lock:
+                old_pub.publish(old.step())
+        assert wait_for(lambda: held(index, "p") == old.cached() != {}, timeout=5)
+        old_blocks = set(old.cached())
+
+        old_pub.close()
+        new = WorkloadProducer(seed=32)
+        config = EventsConfig(endpoint=old_pub.endpoint, replay_endpoint=old_pub.replay_endpoint)
+        new_pub = rebind(lambda: published(new, config))
+        for _ in range(60):  # at once: the router's SUB reconnects only every 100 ms and misses these
+            with new.lock:
+                new_pub.publish(new.step())
+        time.sleep(0.3)
+        for _ in range(3):  # now seen live, with seq ~60 > 5
+            with new.lock:
+                new_pub.publish(new.step())
+        assert wait_for(lambda: held(index, "p") == new.cached(), timeout=5), (
+            f"stale old blocks {len(old_blocks & set(held(index, 'p')) - set(new.cached()))}, "
+            f"missing new {len(set(new.cached()) - set(held(index, 'p')))}; {listener.health()[0]}"
+        )
+        index.check_invariants()
+        health = listener.health()[0]
+        print(f"\noutrun restart: restarts {health.restarts}, snapshots {health.snapshots}, lossy {health.lossy}")
+        assert health.lossy == 0
+    finally:
+        listener.close()
+        old_pub.close()
+        if new_pub is not None:
+            new_pub.close()
