@@ -38,7 +38,7 @@ executor wrapper, so a block costs one thread hand-off rather than one per
 step (measured: per-step aiofiles calls lost ~20% of disk bandwidth, more
 on a busy machine). Header and payload move in one vectored ``pwritev`` /
 ``preadv``, so each block is one device I/O, and the checksum is verified
-on the I/O thread. Eviction unlinks inline: it is a metadata operation, and
+(and computed, for writes) on the I/O thread. Eviction unlinks inline: it is a metadata operation, and
 doing it later could delete a newer file of the same block.
 
 Not thread-safe: drive it from one event loop; :meth:`snapshot_events`
@@ -240,9 +240,8 @@ class DiskTier:
             self.counters.not_stored["capacity"] += 1
             on_settled(False)
             return False
-        header = encode_header(meta, payload, self._digest)
         state = _IoState()
-        task = asyncio.create_task(self._write_job(meta, header, payload, state, on_settled))
+        task = asyncio.create_task(self._write_job(meta, payload, state, on_settled))
         self._inflight[block_hash] = task
         return await self._answer_by_deadline(task, state, "write")
 
@@ -291,9 +290,7 @@ class DiskTier:
             task.add_done_callback(self._late.discard)
             return False
 
-    async def _write_job(
-        self, meta: BlockMeta, header: bytes, payload: memoryview, state: _IoState, on_settled: Settled
-    ) -> bool:
+    async def _write_job(self, meta: BlockMeta, payload: memoryview, state: _IoState, on_settled: Settled) -> bool:
         ok = False
         try:
             async with self._semaphore:
@@ -302,7 +299,7 @@ class DiskTier:
                     return False
                 state.started = True
                 try:
-                    await self._write_file(meta.block_hash, header, payload)
+                    await self._write_file(meta, payload)
                 except OSError as exc:
                     self._count_write_error(exc)
                     return False
@@ -313,12 +310,13 @@ class DiskTier:
             del self._inflight[meta.block_hash]
             on_settled(ok)
 
-    async def _write_file(self, block_hash: int, header: bytes, payload: memoryview) -> None:
-        final = self.path_of(block_hash)
+    async def _write_file(self, meta: BlockMeta, payload: memoryview) -> None:
+        final = self.path_of(meta.block_hash)
         temp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
         direct = self.direct_io and _aligned(payload)
-        head = _aligned_copy(header) if direct else memoryview(header)
-        await _write_block_file_async(temp, final, [head, payload], direct, self._fsync, executor=self._executor)
+        await _write_block_file_async(
+            temp, final, meta, payload, self._layout, direct, self._fsync, executor=self._executor
+        )
 
     def _count_write_error(self, exc: OSError) -> None:
         if exc.errno in _FULL_ERRNOS:
@@ -494,13 +492,18 @@ def direct_io_refusal(directory: Path) -> str | None:
     return None
 
 
-def _write_block_file(temp: Path, final: Path, views: list[memoryview], direct: bool, fsync: bool) -> None:
-    """On an I/O thread: one block file's whole life -- create the temporary, write header and payload,
-    (fsync,) close, rename into place -- so each block costs one thread hand-off, not one per step."""
+def _write_block_file(
+    temp: Path, final: Path, meta: BlockMeta, payload: memoryview, layout: _Layout, direct: bool, fsync: bool
+) -> None:
+    """On an I/O thread: one block file's whole life -- checksum the header, create the temporary,
+    write header and payload, (fsync,) close, rename into place -- so each block costs one thread
+    hand-off, and hashing the payload keeps the event loop free."""
+    header = encode_header(meta, payload, layout.identity_digest)
+    head = _aligned_copy(header) if direct else memoryview(header)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
     try:
         try:
-            _write_all(fd, views)
+            _write_all(fd, [head, payload])
             if fsync:
                 os.fsync(fd)
         finally:
