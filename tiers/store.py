@@ -74,6 +74,11 @@ def _rows(rows: Sequence[int] | None, count: int, limit: int) -> Sequence[int]:
     return rows
 
 
+class _Copy(NamedTuple):
+    future: Future[None]  # the copy engine's batch
+    lease_ids: list[int]  # the leases it copies into (spill) or out of (promote)
+
+
 class EventEndpoints(NamedTuple):
     endpoint: str | None  # PUB socket (None when events are off)
     replay_endpoint: str | None  # ROUTER socket for replay and snapshots
@@ -249,31 +254,23 @@ class TierStore:
         source = block_rows(data, self.identity.block_bytes)
         rows = _rows(rows, len(blocks), source.shape[0])
         stored = 0
-        inflight: tuple[Future[None], list[int]] | None = None  # a copy under way and its write leases
+        inflight: list[_Copy] = []  # at most two: the one finishing, the one just started
         try:
             first = 0
             while first < len(blocks):
-                if inflight is not None and not self._room_for_another_chunk():
-                    stored += await self._finish_spill(inflight)
-                    inflight = None
+                if inflight and not self._room_for_another_chunk():
+                    stored += await self._finish_spill(inflight.pop(0))
                 chunk = self._chunk_blocks()
                 grants = await self.reserve(blocks[first : first + chunk])
                 chosen = [(rows[first + i], g) for i, g in enumerate(grants) if g is not None]
                 first += chunk
-                copy = None
                 if chosen:
                     future = self._copy_engine().spill(source, [r for r, _ in chosen], [g.slot for _, g in chosen])
-                    copy = (future, [g.lease_id for _, g in chosen])
-                if inflight is not None:
-                    stored += await self._finish_spill(inflight)
-                inflight = copy
-            if inflight is not None:
-                stored += await self._finish_spill(inflight)
-                inflight = None
+                    inflight.append(_Copy(future, [g.lease_id for _, g in chosen]))
+                while len(inflight) > 1 or (inflight and first >= len(blocks)):
+                    stored += await self._finish_spill(inflight.pop(0))
         except BaseException:
-            if inflight is not None:
-                await asyncio.wait([asyncio.wrap_future(inflight[0])])
-                self.release([i for i in inflight[1] if self._cpu.holds(i)])
+            await self._abandon(inflight)
             raise
         return stored
 
@@ -412,29 +409,25 @@ class TierStore:
         explicit_rows = rows is not None
         rows = _rows(rows, len(blocks), target.shape[0])
         media: list[str] = []
-        inflight: tuple[Future[None], list[int]] | None = None  # a copy under way and its read leases
+        inflight: list[_Copy] = []  # at most two: the one finishing, the one just started
         try:
             while len(media) < len(blocks):
-                if inflight is not None and not self._room_for_another_chunk():
-                    await self._finish_promote(inflight)
-                    inflight = None
+                if inflight and not self._room_for_another_chunk():
+                    await self._finish_promote(inflight.pop(0))
                 position = len(media)
                 grants = await self.acquire(blocks[position : position + self._chunk_blocks()])
                 if not grants:
                     break
                 destination = rows[position : position + len(grants)]
                 future = self._copy_engine().promote([g.slot for g in grants], target, destination)
+                inflight.append(_Copy(future, [g.lease_id for g in grants]))
                 media.extend(g.medium for g in grants)
-                if inflight is not None:
-                    await self._finish_promote(inflight)
-                inflight = (future, [g.lease_id for g in grants])
-            if inflight is not None:
-                await self._finish_promote(inflight)
-                inflight = None
+                if len(inflight) > 1:
+                    await self._finish_promote(inflight.pop(0))
+            while inflight:
+                await self._finish_promote(inflight.pop(0))
         except BaseException:
-            if inflight is not None:
-                await asyncio.wait([asyncio.wrap_future(inflight[0])])
-                self.release([i for i in inflight[1] if self._cpu.holds(i)])
+            await self._abandon(inflight)
             raise
         count = len(media)
         return TierGet(count, tuple(media), out if explicit_rows else out[:count])
@@ -476,21 +469,27 @@ class TierStore:
     def _room_for_another_chunk(self) -> bool:
         return self._cpu.num_slots - self._cpu.num_leased_slots >= self._chunk_blocks()
 
-    async def _finish_spill(self, copy: tuple[Future[None], list[int]]) -> int:
-        future, lease_ids = copy
+    async def _finish_spill(self, copy: _Copy) -> int:
+        """Wait for a spill copy and commit its leases (released instead if the copy failed)."""
         try:
-            await asyncio.wrap_future(future)
+            await asyncio.wrap_future(copy.future)
         except BaseException:
-            self.release(lease_ids)
+            self.release(copy.lease_ids)
             raise
-        return await self.commit(lease_ids)
+        return await self.commit(copy.lease_ids)
 
-    async def _finish_promote(self, copy: tuple[Future[None], list[int]]) -> None:
-        future, lease_ids = copy
+    async def _finish_promote(self, copy: _Copy) -> None:
+        """Wait for a promotion copy, then release its leases either way."""
         try:
-            await asyncio.wrap_future(future)
+            await asyncio.wrap_future(copy.future)
         finally:
-            self.release(lease_ids)
+            self.release(copy.lease_ids)
+
+    async def _abandon(self, copies: list[_Copy]) -> None:
+        """After a failure: let the copies still running finish, then release whatever they hold."""
+        for copy in copies:
+            await asyncio.wait([asyncio.wrap_future(copy.future)])
+            self.release([lease_id for lease_id in copy.lease_ids if self._cpu.holds(lease_id)])
 
     async def _make_cpu_room(self, count: int) -> None:
         """Free slots until ``count`` are free, writing evicted blocks to disk first."""

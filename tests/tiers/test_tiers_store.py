@@ -23,6 +23,7 @@ from tiers_helpers import (
     tier_config,
 )
 
+import tiers.copy_engine as copy_module
 import tiers.disk as disk_module
 from kvstore.config import EventsConfig
 from kvstore.errors import ConfigError
@@ -113,6 +114,25 @@ def test_put_and_get_at_scattered_pool_rows_in_pipelined_chunks(tmp_path: Path) 
                 await store.get(metas[:1], None, [0])
             store.check_invariants()
             assert store.cpu.num_leased_slots == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_copy_releases_every_lease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("copy failed")
+
+    async def scenario() -> None:
+        async with new_store(tier_config(tmp_path, cpu_blocks=8)) as store:
+            metas, data = make_blocks(8)
+            await store.put(metas[:4], data[:4])
+            monkeypatch.setattr(copy_module, "_copy_runs", broken)
+            with pytest.raises(RuntimeError, match="copy failed"):
+                await store.put(metas[4:], data[4:])
+            with pytest.raises(RuntimeError, match="copy failed"):
+                await store.get(metas[:4])
+            assert store.cpu.num_leased_slots == 0 and store.lookup(hashes(metas)).num_blocks == 4
+            store.check_invariants()
 
     asyncio.run(scenario())
 
