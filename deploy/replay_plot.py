@@ -43,6 +43,8 @@ def write_plot(reports: Mapping[str, ReplayReport], path: str | Path, *, title: 
         ratio = report.max_mean_requests
         suffix = "" if ratio is None else f" (max/mean {ratio:.2f})"
         load.bar(xs, counts, width, color=colors[i % len(colors)], label=label + suffix)
+    most = max((max(r.replica_requests.values(), default=0) for r in reports.values()), default=0)
+    load.set_ylim(0, max(1, most) * 1.4)  # room for the legend above the bars
     load.set_xticks(range(len(replicas)), replicas)
     load.set_ylabel("requests served")
     load.set_title("load per replica")
@@ -57,7 +59,7 @@ def write_plot(reports: Mapping[str, ReplayReport], path: str | Path, *, title: 
         bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
     for k, total in enumerate(bottom):
         cached.annotate(f"{total:.1%}", (k, total), ha="center", va="bottom")
-    cached.set_ylim(0, max(0.05, max(bottom) * 1.2))
+    cached.set_ylim(0, max(0.05, max(bottom) * 1.3))
     cached.set_ylabel("prompt tokens served from cache")
     cached.set_title("cached fraction")
     cached.legend(fontsize="small")
