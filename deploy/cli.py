@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "router.cli",
     "router.simulate",
     "deploy.serve_cli",
+    "deploy.replay",
     "benchmarks.pool_bench",
     "benchmarks.router_bench",
     "benchmarks.offload_bench",
