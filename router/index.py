@@ -219,6 +219,7 @@ class PrefixIndex:
         self._space: dict[int, list[_Source | None]] = {CPU: [], STORAGE: []}
         self._cover_memo: dict[int, dict[int, int]] = {CPU: {}, STORAGE: {}}
         self._names_memo: dict[int, tuple[str, ...]] = {}
+        self._gpu_counts_cache: list[MediumCounts] = []
         self._num_tier_sources = 0
         self._unknown_producer_batches = 0
 
@@ -393,12 +394,20 @@ class PrefixIndex:
             length += 1
         if alive:
             segments.append((length, alive))
+        if len(segments) == 1:
+            length, mask = segments[0]
+            return dict.fromkeys(self._names_of(mask), self._gpu_counts(length))
         result: dict[str, MediumCounts] = {}
         for length, mask in segments:
-            counts = MediumCounts(length, 0, 0)  # immutable: shared by every replica of the segment
-            for name in self._names_of(mask):
-                result[name] = counts
+            result.update(dict.fromkeys(self._names_of(mask), self._gpu_counts(length)))
         return result
+
+    def _gpu_counts(self, length: int) -> MediumCounts:
+        """The (immutable, shared) MediumCounts of a GPU-only prefix of ``length`` blocks."""
+        cache = self._gpu_counts_cache
+        while len(cache) <= length:
+            cache.append(MediumCounts(len(cache), 0, 0))
+        return cache[length]
 
     def _lookup_tiered(self, block_hashes: Sequence[int], alive: int) -> dict[str, MediumCounts]:
         nodes_get = self._nodes.get
