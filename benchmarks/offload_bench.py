@@ -94,6 +94,8 @@ class CpuRow(NamedTuple):
     memcpy_promote_gbps: float
     spill_ratio: float  # median over runs of (spill / the memcpy measured right after it)
     promote_ratio: float
+    spill_ratio_runs: list[float]  # each run's ratio, to show the spread
+    promote_ratio_runs: list[float]
 
 
 class DiskRow(NamedTuple):
@@ -107,6 +109,8 @@ class DiskRow(NamedTuple):
     baseline_read_gbps: float
     write_ratio: float  # median over runs of (tier / the baseline measured right after it)
     read_ratio: float
+    write_ratio_runs: list[float]  # each run's ratio, to show the spread
+    read_ratio_runs: list[float]
 
 
 def _metas(identity: CacheIdentity, count: int, salt: int) -> list[BlockMeta]:
@@ -123,10 +127,10 @@ def _gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / _GB
 
 
-def _ratio(ours: list[float], baseline: list[float]) -> float:
-    """Median of per-run bandwidth ratios (each run's baseline ran right beside it: a busy machine
+def _ratios(ours: list[float], baseline: list[float]) -> list[float]:
+    """Per-run bandwidth ratios from seconds (each run's baseline ran right beside it: a busy machine
     slows both alike, where a ratio of medians would mix quiet and busy moments)."""
-    return statistics.median(base / mine for mine, base in zip(ours, baseline, strict=True))
+    return [round(base / mine, 3) for mine, base in zip(ours, baseline, strict=True)]
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -202,8 +206,10 @@ def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, pr
         _gbps(total, promotes),
         _gbps(total, base_spill),
         _gbps(total, base_promote),
-        _ratio(spills, base_spill),
-        _ratio(promotes, base_promote),
+        statistics.median(_ratios(spills, base_spill)),
+        statistics.median(_ratios(promotes, base_promote)),
+        _ratios(spills, base_spill),
+        _ratios(promotes, base_promote),
     )
 
 
@@ -323,8 +329,10 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
         _gbps(total, reads),
         _gbps(total, base_writes),
         _gbps(total, base_reads),
-        _ratio(writes, base_writes),
-        _ratio(reads, base_reads),
+        statistics.median(_ratios(writes, base_writes)),
+        statistics.median(_ratios(reads, base_reads)),
+        _ratios(writes, base_writes),
+        _ratios(reads, base_reads),
     )
 
 
@@ -365,6 +373,10 @@ def print_tables(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespac
                 f"{drow.read_gbps:>11.2f}{drow.baseline_write_gbps:>12.2f}{drow.baseline_read_gbps:>11.2f}"
                 f"{drow.write_ratio:>13.2f}{drow.read_ratio:>12.2f}"
             )
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
 
 
 def _headline(rows: list[Any]) -> Any:
@@ -491,14 +503,17 @@ def run(args: argparse.Namespace) -> int:
     print_tables(cpu_rows, disk_rows, args, disk_root)
     result = report(cpu_rows, disk_rows, args)
     if cpu_rows:
+        head = _headline(cpu_rows)
         print(
-            f"\nheadline ({result['cpu']['shape']}): spill {result['cpu']['spill_ratio']:.2f}x memcpy, "
-            f"promote {result['cpu']['promote_ratio']:.2f}x memcpy (target >= 0.70)"
+            f"\nheadline ({head.shape}): spill {head.spill_ratio:.2f}x memcpy (runs {_spread(head.spill_ratio_runs)}), "
+            f"promote {head.promote_ratio:.2f}x (runs {_spread(head.promote_ratio_runs)}); target >= 0.70"
         )
     if disk_rows:
+        dhead = _headline(disk_rows)
         print(
-            f"headline ({result['disk']['shape']}): disk write {result['disk']['write_ratio']:.2f}x, "
-            f"read {result['disk']['read_ratio']:.2f}x the O_DIRECT baseline (target >= 0.80)"
+            f"headline ({dhead.shape}): disk write {dhead.write_ratio:.2f}x O_DIRECT "
+            f"(runs {_spread(dhead.write_ratio_runs)}), read {dhead.read_ratio:.2f}x "
+            f"(runs {_spread(dhead.read_ratio_runs)}); target >= 0.80"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
