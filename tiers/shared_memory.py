@@ -16,8 +16,9 @@ tracker, which unlinks segments it did not create when the attaching
 process exits (Python < 3.13).
 
 Ownership: the creator owns the name and unlinks it on :meth:`close` (and at
-interpreter exit); attachers only unmap. A name whose owner process is dead
-is reclaimed by the next creator. Tensors and memoryviews handed out alias
+interpreter exit); attachers only unmap. A killed owner runs no clean-up, so
+every :meth:`create` first unlinks ``kvstore-*`` arenas whose owner process
+(in this pid namespace) is gone, and a name taken by a dead owner is reused. Tensors and memoryviews handed out alias
 the mapping: after close() the name is gone at once, and the memory stays
 mapped while any such view lives (unmapping under a live tensor would
 crash its next access); it is unmapped by a later close() or when the
@@ -43,9 +44,10 @@ from tiers.errors import ArenaError
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVSARENA"
-VERSION = 1
+VERSION = 2  # 2: the owner's pid namespace joined the header
 HEADER_BYTES = 4096
-_HEADER = struct.Struct("<8sHHIQQ64s")  # magic, version, reserved, owner pid, num slots, slot bytes, tag
+# magic, version, reserved, owner pid, owner's pid namespace (inode), num slots, slot bytes, tag
+_HEADER = struct.Struct("<8sHHIQQQ64s")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
@@ -69,7 +71,7 @@ class SharedSlots:
 
     def __init__(self, path: Path, mapping: mmap.mmap, *, owner: bool) -> None:
         raw = mapping[: _HEADER.size]
-        magic, version, _, _, num_slots, slot_bytes, tag = _HEADER.unpack(raw)
+        magic, version, _, _, _, num_slots, slot_bytes, tag = _HEADER.unpack(raw)
         if magic != MAGIC:
             raise ArenaError(f"{path} is not a kvstore arena (bad magic)")
         if version != VERSION:
@@ -117,6 +119,7 @@ class SharedSlots:
             raise ArenaError(f"arena tag {tag!r} is longer than 64 bytes")
         path = Path(shm_dir) / name
         size = HEADER_BYTES + num_slots * slot_bytes
+        reclaim_dead_arenas(Path(shm_dir))
         fd = _create_exclusive(path)
         try:
             try:
@@ -136,7 +139,8 @@ class SharedSlots:
             _unlink(path)
             raise
         os.close(fd)
-        mapping[: _HEADER.size] = _HEADER.pack(MAGIC, VERSION, 0, os.getpid(), num_slots, slot_bytes, tag.encode())
+        header = _HEADER.pack(MAGIC, VERSION, 0, os.getpid(), _pid_namespace(), num_slots, slot_bytes, tag.encode())
+        mapping[: _HEADER.size] = header
         return cls(path, mapping, owner=True)
 
     @classmethod
@@ -217,32 +221,52 @@ def _check_name(name: str) -> None:
         raise ArenaError(f"arena name {name!r} must be 1-201 characters of letters, digits, '.', '_' or '-'")
 
 
+def reclaim_dead_arenas(directory: Path) -> list[str]:
+    """Unlink ``kvstore-*`` arenas in ``directory`` whose owner died without closing them (a killed
+    actor runs no clean-up); returns their names. Only owners in this process's pid namespace are
+    judged: an arena of another container sharing the directory is never touched."""
+    reclaimed = []
+    for path in directory.glob("kvstore-*"):
+        if _owned_by_dead_process(path):
+            _unlink(path)
+            reclaimed.append(path.name)
+            logger.warning("reclaimed arena %s: its owner process is gone", path)
+    return reclaimed
+
+
 def _create_exclusive(path: Path) -> int:
     """Open ``path`` as a new file; reclaim it once if its owner process is gone."""
     for attempt in (1, 2):
         try:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            owner = _owner_pid(path)
-            if attempt == 2 or (owner is not None and _pid_alive(owner)):
-                who = f"live process {owner}" if owner is not None else "another process"
-                raise ArenaError(f"arena {path} is in use by {who}: stop it or choose another name") from None
-            logger.warning("reclaiming arena %s left by dead process %s", path, owner)
+            if attempt == 2 or not _owned_by_dead_process(path):
+                raise ArenaError(f"arena {path} is in use by another process: stop it or choose another name") from None
+            logger.warning("reclaiming arena %s left by a dead process", path)
             _unlink(path)
         except FileNotFoundError:
             raise ArenaError(f"shared-memory directory {path.parent} does not exist (tiers.shm_dir)") from None
     raise AssertionError("unreachable")
 
 
-def _owner_pid(path: Path) -> int | None:
+def _owned_by_dead_process(path: Path) -> bool:
     try:
         with path.open("rb") as fh:
             raw = fh.read(_HEADER.size)
     except OSError:
-        return None
+        return False
     if len(raw) < _HEADER.size or raw[:8] != MAGIC:
-        return None
-    return int(_HEADER.unpack(raw)[3])
+        return False  # not an arena, or one still being created
+    _, _, _, pid, namespace, _, _, _ = _HEADER.unpack(raw)
+    return bool(namespace == _pid_namespace() and not _pid_alive(pid))
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid); 0 where there is no /proc."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _pid_alive(pid: int) -> bool:

@@ -13,7 +13,7 @@ import torch
 from tiers_helpers import arena_name, child_read_slot
 
 from tiers.errors import ArenaError
-from tiers.shared_memory import HEADER_BYTES, SharedSlots
+from tiers.shared_memory import HEADER_BYTES, SharedSlots, reclaim_dead_arenas
 
 SHM = "/dev/shm"
 
@@ -72,7 +72,7 @@ def test_attach_errors() -> None:
     with SharedSlots.create(arena_name(), 1, 4096, shm_dir=SHM, tag="a") as owner:
         with pytest.raises(ArenaError, match="another cache identity"):
             SharedSlots.attach(owner.name, shm_dir=SHM, expect_tag="b")
-        with pytest.raises(ArenaError, match="in use by live process"):
+        with pytest.raises(ArenaError, match="in use by another process"):
             SharedSlots.create(owner.name, 1, 4096, shm_dir=SHM)
     foreign = Path(SHM) / arena_name()
     foreign.write_bytes(b"not an arena" * 400)
@@ -83,15 +83,23 @@ def test_attach_errors() -> None:
         foreign.unlink()
 
 
-def test_stale_arena_of_a_dead_owner_is_reclaimed() -> None:
-    name = arena_name()
+def test_arenas_of_dead_owners_are_reclaimed() -> None:
+    same, other = arena_name(), arena_name()
     context = multiprocessing.get_context("spawn")
-    process = context.Process(target=_create_and_die, args=(name,))
+    for name in (same, other):
+        process = context.Process(target=_create_and_die, args=(name,))
+        process.start()
+        process.join(30)
+        assert process.exitcode == 0 and (Path(SHM) / name).exists()  # left behind by a killed owner
+    with SharedSlots.create(arena_name(), 1, 4096, shm_dir=SHM) as alive:
+        assert not (Path(SHM) / other).exists() and not (Path(SHM) / same).exists()  # swept on create
+        assert reclaim_dead_arenas(Path(SHM)) == []  # a live owner's arena stays
+        assert alive.path.exists()
+    process = context.Process(target=_create_and_die, args=(same,))
     process.start()
     process.join(30)
-    assert process.exitcode == 0 and (Path(SHM) / name).exists()  # left behind
-    with SharedSlots.create(name, 2, 4096, shm_dir=SHM) as reclaimed:
-        assert reclaimed.num_slots == 2
+    with SharedSlots.create(same, 2, 4096, shm_dir=SHM) as reused:  # the dead owner's name is free again
+        assert reused.num_slots == 2
 
 
 def _create_and_die(name: str) -> None:
