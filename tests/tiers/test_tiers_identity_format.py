@@ -1,4 +1,4 @@
-"""CacheIdentity (digest stability, sizes) and the block file format (encode, decode, each refusal)."""
+"""CacheIdentity (digest, sizes), the block file format (encode, decode, each refusal), TierConfig validation."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from tiers_helpers import IDENTITY, make_blocks
 
 from kvstore.config import load_config
+from kvstore.errors import ConfigError
 from tiers.blocks import BlockMeta
 from tiers.disk_format import (
     FORMAT_VERSION,
@@ -129,3 +130,26 @@ def test_checksum_catches_a_flipped_bit_in_tokens_or_payload() -> None:
         verify(header, payload[:100])
     with pytest.raises(IntegrityError, match="short_read"):
         decode_header(raw[:40], identity_digest=DIGEST, block_size=4, block_bytes=4096)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("tiers.io_deadline_s=0", "tiers.io_deadline_s"),
+        ("tiers.cpu_capacity_bytes=0", "tiers.cpu_capacity_bytes"),
+        ("tiers.max_concurrent_io=0", "tiers.max_concurrent_io"),
+        ("tiers.admit_after_spills=0", "tiers.admit_after_spills"),
+        ("tiers.disk_capacity_bytes=-1", "tiers.disk_capacity_bytes"),
+        ("tiers.write_through=maybe", "tiers.write_through"),
+        ("tiers.disk_dri=/tmp", "tiers"),
+    ],
+)
+def test_tier_config_is_validated_on_load(override: str, field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+def test_tier_config_defaults_and_overrides() -> None:
+    tiers = load_config(overrides=["tiers.disk_dir=/var/cache/kv", "tiers.write_through=true"]).tiers
+    assert tiers.disk_dir == "/var/cache/kv" and tiers.write_through
+    assert load_config().tiers.disk_dir is None and load_config().tiers.admit_after_spills == 1
