@@ -404,9 +404,12 @@ class EventListener:
         with self._lock:
             self._commands.append(("add", producer))
 
-    def remove_producer(self, name: str) -> None:
+    def remove_producer(self, name: str, *, reset: bool = False) -> None:
+        """Unsubscribe. With ``reset`` the sink's ``reset_producer(name)`` follows on the listener thread,
+        once the sockets are closed: no batch of the producer can reach the sink after the reset (a reset
+        made from another thread could be overtaken by batches still being delivered)."""
         with self._lock:
-            self._commands.append(("remove", name))
+            self._commands.append(("remove+reset" if reset else "remove", name))
 
     def start(self) -> EventListener:
         if self._thread is None:
@@ -491,6 +494,8 @@ class EventListener:
                 gone = self._producers.pop(arg, None)
                 if gone is not None:
                     self._unregister(gone, poller)
+                if verb == "remove+reset":
+                    self._sink.reset_producer(arg)
 
     def _unregister(self, producer: _Producer, poller: zmq.Poller) -> None:
         for sock in (producer.sub, producer.monitor, producer.dealer):

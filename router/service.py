@@ -373,8 +373,9 @@ class RouterService:
             return
         replica.healthy = False
         logger.warning("replica %s marked unhealthy; dropping its blocks from the index", name)
-        self.listener.remove_producer(replica.spec.events.name)
-        self.index.reset_producer(replica.spec.events.name)
+        # The reset runs on the listener thread after the unsubscribe, so no batch still being delivered
+        # can put blocks back (they would outlive the replica's health and corrupt its resync).
+        self.listener.remove_producer(replica.spec.events.name, reset=True)
 
     def _mark_healthy(self, name: str) -> None:
         replica = self._replicas.get(name)

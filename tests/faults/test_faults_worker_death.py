@@ -20,9 +20,10 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from faults_helpers import BLOCK, HttpFleet, fault_config, tokens, wait_for
+from faults_helpers import BLOCK, HttpFleet, Traffic, fault_config, held, pool_state, tokens, wait_for
 
 from deploy.launcher import build_service, place_workers, replica_spec
+from deploy.worker_http import create_worker_app
 from kvstore.hashing import to_external
 from router.app import create_app
 from tests.http_servers import ServerThread
@@ -144,4 +145,41 @@ def test_worker_whose_engine_died_behind_a_live_http_front_stays_out_of_routing(
         assert seen_healthy == {1}, f"the dead engine flapped back into routing: {seen_healthy}"
         assert retried <= 1, f"{retried} requests were sent to the dead engine and retried"
     finally:
+        fleet.close()
+
+
+def test_replica_marked_unhealthy_while_publishing_leaves_no_block_and_resyncs_exactly() -> None:
+    """Its HTTP front goes away (health polls fail) while the worker keeps serving and publishing.
+
+    Batches still in flight to the router when it marks the replica unhealthy
+    must not put blocks back into the index afterwards; when the front comes
+    back, the resubscription must rebuild exactly the worker's pool.
+    """
+    config = fault_config(cache={"block_size": 4}, pool={"num_blocks": 64}, worker={"max_context": 256})
+    fleet = HttpFleet(["busy", "idle"], config)
+    busy = fleet.workers["busy"]
+    traffic = Traffic(busy, seed=5)  # straight into the worker: it publishes a batch nearly every step
+    try:
+        assert wait_for(lambda: len(held(fleet.service.index, "busy/events")) > 0, timeout=10)
+        port = fleet.servers["busy"].port
+        fleet.servers["busy"].stop()
+        assert wait_for(lambda: fleet.client.get("/healthz").json()["healthy_replicas"] == 1, timeout=5)
+        stale = []
+        for _ in range(25):  # half a second of the worker publishing as fast as it can
+            stale.append(sum(held(fleet.service.index, "busy/events").values()))
+            time.sleep(0.02)
+        assert not any(stale[5:]), f"blocks of an unhealthy replica came back into the index: {stale}"
+
+        front = ServerThread(create_worker_app(busy))
+        front.server.config.port = port  # the router knows the replica by this URL
+        fleet.servers["busy"] = front.start()
+        assert wait_for(lambda: fleet.client.get("/healthz").json()["healthy_replicas"] == 2, timeout=5)
+        time.sleep(0.3)
+        traffic.stop()
+        assert wait_for(lambda: held(fleet.service.index, "busy/events") == pool_state(busy), timeout=5), (
+            len(held(fleet.service.index, "busy/events")), len(pool_state(busy))
+        )  # fmt: skip
+        fleet.service.index.check_invariants()
+    finally:
+        traffic.stop()
         fleet.close()
