@@ -4,7 +4,11 @@ Both clients have the same methods (:class:`TierClient`): one reaches the
 node's :class:`~tiers.actor.TierActor` through Ray, the other runs a
 :class:`~tiers.store.TierStore` in this process on its own event-loop
 thread (tests, single-process deployments). Every call blocks until the
-store answers, at most ``timeout_s``; a timeout raises ``TimeoutError``.
+store answers, at most ``timeout_s``. A tier that cannot answer -- a
+timeout (:class:`~tiers.errors.TierTimeoutError`, also a ``TimeoutError``),
+a dead or unreachable actor, a closed store -- raises
+:class:`~tiers.errors.TierUnavailableError`; callers' mistakes raise the
+store's own typed errors.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import ray
 
 from kvstore.config import EventsConfig, TierConfig
 from tiers.blocks import BlockMeta, SlotGrant, TierHit
+from tiers.errors import TierTimeoutError, TierUnavailableError
 from tiers.identity import CacheIdentity
 from tiers.shared_memory import ArenaInfo
 from tiers.stats import TierStats
@@ -49,7 +54,9 @@ class RayTierClient:
         try:
             return ray.get(ref, timeout=self._timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"the tier actor did not answer within {self._timeout_s} s") from None
+            raise TierTimeoutError(f"the tier actor did not answer within {self._timeout_s} s") from None
+        except ray.exceptions.RayActorError as exc:  # dead, or unreachable (ActorUnavailableError)
+            raise TierUnavailableError(f"the tier actor is gone ({type(exc).__name__})") from exc
 
     def arena_info(self) -> ArenaInfo:
         return self._get(self._handle.arena_info.remote())  # type: ignore[no-any-return]
@@ -140,12 +147,15 @@ class LocalTierClient:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
             raise RuntimeError("LocalTierClient called from its own loop thread: await the store instead")
+        if self._loop.is_closed():
+            coro.close()
+            raise TierUnavailableError("the tier store is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(self._timeout_s)
         except TimeoutError:
             future.cancel()
-            raise TimeoutError(f"the tier store did not answer within {self._timeout_s} s") from None
+            raise TierTimeoutError(f"the tier store did not answer within {self._timeout_s} s") from None
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -23,3 +23,15 @@ class InvalidBlockError(TierError, ValueError):
 
 class LeaseError(TierError, ValueError):
     """A lease id that is unknown, already released, or of the wrong kind for the call."""
+
+
+class TierUnavailableError(TierError):
+    """The node's tier did not answer: its actor is dead or unreachable, or its store is closed.
+
+    Not a caller's mistake: a worker stops using the tier, drops what it
+    would have spilled, and reconnects later (see ``workers.tier_offload``).
+    """
+
+
+class TierTimeoutError(TierUnavailableError, TimeoutError):
+    """A tier call passed its deadline (the tier may be alive but stuck)."""
