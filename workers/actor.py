@@ -26,6 +26,7 @@ import ray
 from ray.util import get_node_ip_address
 
 from kvstore.config import Config
+from tiers.actor import TIER_NAMESPACE, tier_actor_name
 from tiers.client import RayTierClient
 from tiers.identity import CacheIdentity
 from tiers.link import TierLink
@@ -67,18 +68,29 @@ class KVWorkerActor:
     """One KV worker replica on a Ray node; the same methods as :class:`KVWorker`."""
 
     def __init__(self, name: str, config: Config, tier: Any | None = None) -> None:
-        """``tier``: this node's TierActor handle; when given, evicted blocks spill to it and hits promote from it."""
+        """``tier``: this node's TierActor handle; when given, evicted blocks spill to it and hits promote from it.
+
+        If the tier actor dies, the worker goes on without it (spills dropped and counted) and
+        reconnects to the actor named ``kvstore-tier-<node id>`` once one runs again.
+        """
         if config.worker.device == "auto" and not ray.get_gpu_ids():
             config = msgspec.structs.replace(config, worker=msgspec.structs.replace(config.worker, device="cpu"))
-        self._offload: TierOffload | None = None
-        if tier is not None:
-            link = TierLink(
-                RayTierClient(tier, timeout_s=2 * config.tiers.io_deadline_s), CacheIdentity.from_config(config)
-            )
-            self._offload = TierOffload(link)
-        self._worker = KVWorker(name, config, offload=self._offload)
         self._node_ip = get_node_ip_address()
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._offload: TierOffload | None = None
+        if tier is not None:
+            identity = CacheIdentity.from_config(config)
+            timeout_s = 2 * config.tiers.io_deadline_s
+            tier_name = tier_actor_name(self._node_id)
+
+            def reconnect() -> TierLink:
+                """The node's tier actor as it is now (a restarted one has a new arena): looked up by name."""
+                return TierLink(RayTierClient(ray.get_actor(tier_name, namespace=TIER_NAMESPACE), timeout_s=timeout_s),
+                                identity)  # fmt: skip
+
+            link = TierLink(RayTierClient(tier, timeout_s=timeout_s), identity)
+            self._offload = TierOffload(link, reconnect=reconnect)
+        self._worker = KVWorker(name, config, offload=self._offload)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Raises InvalidRequestError (before queuing) or the error that stopped the request."""
@@ -99,7 +111,14 @@ class KVWorkerActor:
 
     async def health(self) -> dict[str, Any]:
         tiered = self._offload is not None
-        return {**self._worker.health(), "node_ip": self._node_ip, "node_id": self._node_id, "tiered": tiered}
+        connected = self._offload is not None and self._offload.connected
+        return {
+            **self._worker.health(),
+            "node_ip": self._node_ip,
+            "node_id": self._node_id,
+            "tiered": tiered,
+            "tier_connected": connected,
+        }
 
     async def cached_hashes(self) -> list[int]:
         return self._worker.cached_hashes()

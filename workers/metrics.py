@@ -30,6 +30,34 @@ class WorkerCounters:
         self.steps = 0
 
 
+class TierLinkCounters:
+    """Counters of a worker's link to its node's tier (bumped on the step loop and the reconnect thread)."""
+
+    __slots__ = (
+        "promote_failures",
+        "promote_skipped",
+        "reconnect_failures",
+        "reconnects",
+        "spill_failures",
+        "spill_skipped_blocks",
+        "unavailable",
+    )
+
+    def __init__(self) -> None:
+        self.unavailable = 0  # times the tier was found unavailable (link taken down)
+        self.reconnects = 0  # links re-established after an outage
+        self.reconnect_failures = 0  # reconnection attempts that found no tier (yet)
+        self.spill_skipped_blocks = 0  # evicted blocks dropped, not spilled, because the tier was down
+        self.promote_skipped = 0  # admissions that did not ask the tier because it was down
+        self.spill_failures = 0  # spills that failed for another reason (their KV dropped)
+        self.promote_failures = 0  # promotions that failed (the GPU hit served alone)
+
+
+class TierLinkState(NamedTuple):
+    counters: TierLinkCounters
+    connected: bool
+
+
 class LoopGauges(NamedTuple):
     running: int
     waiting: int
@@ -69,3 +97,43 @@ class WorkerCollector(Collector):
             gauge.add_metric(labels, value)
             families.append(gauge)
         yield from families
+
+
+class TierLinkCollector(Collector):
+    """The worker's link to its node's tier: connected or not, outages, reconnections, skipped work.
+
+    ``state`` returns None when the worker has no tier (nothing is exported then).
+    """
+
+    def __init__(self, replica: str, state: Callable[[], TierLinkState | None]) -> None:
+        self._replica = replica
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        if state is None:
+            return
+        labels = [self._replica]
+        c = state.counters
+        connected = GaugeMetricFamily(
+            "kvstore_tier_connected", "1 while the worker is linked to its node's tier, 0 while it is down.",
+            labels=["replica"],
+        )  # fmt: skip
+        connected.add_metric(labels, 1.0 if state.connected else 0.0)
+        yield connected
+        for name, doc, value in (
+            ("kvstore_tier_unavailable", "Times the node's tier was found unavailable (spill and promotion "
+             "then off until it is back).", c.unavailable),
+            ("kvstore_tier_reconnects", "Links to the node's tier re-established after an outage.", c.reconnects),
+            ("kvstore_tier_reconnect_failures", "Reconnection attempts that found no tier.", c.reconnect_failures),
+            ("kvstore_tier_spill_skipped_blocks", "Evicted blocks dropped, not spilled, while the tier was down.",
+             c.spill_skipped_blocks),
+            ("kvstore_tier_promote_skipped", "Admissions that skipped the tier while it was down.",
+             c.promote_skipped),
+            ("kvstore_tier_spill_failures", "Spills that failed (their KV dropped).", c.spill_failures),
+            ("kvstore_tier_promote_failures", "Promotions that failed (the GPU hit served alone).",
+             c.promote_failures),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(name, doc, labels=["replica"])
+            counter.add_metric(labels, value)
+            yield counter

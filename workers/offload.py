@@ -23,17 +23,20 @@ one place (:meth:`workers.worker.KVWorker.attach_offload`):
    blocks (``gpu_hit.blocks`` first) of at most ``request.num_tokens - 1``
    tokens; when nothing is promoted, return ``gpu_hit`` unchanged.
 
-:class:`NoOffload` is the null connector every worker starts with.
+:class:`NoOffload` is the null connector every worker starts with. A
+connector that is also a :class:`LinkedOffload` (``workers.tier_offload``)
+gets its link's state exported in the worker's metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from kvstore.block_pool import BlockPool, KVCacheBlock
 from kvstore.kv_cache_manager import CacheRequest, PrefixHit
 from workers.kv_tensor_pool import KVTensorPool
+from workers.metrics import TierLinkCounters
 
 
 class Promotion(NamedTuple):
@@ -49,6 +52,16 @@ class OffloadConnector(Protocol):
     def promote(
         self, request: CacheRequest, gpu_hit: PrefixHit, block_pool: BlockPool, kv_pool: KVTensorPool
     ) -> Promotion: ...
+
+
+@runtime_checkable
+class LinkedOffload(Protocol):
+    """A connector linked to a tier that can go away: the worker exports its link's metrics."""
+
+    counters: TierLinkCounters
+
+    @property
+    def connected(self) -> bool: ...
 
 
 class NoOffload:

@@ -56,9 +56,9 @@ from kvstore.publisher import NullEventPublisher, Snapshot, ZmqEventPublisher
 from workers.api import EventEndpoints, GenerateRequest, GenerateResult, ModelInfo, WorkerLoad, WorkerShutdownError
 from workers.device import resolve_device, resolve_dtype
 from workers.kv_tensor_pool import KVTensorPool
-from workers.metrics import LoopGauges, WorkerCollector, WorkerCounters
+from workers.metrics import LoopGauges, TierLinkCollector, TierLinkState, WorkerCollector, WorkerCounters
 from workers.model_runner import ModelRunner
-from workers.offload import NoOffload, OffloadConnector, Promotion
+from workers.offload import LinkedOffload, NoOffload, OffloadConnector, Promotion
 from workers.scheduler import RequestState, Scheduler, SchedulerOutput
 from workers.validation import RequestLimits, validate_request
 
@@ -104,6 +104,7 @@ class KVWorker:
         self._counters = WorkerCounters()
         self._closed = False
         self._last_error: str | None = None
+        self._connector: OffloadConnector = NoOffload()
         self.attach_offload(offload or NoOffload())
 
         self._publisher: ZmqEventPublisher | NullEventPublisher
@@ -114,6 +115,7 @@ class KVWorker:
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(CacheCollector(lambda: [(self.name, self._manager)]))
         self._registry.register(WorkerCollector(name, self._counters, self._gauges))
+        self._registry.register(TierLinkCollector(name, self._tier_link_state))
         self._thread = threading.Thread(target=self._loop, name=f"kv-worker-{name}", daemon=True)
         self._thread.start()
 
@@ -136,6 +138,7 @@ class KVWorker:
         with self._step_lock, self._lock:
             block_pool.on_evict = lambda blocks: connector.on_evict(blocks, kv_pool)
             self._scheduler.promoter = promote
+            self._connector = connector
 
     # ------------------------------------------------------------- requests
 
@@ -341,6 +344,12 @@ class KVWorker:
         """The publisher's snapshot source: runs on its thread, consistent because we take ``_lock``."""
         with self._lock:
             return Snapshot(self._publisher.last_seq, self.block_pool.snapshot_events())
+
+    def _tier_link_state(self) -> TierLinkState | None:
+        connector = self._connector
+        if isinstance(connector, LinkedOffload):
+            return TierLinkState(connector.counters, connector.connected)
+        return None
 
     def _gauges(self) -> LoopGauges:
         return LoopGauges(len(self._scheduler.running), len(self._scheduler.waiting), self._scheduler.num_preemptions)
