@@ -17,7 +17,7 @@ arena slot)::
     48          16    cache identity digest (first 16 bytes)
     64          8*n   token ids (int64)
     64+8n       8     checksum: xxh3_64 of bytes [0, 64+8n) followed by the payload
-    ...               zero padding up to the header length
+    ...               zero padding up to the header length (checked on read: damage anywhere is refused)
     header_len  ...   payload: the block's KV, exactly as in the worker's pool row
 
 A file is served only if every field matches what the reader expects (and
@@ -121,6 +121,9 @@ def decode_header(raw: bytes | memoryview, *, identity_digest: bytes, block_size
         raise IntegrityError("short_read", f"header is {len(raw)} bytes, needs {end + _CHECKSUM.size}")
     tokens = struct.unpack_from(f"<{num_tokens}q", raw, _FIXED.size)
     (checksum,) = _CHECKSUM.unpack_from(raw, end)
+    padding = raw[end + _CHECKSUM.size :]  # not under the checksum: writers zero it, so readers check it
+    if padding.count(0) != len(padding):
+        raise IntegrityError("bad_padding", "non-zero bytes in the header's padding (the file is damaged)")
     meta = BlockMeta(ExternalBlockHash(block_hash), ExternalBlockHash(parent) if flags & _HAS_PARENT else None, tokens)
     return FileHeader(meta, hlen, payload_len, checksum, raw[:end])
 

@@ -141,12 +141,21 @@ def _other_identity(path: Path, other: Path) -> None:
     [
         (_flip(FILE_BYTES - 7), "bad_checksum"),  # a payload byte
         (_flip(64), "wrong_tokens"),  # a token: caught by the collision guard before the checksum
+        (_flip(200), "bad_padding"),  # the header's zero padding (outside the checksum)
         (_truncate, "short_read"),
         (_other_block, "wrong_hash"),
         (_other_version, "bad_version"),
         (_other_identity, "wrong_identity"),
     ],
-    ids=["flipped-payload-byte", "flipped-token", "truncated", "header-of-another-hash", "format-version", "identity"],
+    ids=[
+        "flipped-payload-byte",
+        "flipped-token",
+        "flipped-padding-byte",
+        "truncated",
+        "header-of-another-hash",
+        "format-version",
+        "identity",
+    ],
 )
 def test_integrity_failures_are_counted_misses_and_removed(
     tmp_path: Path, corrupt: Callable[[Path, Path], None], reason: str

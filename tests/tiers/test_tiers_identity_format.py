@@ -103,6 +103,7 @@ def _header() -> tuple[bytearray, memoryview, BlockMeta]:
         (16, struct.pack("<I", 5), "bad_length"),
         (40, struct.pack("<Q", 4095), "bad_length"),
         (48, b"\x00" * 16, "wrong_identity"),
+        (4095, b"\x01", "bad_padding"),
     ],
 )
 def test_header_refusals(offset: int, value: bytes, reason: str) -> None:
