@@ -21,8 +21,11 @@ Contracts
   ``on_settled(ok)`` -- when it has finished. A write that completes late
   is still indexed; a read that completes late is still verified.
 - ENOSPC (or EDQUOT) lowers the tier's limit to the bytes it holds, so
-  later blocks replace the least recently used ones instead of failing;
-  the configured capacity is back at the next start.
+  later blocks replace the least recently used ones instead of failing.
+  The limit grows back (up to the configured capacity) as soon as the file
+  system reports free room again (``statvfs``, checked before each write
+  while the limit is lowered); a write that fails destroys no block while
+  the file system reports room.
 - The start-up scan removes temporaries and files whose header is invalid,
   indexes the rest (oldest modification first, i.e. next to be evicted) and
   records BlockStored (medium STORAGE) for each, so a restart keeps the
@@ -322,7 +325,7 @@ class DiskTier:
         if exc.errno in _FULL_ERRNOS:
             self.counters.not_stored["disk_full"] += 1
             held = self.used_bytes
-            if self._limit > held:
+            if self._limit == self.capacity_bytes and held < self._limit:
                 logger.warning("disk tier %s is full (%s): limited to the %d bytes held", self.directory, exc, held)
             self._limit = min(self._limit, held)
         else:
@@ -366,12 +369,26 @@ class DiskTier:
 
     def _make_room(self) -> bool:
         """Evict LRU files until one more (beside those in flight) fits under the limit."""
+        if self._limit < self.capacity_bytes:
+            self._regrow_limit()
         need = (len(self._inflight) + 1) * self.file_bytes
         while self._index and self.used_bytes + need > self._limit:
             block_hash = next(iter(self._index))
             self._drop(self._index[block_hash], unlink=True)
             self.counters.evictions += 1
         return self.used_bytes + need <= self._limit
+
+    def _regrow_limit(self) -> None:
+        """After ENOSPC: take the configured capacity back as far as the file system has room again.
+
+        Without this a full disk that later freed up kept the tier at what it held then -- after
+        a while of failing writes (each evicting a block first), at nothing -- until a restart.
+        """
+        grown = min(self.capacity_bytes, self.used_bytes + _fs_room(self.directory))
+        if grown > self._limit:
+            if grown == self.capacity_bytes:
+                logger.warning("disk tier %s has room again: capacity back to %d bytes", self.directory, grown)
+            self._limit = grown
 
     def _insert(self, meta: BlockMeta) -> None:
         self._generation += 1
@@ -603,6 +620,17 @@ def _remove(path: Path) -> None:
         pass
     except OSError as exc:
         logger.warning("could not remove %s: %s", path, exc)
+
+
+def _fs_room(directory: Path) -> int:
+    """Bytes a new file may still take on ``directory``'s file system: 0 when it is out of space or inodes."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    if st.f_files and not st.f_favail:  # some file systems (btrfs) report no inode counts at all
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _errno_name(exc: OSError) -> str:

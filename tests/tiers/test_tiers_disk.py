@@ -304,14 +304,16 @@ def test_enospc_degrades_to_not_stored_and_shrinks_the_limit(tmp_path: Path, mon
 
     async def scenario() -> None:
         tier = new_tier(tmp_path, files=8)
-        metas, views = payloads(4)
+        metas, views = payloads(5)
         assert await tier.write(metas[0], views[0])
         assert await tier.write(metas[1], views[1])
 
         def disk_full(*args: Any) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
+        # The file system is full: writes fail and statvfs reports no room.
         monkeypatch.setattr(disk_module, "_write_all", disk_full)
+        monkeypatch.setattr(disk_module, "_fs_room", lambda directory: 0)
         settled = Settles()
         assert not await tier.write(metas[2], views[2], settled)  # no exception reaches the caller
         assert settled.calls == [False]
@@ -321,6 +323,41 @@ def test_enospc_degrades_to_not_stored_and_shrinks_the_limit(tmp_path: Path, mon
         monkeypatch.setattr(disk_module, "_write_all", real_write_all)
         assert await tier.write(metas[3], views[3])  # room is made by evicting the LRU block
         assert tier.lru_hashes() == [metas[1].block_hash, metas[3].block_hash]
+        assert tier.limit_bytes == 2 * FILE_BYTES
+        # The file system has room again: the configured capacity is back, nothing is evicted.
+        monkeypatch.setattr(disk_module, "_fs_room", lambda directory: 100 * FILE_BYTES)
+        assert await tier.write(metas[4], views[4])
+        assert tier.limit_bytes == tier.capacity_bytes == 8 * FILE_BYTES
+        assert tier.lru_hashes() == [metas[1].block_hash, metas[3].block_hash, metas[4].block_hash]
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_enospc_while_the_file_system_reports_room_evicts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC that statvfs does not show (a quota, a competing writer that freed up): failed writes are counted,
+    and no stored block is given up for them."""
+
+    def disk_full(*args: Any) -> None:
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=8)
+        metas, views = payloads(6)
+        for meta, view in zip(metas[:3], views[:3], strict=True):
+            assert await tier.write(meta, view)
+        monkeypatch.setattr(disk_module, "_write_all", disk_full)
+        for meta, view in zip(metas[3:], views[3:], strict=True):
+            assert not await tier.write(meta, view)
+        assert dict(tier.counters.not_stored) == {"disk_full": 3} and tier.counters.evictions == 0
+        assert tier.lru_hashes() == [m.block_hash for m in metas[:3]]
+        assert tier.limit_bytes == 3 * FILE_BYTES  # what it held at the last failure
+        monkeypatch.undo()
+        assert await tier.write(metas[3], views[3])  # statvfs reports room: the capacity is back
+        assert tier.limit_bytes == tier.capacity_bytes and tier.num_blocks == 4
         tier.check_invariants()
         await tier.aclose()
 

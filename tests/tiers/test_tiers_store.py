@@ -220,6 +220,7 @@ def test_full_disk_degrades_spill_without_raising(tmp_path: Path, monkeypatch: p
     async def scenario() -> None:
         async with new_store(tier_config(tmp_path, cpu_blocks=2, disk_blocks=64)) as store:
             monkeypatch.setattr(disk_module, "_write_all", disk_full)
+            monkeypatch.setattr(disk_module, "_fs_room", lambda directory: 0)  # statvfs agrees: no room
             metas, data = make_blocks(5)
             assert await store.put(metas, data) == 5  # every block reached the CPU tier
             assert store.lookup(hashes(metas)) == (0, ())  # the evicted ones could not be kept
@@ -229,6 +230,12 @@ def test_full_disk_degrades_spill_without_raising(tmp_path: Path, monkeypatch: p
             # the next two are turned away before any I/O.
             assert stats.not_stored["STORAGE"] == {"disk_full": 1, "capacity": 2}
             assert stats.blocks["STORAGE"] == 0 and stats.capacity_bytes["STORAGE"] == 0
+            store.check_invariants()
+            monkeypatch.undo()  # room again: the next write-backs take the configured capacity back
+            more, more_data = make_blocks(2, first_token=100)
+            assert await store.put(more, more_data) == 2
+            stats = store.stats()
+            assert stats.blocks["STORAGE"] == 2 and stats.capacity_bytes["STORAGE"] == store.config.disk_capacity_bytes
             store.check_invariants()
 
     asyncio.run(scenario())
