@@ -261,11 +261,15 @@ class DiskTier:
         if entry is None:
             on_settled(False)
             return False
-        if entry.meta != meta:
-            self.counters.collisions += 1
-            on_settled(False)
-            return False
         state = _IoState()
+        if entry.meta != meta:
+            # Other tokens (or parent) under this hash: a collision if the file is intact -- or a header
+            # damaged while the tier was down, which the start-up scan cannot tell (the checksum covers the
+            # payload). Read it as what it claims to be: a damaged file is refused and removed like any other.
+            # Never a hit: ``out`` is handed back with on_settled(False) either way.
+            task = asyncio.create_task(self._read_job(entry, out, state, on_settled, collision=True))
+            await self._answer_by_deadline(task, state, "read")
+            return False
         task = asyncio.create_task(self._read_job(entry, out, state, on_settled))
         return await self._answer_by_deadline(task, state, "read")
 
@@ -332,7 +336,11 @@ class DiskTier:
             self.counters.not_stored["io_error"] += 1
             self.counters.io_errors[_errno_name(exc)] += 1
 
-    async def _read_job(self, entry: _Entry, out: memoryview, state: _IoState, on_settled: Settled) -> bool:
+    async def _read_job(
+        self, entry: _Entry, out: memoryview, state: _IoState, on_settled: Settled, *, collision: bool = False
+    ) -> bool:
+        """Read and verify ``entry``'s file into ``out``; with ``collision`` an intact file is counted as a
+        hash collision and still a miss."""
         ok = False
         try:
             async with self._semaphore:
@@ -354,6 +362,9 @@ class DiskTier:
                     self.counters.io_errors[_errno_name(exc)] += 1
                     self._drop(entry, unlink=True)
                     return False
+            if collision:
+                self.counters.collisions += 1
+                return False
             self._touch(entry.meta.block_hash)
             ok = True
             return True

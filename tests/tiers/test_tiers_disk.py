@@ -210,6 +210,38 @@ def test_collision_on_disk_is_a_miss(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_tokens_damaged_while_the_tier_was_down_are_refused_not_taken_for_a_collision(tmp_path: Path) -> None:
+    """The scan checks headers, not checksums (that needs the payload): a token flipped while the tier was
+    down is indexed with the wrong tokens. The first read must find the file damaged -- counted as an
+    integrity failure and removed -- not call it a hash collision and keep it forever."""
+
+    async def first_run() -> tuple[list[BlockMeta], list[bytes]]:
+        tier = new_tier(tmp_path)
+        metas, views = payloads(2)
+        for meta, view in zip(metas, views, strict=True):
+            assert await tier.write(meta, view)
+        await tier.aclose()
+        return metas, [bytes(v) for v in views]
+
+    metas, contents = asyncio.run(first_run())
+    directory = tmp_path / IDENTITY.digest()
+    damaged = directory / shard_name(metas[0].block_hash) / file_name(metas[0].block_hash)
+    _flip(64)(damaged, damaged)  # the first token
+
+    async def second_run() -> None:
+        tier = new_tier(tmp_path)
+        assert set(tier.lru_hashes()) == {m.block_hash for m in metas} and not tier.counters.scan_removed
+        assert not await tier.read_into(metas[0], out_buffer())
+        assert dict(tier.counters.integrity_failures) == {"bad_checksum": 1} and tier.counters.collisions == 0
+        assert not damaged.exists() and metas[0].block_hash not in tier
+        out = out_buffer()
+        assert await tier.read_into(metas[1], out) and bytes(out) == contents[1]
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(second_run())
+
+
 def test_restart_scan_keeps_valid_files_and_removes_the_rest(tmp_path: Path) -> None:
     async def first_run() -> tuple[list[BlockMeta], list[bytes]]:
         tier = new_tier(tmp_path)
