@@ -1,0 +1,288 @@
+"""Disk tier faults under a real worker: corrupt, truncated and deleted block files; a full disk.
+
+Each test runs KV workers (the real model and paged pool) whose evicted
+blocks go through a real tier store (:class:`LocalTierClient`: the shared
+arena in /dev/shm, block files on the real disk under ``tmp_path``), and
+whose admissions promote from it -- the same TierOffload/TierLink path as a
+Ray worker, in one process so that 1,000+ block files take seconds.
+
+The disk is then damaged behind the tier's back, and the prompts whose
+prefixes live in the damaged files are served again. Every output must equal
+the output of a run with no cache at all, and every fault must show up in
+the tier's metrics, exactly where the count is deterministic.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from faults_helpers import tokens
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+import tiers.disk as disk_module
+from kvstore.config import Config, config_from_dict
+from kvstore.hashing import BlockHasher, to_external
+from kvstore.metrics import render
+from tiers.client import LocalTierClient
+from tiers.disk_format import header_len
+from tiers.identity import CacheIdentity
+from tiers.link import TierLink
+from tiers.metrics import TierCollector
+from workers.api import GenerateRequest, GenerateResult
+from workers.tier_offload import TierOffload
+from workers.worker import KVWorker
+
+BLOCK = 4  # small blocks: 8 KiB of KV for the toy model, so a block file is 12 KiB
+DOC_BLOCKS = 24
+MAX_TOKENS = 3
+CPU_SLOTS = 32
+
+
+def disk_config(tmp_path: Path, *, disk_files: int | None = None) -> Config:
+    """The toy model on the CPU, a 64-block pool, a 32-slot arena and a disk tier under ``tmp_path``."""
+    tiers: dict[str, Any] = {"cpu_capacity_bytes": CPU_SLOTS * block_bytes(), "disk_dir": str(tmp_path / "disk"),
+                             "io_deadline_s": 10.0}  # fmt: skip
+    if disk_files is not None:
+        tiers["disk_capacity_bytes"] = disk_files * (header_len(BLOCK) + block_bytes())
+    return config_from_dict(
+        {
+            "cache": {"block_size": BLOCK},
+            "pool": {"num_blocks": 64},
+            "events": {"enabled": False},
+            "worker": {"device": "cpu"},
+            "tiers": tiers,
+        }
+    )
+
+
+def block_bytes() -> int:
+    worker = config_from_dict({}).worker
+    return 2 * BLOCK * worker.num_kv_heads * worker.head_dim * 4 * worker.num_layers
+
+
+def reference_outputs(prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy outputs with the prefix cache off: the ground truth."""
+    plain = config_from_dict({"cache": {"block_size": BLOCK, "enable_prefix_caching": False},
+                              "pool": {"num_blocks": 64}, "worker": {"device": "cpu"},
+                              "events": {"enabled": False}})  # fmt: skip
+    worker = KVWorker("reference", plain)
+    try:
+        return [worker.generate(GenerateRequest(p, MAX_TOKENS)).output_token_ids for p in prompts]
+    finally:
+        worker.shutdown()
+
+
+@contextmanager
+def tiered_workers(config: Config, names: list[str]) -> Iterator[tuple[LocalTierClient, list[KVWorker]]]:
+    """A tier store and workers linked to it (each maps the arena), all shut down afterwards."""
+    identity = CacheIdentity.from_config(config)
+    client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
+    workers: list[KVWorker] = []
+    try:
+        for name in names:
+            workers.append(KVWorker(name, config, offload=TierOffload(TierLink(client, identity))))
+        yield client, workers
+    finally:
+        for worker in workers:
+            worker.shutdown()
+        client.close()
+
+
+def wrong_tokens(got: list[int], want: list[int]) -> int:
+    return sum(a != b for a, b in zip(got, want, strict=False)) + abs(len(got) - len(want))
+
+
+def tier_metrics(client: LocalTierClient) -> dict[str, float]:
+    """The tier's Prometheus page as {``name{label=value,...}``: value}."""
+    registry = CollectorRegistry()
+    registry.register(TierCollector(client.stats))
+    page = {}
+    for family in text_string_to_metric_families(render(registry).decode()):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            page[f"{sample.name}{{{labels}}}"] = sample.value
+    return page
+
+
+def corrupt_bytes(path: Path, rng: random.Random) -> str:
+    """XOR 1-8 bytes at a random offset with random non-zero values; returns the region hit."""
+    size = path.stat().st_size
+    offset = rng.randrange(size)
+    length = min(rng.randint(1, 8), size - offset)
+    with path.open("r+b") as fh:
+        fh.seek(offset)
+        raw = bytearray(fh.read(length))
+        for k in range(length):
+            raw[k] ^= rng.randrange(1, 256)
+        fh.seek(offset)
+        fh.write(raw)
+    fields = 64 + 8 * BLOCK + 8  # fixed fields, tokens, checksum
+    return "header fields" if offset < fields else "header padding" if offset < header_len(BLOCK) else "payload"
+
+
+def test_corrupt_truncated_and_deleted_block_files_never_serve_a_wrong_token(tmp_path: Path) -> None:
+    corrupt_n, truncate_n, delete_n = 1000, 100, 100
+    config = disk_config(tmp_path)
+    hasher = BlockHasher.from_config(config.cache)
+    rng = random.Random(2024)
+    docs = [tokens(rng, DOC_BLOCKS * BLOCK) for _ in range(130)]
+    prompts = [doc + tokens(rng, 2) for doc in docs]  # every block of the doc can be a hit
+    expected = reference_outputs(prompts)
+    doc_hashes = [[to_external(h) for h in hasher.hash_blocks(doc)] for doc in docs]
+
+    with tiered_workers(config, ["fill", "serve"]) as (client, (fill, serve)):
+        # 1. Fill: one worker computes every prompt; its evictions go through the 32-slot arena to disk.
+        for prompt, want in zip(prompts, expected, strict=True):
+            assert fill.generate(GenerateRequest(prompt, MAX_TOKENS)).output_token_ids == want
+        disk = client.store.disk
+        assert disk is not None
+        whole = [d for d, h in enumerate(doc_hashes) if client.lookup(h).media == ("STORAGE",) * DOC_BLOCKS]
+        files = [(d, i) for d in whole for i in range(DOC_BLOCKS)]
+        assert len(files) >= corrupt_n + truncate_n + delete_n + 100, (len(files), disk.num_blocks)
+        stored_before = disk.num_blocks
+
+        # 2. Damage: corrupt bytes in 1,000 files, truncate 100, delete 100 (only files no other tier holds).
+        chosen = rng.sample(files, corrupt_n + truncate_n + delete_n)
+        fault: dict[tuple[int, int], str] = {}
+        regions: Counter[str] = Counter()
+        file_bytes = header_len(BLOCK) + block_bytes()
+        for n, (d, i) in enumerate(chosen):
+            path = disk.path_of(doc_hashes[d][i])
+            if n < corrupt_n:
+                region = corrupt_bytes(path, rng)
+                regions[region] += 1
+                fault[d, i] = f"corrupt {region}"
+            elif n < corrupt_n + truncate_n:
+                os.truncate(path, rng.randrange(file_bytes))
+                fault[d, i] = "truncated"
+            else:
+                path.unlink()
+                fault[d, i] = "deleted"
+
+        # 3. Serve every damaged prompt on a worker that never computed it: its prefix comes from disk
+        #    up to the first damaged block, the rest is recomputed.
+        wrong: dict[int, int] = {}
+        hits: list[tuple[int, dict[str, int], int]] = []
+        results: list[GenerateResult] = []
+        for d in whole:
+            result = serve.generate(GenerateRequest(prompts[d], MAX_TOKENS))
+            results.append(result)
+            if result.output_token_ids != expected[d]:
+                wrong[d] = wrong_tokens(result.output_token_ids, expected[d])
+            first_bad = min((i for (dd, i) in fault if dd == d), default=DOC_BLOCKS)
+            if result.cached_tokens_by_medium != {"GPU": 0, "CPU": 0, "STORAGE": first_bad * BLOCK}:
+                served_bad = result.cached_tokens_by_medium["STORAGE"] // BLOCK
+                hits.append((d, first_bad, [fault.get((d, i), "intact") for i in range(first_bad, served_bad + 1)]))
+        assert not wrong, f"{sum(wrong.values())} wrong tokens served, in {len(wrong)} of {len(whole)} prompts"
+        assert not hits, f"hits other than the intact prefixes: {hits[:5]}"
+        fill.check_invariants()
+        serve.check_invariants()
+        client.check_invariants()
+
+        # 4. Every fault is counted, once, by reason.
+        stats = client.stats()
+        integrity = dict(stats.integrity_failures)
+        kinds = Counter(kind.split()[0] for kind in fault.values())
+        assert integrity.pop("missing") == kinds["deleted"] == delete_n
+        assert integrity.pop("short_read") == kinds["truncated"] == truncate_n
+        assert sum(integrity.values()) == corrupt_n, (integrity, regions)  # every corrupted byte run is caught
+        assert set(integrity) <= {"bad_checksum", "bad_magic", "bad_version", "bad_length", "wrong_identity",
+                                  "wrong_hash", "wrong_tokens", "bad_padding"}, integrity  # fmt: skip
+        assert stats.disk_errors == {} and stats.collisions["STORAGE"] == 0
+        page = tier_metrics(client)
+        total = sum(v for k, v in page.items() if k.startswith("kvstore_tier_integrity_failures_total"))
+        assert total == corrupt_n + truncate_n + delete_n
+        assert page["kvstore_tier_integrity_failures_total{reason=missing}"] == delete_n
+        assert page["kvstore_tier_integrity_failures_total{reason=short_read}"] == truncate_n
+        for key in [k for k in disk.lru_hashes() if k in {doc_hashes[d][i] for d, i in fault}]:
+            # A damaged block back on disk was written again (spilled by the serving worker): a new, valid file.
+            assert disk.path_of(key).stat().st_size == file_bytes
+        served = sum(r.cached_tokens_by_medium["STORAGE"] for r in results) // BLOCK
+        print(
+            f"\ndisk faults ({disk.io_mode}): {stored_before} block files, {len(files)} of them for {len(whole)} "
+            f"prompts; damaged {corrupt_n} (byte runs in {dict(regions)}), truncated {truncate_n}, deleted {delete_n}; "
+            f"{len(whole)} prompts served, 0 wrong tokens, {served} blocks promoted from disk; integrity failures "
+            f"{dict(stats.integrity_failures)}"
+        )
+
+
+class FailingWrites:
+    """Replaces the disk tier's write syscall loop: every write fails, ENOSPC except every ``eio_every``-th (EIO)."""
+
+    def __init__(self, eio_every: int) -> None:
+        self.eio_every = eio_every
+        self.calls: Counter[str] = Counter()
+        self._lock = threading.Lock()  # called on the tier's I/O threads
+
+    def __call__(self, fd: int, views: list[memoryview]) -> None:
+        with self._lock:
+            n = sum(self.calls.values()) + 1
+            name = "EIO" if n % self.eio_every == 0 else "ENOSPC"
+            self.calls[name] += 1
+        raise OSError(getattr(errno, name), os.strerror(getattr(errno, name)))
+
+
+def test_full_disk_stops_storing_and_is_counted_while_every_output_stays_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = disk_config(tmp_path, disk_files=150)  # fewer files than the first prompts need: LRU at capacity
+    rng = random.Random(99)
+    prompts = [tokens(rng, DOC_BLOCKS * BLOCK) + tokens(rng, 2) for _ in range(24)]
+    expected = reference_outputs(prompts)
+    early, late = prompts[:10], prompts[10:]
+
+    with tiered_workers(config, ["w0"]) as (client, (worker,)):
+        for i, prompt in enumerate(early):
+            assert worker.generate(GenerateRequest(prompt, MAX_TOKENS)).output_token_ids == expected[i]
+        before = client.stats()
+        assert before.blocks["STORAGE"] == 150 and before.evictions["STORAGE"] > 0  # capacity reached: LRU evicts
+
+        # The file system fills up: every block file write fails (ENOSPC, and EIO now and then).
+        failing = FailingWrites(eio_every=5)
+        monkeypatch.setattr(disk_module, "_write_all", failing)
+        for i, prompt in enumerate(late, start=len(early)):
+            assert worker.generate(GenerateRequest(prompt, MAX_TOKENS)).output_token_ids == expected[i]
+        full = client.stats()
+        calls = dict(failing.calls)
+        assert calls["ENOSPC"] > 0 and calls["EIO"] > 0, calls
+        assert full.not_stored["STORAGE"]["disk_full"] == calls["ENOSPC"]
+        assert full.not_stored["STORAGE"]["io_error"] == calls["EIO"] == full.disk_errors["EIO"]
+        assert full.capacity_bytes["STORAGE"] == full.usage_bytes["STORAGE"]  # the limit fell to what it holds
+        # statvfs still reports room (a quota, or another writer that freed space), so the limit grows back
+        # before each write: only the writes that found the tier at capacity evicted first (at most one
+        # arena's worth in flight). Before the fix every failure evicted one, and the tier drained for good.
+        lost = before.blocks["STORAGE"] - full.blocks["STORAGE"]
+        assert lost == full.evictions["STORAGE"] - before.evictions["STORAGE"] <= CPU_SLOTS, lost
+        page = tier_metrics(client)
+        assert page["kvstore_tier_not_stored_total{medium=STORAGE,reason=disk_full}"] == calls["ENOSPC"]
+        assert page["kvstore_tier_disk_errors_total{reason=EIO}"] == calls["EIO"]
+        assert list((tmp_path / "disk").rglob("*.tmp")) == []  # no temporary left behind
+
+        # The disk has room again: every prompt, early and late, is still served exactly.
+        monkeypatch.undo()
+        results = [worker.generate(GenerateRequest(p, MAX_TOKENS)) for p in prompts]
+        assert [r.output_token_ids for r in results] == expected
+        after = client.stats()
+        assert after.capacity_bytes["STORAGE"] == before.capacity_bytes["STORAGE"]  # the configured capacity is back
+        assert after.blocks["STORAGE"] == 150  # full again, of new blocks
+        assert after.not_stored["STORAGE"] == full.not_stored["STORAGE"]  # nothing failed once there was room
+        worker.check_invariants()
+        client.check_invariants()
+        print(
+            f"\nfull disk: capacity 150 files reached ({before.evictions['STORAGE']} LRU evictions), then "
+            f"{sum(calls.values())} writes failed ({calls}), each counted; {lost} stored blocks evicted for writes "
+            f"that then failed; "
+            f"{len(late)} prompts served while full and {len(prompts)} after, "
+            f"0 wrong tokens; hits after: {sum(r.cached_tokens for r in results) // BLOCK} blocks"
+        )
