@@ -214,6 +214,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Cost per waiting (admitted but not yet scheduled) request, in tokens."""
     kv_usage_weight: Annotated[float, Meta(ge=0.0)] = 0.0
     """Cost of a full KV pool (usage 1.0), in tokens; scales linearly with usage."""
+    prefill_tps: Annotated[float, Meta(ge=0.0)] = 0.0
+    """Each replica's prefill throughput (tokens/s), at which the router's estimate of its queued prefill
+    drains (router/load.py); 0 = learn it from the timings responses report."""
     temperature: Annotated[float, Meta(ge=0.0)] = 0.0
     """0 picks the lowest cost (ties at random); > 0 samples a softmax over normalised costs."""
     policy: Literal["kvstore", "round_robin", "random", "least_loaded"] = "kvstore"

@@ -48,8 +48,9 @@ from router.backends import (
 )
 from router.fleet_metrics import MergedPagesCollector
 from router.index import MediumCounts, PrefixIndex
+from router.load import PrefillLoad
 from router.protocol import ApiError, ModelLimits, ParsedPrompt
-from router.scoring import Decision, ReplicaState, Scorer
+from router.scoring import Decision, ReplicaState, Scorer, least_loaded
 from router.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -80,13 +81,12 @@ class ReplicaSpec(NamedTuple):
 
 
 class _Replica:
-    def __init__(self, spec: ReplicaSpec) -> None:
+    def __init__(self, spec: ReplicaSpec, prefill_tps: float) -> None:
         self.spec = spec
         self.healthy = True
         self.failed_polls = 0
         self.load = ReplicaLoad(0, 0, 0.0)
-        self.inflight = 0
-        self.inflight_prefill_tokens = 0
+        self.prefill = PrefillLoad(prefill_tps)
         self.last_ok = time.monotonic()
         self.metrics_text = ""  # its Prometheus page as of the last poll
 
@@ -177,7 +177,7 @@ class RouterService:
         """Register (or replace) a replica and subscribe to its event stream."""
         if spec.name in self._replicas:
             self.remove_replica(spec.name)
-        self._replicas[spec.name] = _Replica(spec)
+        self._replicas[spec.name] = _Replica(spec, self.config.router.prefill_tps)
         self.index.add_producer(spec.events.name, "gpu", [spec.name], spec.node, rekey=spec.events.rekey)
         self._listen(spec.events)
 
@@ -229,10 +229,11 @@ class RouterService:
             raise ApiError(503, "no healthy replica is available; retry later")
         hashes = self.hasher.hash_blocks(prompt.token_ids, lora_name=prompt.lora_name, cache_salt=prompt.cache_salt)
         matches = self.index.lookup([to_external(h) for h in hashes])
+        now = time.monotonic()
         states = {
             r.spec.name: ReplicaState(
-                outstanding_tokens=float(r.inflight_prefill_tokens),
-                running_requests=max(r.load.running, r.inflight),
+                outstanding_tokens=r.prefill.outstanding(now),
+                running_requests=max(r.load.running, r.prefill.inflight_requests),
                 waiting_requests=r.load.waiting,
                 kv_usage=r.load.kv_usage,
             )
@@ -259,10 +260,7 @@ class RouterService:
         if policy == "random":
             return self._rng.choice(names)
         assert policy == "least_loaded", policy
-        least = min((s.outstanding_tokens, s.running_requests + s.waiting_requests) for s in states.values())
-        tied = [n for n in names if (states[n].outstanding_tokens, states[n].running_requests
-                                     + states[n].waiting_requests) == least]  # fmt: skip
-        return self._rng.choice(tied)
+        return least_loaded(states, self._rng)
 
     async def complete(self, prompt: ParsedPrompt) -> dict[str, Any]:
         """Route, dispatch (retrying once elsewhere on ReplicaUnavailable) and build the OpenAI response."""
@@ -309,10 +307,9 @@ class RouterService:
         matched = routed.matched.get(name, _NO_MATCH)
         cached_guess = min(matched.total * self.hasher.block_size, len(prompt.token_ids) - 1)
         prefill = max(0, len(prompt.token_ids) - cached_guess)
-        replica.inflight += 1
-        replica.inflight_prefill_tokens += prefill
+        replica.prefill.dispatched(prefill, time.monotonic())
         try:
-            return await replica.spec.backend.generate(
+            result = await replica.spec.backend.generate(
                 prompt.token_ids,
                 prompt.max_tokens,
                 request_id=request_id,
@@ -320,8 +317,10 @@ class RouterService:
                 lora_name=prompt.lora_name,
             )
         finally:
-            replica.inflight -= 1
-            replica.inflight_prefill_tokens -= prefill
+            replica.prefill.finished(prefill)
+        if result.ttft_s is not None and result.queue_s is not None:
+            replica.prefill.observe(result.prompt_tokens - result.cached_tokens, result.ttft_s - result.queue_s)
+        return result
 
     def _response(
         self,
@@ -429,8 +428,10 @@ class RouterService:
                     "running": r.load.running,
                     "waiting": r.load.waiting,
                     "kv_usage": r.load.kv_usage,
-                    "inflight": r.inflight,
-                    "inflight_prefill_tokens": r.inflight_prefill_tokens,
+                    "inflight": r.prefill.inflight_requests,
+                    "inflight_prefill_tokens": r.prefill.inflight_tokens,
+                    "outstanding_prefill_tokens": round(r.prefill.outstanding(time.monotonic()), 1),
+                    "prefill_tokens_per_s": round(r.prefill.tokens_per_s, 1),
                     "events": health[r.spec.events.name]._asdict() if r.spec.events.name in health else None,
                 }
             )
