@@ -20,7 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "deploy.events_cli",
     "deploy.worker_http",
     "router.cli",
-    "router.simulate",
+    "deploy.simulate_cli",
     "deploy.serve_cli",
     "deploy.replay",
     "benchmarks.pool_bench",

@@ -1,23 +1,43 @@
 """Routing policies of the simulator: ours (the router's index and scorer) and baselines.
 
 Every policy answers one question per request -- which replica -- from what
-a router could know at that moment: the request, its block hashes, the
-replicas' queues (and, for ours, the prefix index fed by the replicas' KV
-events). ``global_cache`` uses :class:`LeastLoaded` for placement; its
-shared cache is set up by the simulator.
+a router could know at that moment: the request, its block hashes, its own
+dispatch records (:class:`FleetView`) and, for the cache-aware ones, the
+prefix index fed by the replicas' KV events. None of them reads a replica's
+true queue: the simulator keeps that to itself.
+
+- ``kvstore`` (:class:`CacheAware`): :meth:`router.scoring.Scorer.choose`,
+  with :class:`~router.scoring.ReplicaState` built from
+  :class:`~router.load.PrefillLoad` exactly as the router service builds it.
+- ``dynamo`` (:class:`DynamoStyle`): modelled on the cost NVIDIA Dynamo's KV
+  router publishes, ``overlap_weight * prefill blocks + decode blocks``:
+  prefill blocks are the prompt's blocks not cached on the replica's GPU,
+  decode blocks the KV blocks of the requests in flight there (a prefix
+  block shared by several of them counted once) -- a load signal in memory
+  held, not in work queued.
+- ``least_loaded``: :func:`router.scoring.least_loaded`, as the router's
+  baseline policy calls it.
+- ``round_robin``, ``random``: blind.
+
+``global_cache`` places with :class:`LeastLoaded`; its one shared cache is
+set up by the simulator.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from router.index import PrefixIndex
+from router.load import PrefillLoad
 from router.mooncake import MooncakeRequest
-from router.scoring import ReplicaState, Scorer
-from router.sim_replica import WorkQueue
+from router.scoring import ReplicaState, Scorer, least_loaded
+
+DYNAMO_OVERLAP_WEIGHT = 1.0
+"""Dynamo's default ``--kv-overlap-score-weight``."""
 
 
 class Choice(NamedTuple):
@@ -27,6 +47,50 @@ class Choice(NamedTuple):
 
 class Policy(Protocol):
     def choose(self, request: MooncakeRequest, block_hashes: list[int], now: float) -> Choice: ...
+
+
+class FleetView:
+    """The router's side of the fleet: per replica, what it dispatched there and what came back.
+
+    ``dispatched`` / ``finished`` mirror the router service: a request counts
+    from the moment it is sent until its response returns (after its last
+    output token). The KV blocks of in-flight requests are kept for the
+    Dynamo-style cost only.
+    """
+
+    def __init__(self, names: Sequence[str], prefill_tps: float, block_tokens: int) -> None:
+        self.names = list(names)
+        self.loads = [PrefillLoad(prefill_tps) for _ in self.names]
+        self._block_tokens = block_tokens
+        self._prompt_blocks: list[Counter[int]] = [Counter() for _ in self.names]
+        self._output_blocks = [0] * len(self.names)
+
+    def dispatched(
+        self, replica: int, block_hashes: Sequence[int], output_tokens: int, prefill: int, now: float
+    ) -> None:
+        self.loads[replica].dispatched(prefill, now)
+        self._prompt_blocks[replica].update(block_hashes)
+        self._output_blocks[replica] += -(-output_tokens // self._block_tokens)
+
+    def finished(self, replica: int, block_hashes: Sequence[int], output_tokens: int, prefill: int) -> None:
+        self.loads[replica].finished(prefill)
+        held = self._prompt_blocks[replica]
+        held.subtract(block_hashes)
+        for block_hash in block_hashes:
+            if held[block_hash] <= 0:
+                del held[block_hash]
+        self._output_blocks[replica] -= -(-output_tokens // self._block_tokens)
+
+    def states(self, now: float) -> dict[str, ReplicaState]:
+        """The router service's ReplicaState per replica (no worker-reported load in the simulation)."""
+        return {
+            name: ReplicaState(outstanding_tokens=load.outstanding(now), running_requests=load.inflight_requests)
+            for name, load in zip(self.names, self.loads, strict=True)
+        }
+
+    def decode_blocks(self, replica: int) -> int:
+        """KV blocks held by the replica's in-flight requests (shared prompt blocks once)."""
+        return len(self._prompt_blocks[replica]) + self._output_blocks[replica]
 
 
 class RoundRobin:
@@ -50,33 +114,25 @@ class RandomChoice:
 
 
 class LeastLoaded:
-    """Least outstanding work; ties at random."""
+    """The router's ``least_loaded`` baseline over the router's own view."""
 
-    def __init__(self, queues: Sequence[WorkQueue], rng: random.Random) -> None:
-        self._queues = queues
+    def __init__(self, view: FleetView, rng: random.Random) -> None:
+        self._view = view
+        self._slot = {name: i for i, name in enumerate(view.names)}
         self._rng = rng
 
     def choose(self, request: MooncakeRequest, block_hashes: list[int], now: float) -> Choice:
-        loads = [q.outstanding(now) for q in self._queues]
-        low = min(loads)
-        return Choice(self._rng.choice([i for i, load in enumerate(loads) if load <= low]), None)
+        return Choice(self._slot[least_loaded(self._view.states(now), self._rng)], None)
 
 
 class CacheAware:
-    """Ours: the router's PrefixIndex lookup and Scorer, exactly as the router calls them."""
+    """Ours: the router's PrefixIndex lookup and Scorer, exactly as the router service calls them."""
 
     def __init__(
-        self,
-        names: Sequence[str],
-        queues: Sequence[WorkQueue],
-        index: PrefixIndex,
-        scorer: Scorer,
-        block_tokens: int,
-        rng: random.Random,
+        self, view: FleetView, index: PrefixIndex, scorer: Scorer, block_tokens: int, rng: random.Random
     ) -> None:
-        self._names = list(names)
-        self._slot = {name: i for i, name in enumerate(self._names)}
-        self._queues = queues
+        self._view = view
+        self._slot = {name: i for i, name in enumerate(view.names)}
         self._index = index
         self._scorer = scorer
         self._block_tokens = block_tokens
@@ -84,10 +140,41 @@ class CacheAware:
 
     def choose(self, request: MooncakeRequest, block_hashes: list[int], now: float) -> Choice:
         matches = self._index.lookup(block_hashes)
-        states = {
-            name: ReplicaState(outstanding_tokens=queue.outstanding(now), running_requests=queue.in_flight(now))
-            for name, queue in zip(self._names, self._queues, strict=True)
-        }
         num_blocks = math.ceil(request.input_length / self._block_tokens)
-        decision = self._scorer.choose(states, matches, num_blocks, self._rng)
+        decision = self._scorer.choose(self._view.states(now), matches, num_blocks, self._rng)
         return Choice(self._slot[decision.replica], decision.matched.total)
+
+
+class DynamoStyle:
+    """Lowest ``overlap_weight * prefill_blocks + decode_blocks``; ties at random (module docstring)."""
+
+    def __init__(
+        self,
+        view: FleetView,
+        index: PrefixIndex,
+        block_tokens: int,
+        rng: random.Random,
+        overlap_weight: float = DYNAMO_OVERLAP_WEIGHT,
+    ) -> None:
+        self._view = view
+        self._index = index
+        self._block_tokens = block_tokens
+        self._rng = rng
+        self._overlap_weight = overlap_weight
+
+    def choose(self, request: MooncakeRequest, block_hashes: list[int], now: float) -> Choice:
+        matches = self._index.lookup(block_hashes)
+        prompt_blocks = request.input_length / self._block_tokens
+        best: list[int] = []
+        best_cost = math.inf
+        for replica, name in enumerate(self._view.names):
+            match = matches.get(name)
+            overlap = match.gpu if match is not None else 0
+            cost = self._overlap_weight * max(0.0, prompt_blocks - overlap) + self._view.decode_blocks(replica)
+            if cost < best_cost:
+                best, best_cost = [replica], cost
+            elif cost == best_cost:
+                best.append(replica)
+        replica = best[0] if len(best) == 1 else self._rng.choice(best)
+        match = matches.get(self._view.names[replica])
+        return Choice(replica, match.gpu if match is not None else 0)

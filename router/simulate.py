@@ -1,73 +1,137 @@
-"""``kvstore simulate``: routing policies replayed on a Mooncake trace, no model.
+"""``kvstore simulate``: routing policies replayed on a Mooncake trace in simulated time, no model.
 
-Each of ``--replicas`` simulated replicas has a finite LRU block cache (a
-real :class:`~kvstore.block_pool.BlockPool` of ``--capacity-tokens``; see
-:mod:`router.sim_replica`) and a FIFO work queue draining ``--drain-rate``
-token equivalents per second. Requests arrive at their trace timestamps;
-each is routed by the policy (:mod:`router.sim_policies`), served from that
-replica's cache (cached prompt tokens are not prefilled), and adds its work
--- uncached prompt tokens plus output tokens -- to that replica's queue.
+The time model
+--------------
+Requests arrive at their trace timestamps divided by ``speedup``. Each of
+``replicas`` simulated replicas has
 
-For ``kvstore`` (ours) every cache publishes its pool's real
-``BlockStored``/``BlockRemoved`` events into a real
-:class:`~router.index.PrefixIndex`, and requests are scored by the router's
-:class:`~router.scoring.Scorer`. The prefix the index predicted is checked
-against the cache's actual hit: ``index_mismatches`` must be 0.
-``global_cache`` is the upper bound: one LRU of the replicas' total capacity
-that every replica reads, requests placed on the least loaded replica.
+- a finite LRU block cache: a real :class:`~kvstore.block_pool.BlockPool`
+  of ``capacity_tokens`` (:class:`~router.sim_replica.BlockCache`). A
+  request's blocks are looked up and entered when it is routed there;
+- a prefill server (:class:`~router.sim_replica.PrefillServer`): the
+  uncached prompt tokens are computed in arrival order, in steps of at most
+  ``step_tokens`` tokens, at ``prefill_tps`` tokens/s -- an approximation of
+  continuous batching with chunked prefill (a request joins at the next step
+  boundary; a step's duration is its tokens over the throughput);
+- decode beside it: after its first token a request produces the rest of
+  its ``output_length`` at ``decode_tps`` tokens/s (memory-bound batched
+  decode barely slows prefill; the approximation ignores that slowdown).
 
-Per policy: ``hit_rate`` (cached prompt tokens / prompt tokens; a full hit
-still recomputes the last token), ``prefill_tokens_saved``,
-``max_mean_load`` (max over mean of the work assigned to each replica over
-the run) and queueing delay -- printed as a table, written as JSON.
+``TTFT = first token - arrival``: queueing behind earlier prefill plus the
+request's own uncached prefill, rounded up to step boundaries.
+
+What the policies see
+---------------------
+Only what a router can know (:mod:`router.sim_policies`): its own dispatch
+records (:class:`~router.load.PrefillLoad` per replica: prefill tokens sent
+there, drained at ``prefill_tps`` -- the router's ``router.prefill_tps`` --
+and released when the response returns after the last output token) and,
+for ``kvstore`` and ``dynamo``, a real :class:`~router.index.PrefixIndex`
+fed with each cache's real ``BlockStored``/``BlockRemoved`` events. The
+``kvstore`` policy is :meth:`router.scoring.Scorer.choose` fed exactly as
+the router service feeds it. ``global_cache`` is the hit-rate upper bound:
+one LRU of the replicas' total capacity that every replica reads, placement
+by least load. The index's predicted prefix is checked against each cache's
+actual hit (``index_mismatches``, always 0).
+
+What is measured, per policy
+----------------------------
+``hit_rate`` (cached prompt tokens / prompt tokens; a full hit still
+recomputes the last token), ``prefill_tokens_saved``, TTFT p50/p90/p99,
+``max_mean_load`` (work -- prefill plus output tokens -- assigned per replica
+over the whole run, max over mean), ``window_load_imbalance_p99`` (per ``window_s`` of
+simulated time, each replica's outstanding prefill tokens averaged over the
+window; max over mean across replicas, p99 over the windows with any work:
+the bursts that a whole-run average hides) and ``utilization`` (prefill-busy share of
+the replicas' time until the last first token).
+
+Discrete events: arrivals in trace order, step ends and response
+completions from one heap; window samples at their own times in between.
+Cost: O(replicas) per decision for the load-aware policies (their state is
+read for every replica), O(prompt blocks) per cache operation and index
+lookup.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import heapq
+import math
 import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvstore.config import CacheConfig, RouterConfig, load_config
+from kvstore.config import CacheConfig, RouterConfig
 from kvstore.errors import ConfigError
 from kvstore.events import EventBatch, KVEvent
-from kvstore.hashing import BlockHasher
 from router.index import PrefixIndex
-from router.mooncake import (
-    DEFAULT_TRACE,
-    HASH_MODES,
-    MOONCAKE_BLOCK_TOKENS,
-    MooncakeRequest,
-    TraceExpander,
-    read_trace,
-)
+from router.mooncake import MOONCAKE_BLOCK_TOKENS, MooncakeRequest, TraceExpander
 from router.scoring import Scorer
-from router.sim_policies import CacheAware, LeastLoaded, Policy, RandomChoice, RoundRobin
-from router.sim_replica import BlockCache, WorkQueue
+from router.sim_policies import CacheAware, DynamoStyle, FleetView, LeastLoaded, Policy, RandomChoice, RoundRobin
+from router.sim_replica import BlockCache, PrefillServer
 
-IS_BENCHMARK = False
-POLICIES = ("kvstore", "round_robin", "random", "least_loaded", "global_cache")
+POLICIES = ("kvstore", "dynamo", "round_robin", "random", "least_loaded", "global_cache")
 DEFAULT_CAPACITY_TOKENS = 1_000_000
 """Per replica. A Llama-3-70B-class model (GQA, fp16: 320 KiB/token) on 8 x 80 GB holds ~1M tokens of KV."""
-DEFAULT_DRAIN_RATE = 10_000.0
-"""Token equivalents per second per replica; 8 replicas then run the conversation trace at roughly 45% busy."""
+DEFAULT_UTILIZATION = 0.8
+"""Default offered prefill load: the trace's prompt tokens, uncached, over the fleet's prefill capacity."""
+DEFAULT_WINDOW_S = 10.0
+
+_STEP_END, _DONE = 0, 1  # event kinds; a step end sorts before a completion at the same instant
 
 
 class SimulationSettings(NamedTuple):
     replicas: int
     capacity_tokens: int  # per replica
     block_tokens: int
-    drain_rate: float  # token equivalents per second per replica
+    prefill_tps: float  # prefill tokens per second, per replica
+    decode_tps: float  # output tokens per second, per request
+    step_tokens: int  # prefill token budget per step
+    speedup: float  # trace time / simulated time
+    window_s: float  # load-imbalance sampling period, simulated seconds
     seed: int
 
     @property
     def capacity_blocks(self) -> int:
         return self.capacity_tokens // self.block_tokens
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad setting."""
+        checks = (
+            (self.replicas >= 1, "--replicas must be >= 1"),
+            (
+                self.block_tokens >= 1 and MOONCAKE_BLOCK_TOKENS % self.block_tokens == 0,
+                f"--block-tokens must divide the trace's {MOONCAKE_BLOCK_TOKENS}-token blocks",
+            ),
+            (self.capacity_blocks >= 1, "--capacity-tokens must hold at least one block"),
+            (self.prefill_tps > 0 and math.isfinite(self.prefill_tps), "--prefill-tps must be > 0"),
+            (self.decode_tps > 0 and math.isfinite(self.decode_tps), "--decode-tps must be > 0"),
+            (self.step_tokens >= 1, "--step-tokens must be >= 1"),
+            (self.speedup > 0 and math.isfinite(self.speedup), "--speedup must be > 0"),
+            (self.window_s > 0, "--window-s must be > 0"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
+def offered_prefill_tps(trace: Sequence[MooncakeRequest]) -> float | None:
+    """Prompt tokens per second of trace time (None when the trace spans no time)."""
+    span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0 if trace else 0.0
+    return sum(r.input_length for r in trace) / span_s if span_s > 0 else None
+
+
+def speedup_for_utilization(
+    trace: Sequence[MooncakeRequest], replicas: int, prefill_tps: float, target: float
+) -> float:
+    """The speedup at which the trace's prompt tokens, none cached, are ``target`` of the fleet's prefill capacity."""
+    if not 0 < target <= 10:
+        raise ConfigError("--utilization must be in (0, 10]")
+    offered = offered_prefill_tps(trace)
+    if offered is None:
+        raise ConfigError("the trace spans no time: pass --speedup")
+    return target * replicas * prefill_tps / offered
 
 
 class PolicyResult(NamedTuple):
@@ -75,8 +139,11 @@ class PolicyResult(NamedTuple):
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
-    work_per_replica: list[float]  # total work assigned over the run, token equivalents
-    waits_s: list[float]  # per request: queueing delay before its work starts
+    work_per_replica: list[float]  # prefill + output tokens assigned over the run
+    ttfts_s: list[float]  # per request, in trace order
+    window_imbalance: list[float]  # per window with any work: max/mean of mean outstanding prefill
+    busy_s: float  # prefill-busy seconds, summed over replicas
+    makespan_s: float  # first arrival to last first token
     index_mismatches: int  # cache-aware only: requests whose predicted prefix was not the actual hit
     wall_s: float
 
@@ -89,14 +156,17 @@ class PolicyResult(NamedTuple):
         mean = statistics.fmean(self.work_per_replica)
         return max(self.work_per_replica) / mean if mean > 0 else 1.0
 
-    @property
-    def mean_wait_s(self) -> float:
-        return statistics.fmean(self.waits_s) if self.waits_s else 0.0
+    def ttft(self, q: float) -> float:
+        return percentile(self.ttfts_s, q)
 
     @property
-    def p99_wait_s(self) -> float:
-        waits = sorted(self.waits_s)
-        return waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else 0.0
+    def window_imbalance_p99(self) -> float:
+        return percentile(self.window_imbalance, 0.99) if self.window_imbalance else 1.0
+
+    @property
+    def utilization(self) -> float:
+        replicas = len(self.work_per_replica)
+        return self.busy_s / (replicas * self.makespan_s) if self.makespan_s > 0 else 0.0
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -107,12 +177,57 @@ class PolicyResult(NamedTuple):
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "requests": self.requests,
+            "ttft_p50_s": self.ttft(0.50),
+            "ttft_p90_s": self.ttft(0.90),
+            "ttft_p99_s": self.ttft(0.99),
+            "ttft_mean_s": statistics.fmean(self.ttfts_s) if self.ttfts_s else 0.0,
+            "window_load_imbalance_p99": self.window_imbalance_p99,
+            "utilization": self.utilization,
             "work_per_replica": self.work_per_replica,
-            "mean_wait_s": self.mean_wait_s,
-            "p99_wait_s": self.p99_wait_s,
             "index_mismatches": self.index_mismatches,
             "wall_s": self.wall_s,
         }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = q * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def build_policy(
+    policy: str,
+    settings: SimulationSettings,
+    view: FleetView,
+    router_config: RouterConfig,
+    rng: random.Random,
+    clock: list[float],
+) -> tuple[Policy, list[BlockCache]]:
+    """The policy's chooser and the replicas' caches (publishing into an index where the policy reads one)."""
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    names, blocks, block_tokens = view.names, settings.capacity_blocks, settings.block_tokens
+    if policy in ("kvstore", "dynamo"):
+        index = PrefixIndex(CacheConfig(block_size=block_tokens))
+        for name in names:
+            index.add_producer(name, "gpu", [name], node=name)
+        caches = [BlockCache(blocks, block_tokens, _publisher(index, name, clock)) for name in names]
+        if policy == "kvstore":
+            return CacheAware(view, index, Scorer(router_config, block_tokens), block_tokens, rng), caches
+        return DynamoStyle(view, index, block_tokens, rng), caches
+    if policy == "global_cache":
+        return LeastLoaded(view, rng), [BlockCache(blocks * len(names), block_tokens)] * len(names)
+    caches = [BlockCache(blocks, block_tokens) for _ in names]
+    if policy == "round_robin":
+        return RoundRobin(len(names)), caches
+    if policy == "random":
+        return RandomChoice(len(names), rng), caches
+    return LeastLoaded(view, rng), caches
 
 
 def simulate_policy(
@@ -123,58 +238,92 @@ def simulate_policy(
     router_config: RouterConfig,
 ) -> PolicyResult:
     """Replay ``trace`` under one policy (module docstring) and measure it."""
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    settings.validate()
     if expander.block_size != settings.block_tokens:
         raise ConfigError(f"expander block size {expander.block_size} != --block-tokens {settings.block_tokens}")
     started = time.perf_counter()
     block_tokens = settings.block_tokens
-    rng = random.Random(settings.seed)
     names = [f"replica-{i}" for i in range(settings.replicas)]
-    queues = [WorkQueue(settings.drain_rate) for _ in names]
-    clock = [0.0]  # the current request's arrival time, stamped on published batches
-    chooser: Policy
-    if policy == "kvstore":
-        index = PrefixIndex(CacheConfig(block_size=block_tokens))
-        for name in names:
-            index.add_producer(name, "gpu", [name], node=name)
-        caches = [BlockCache(settings.capacity_blocks, block_tokens, _publisher(index, name, clock)) for name in names]
-        chooser = CacheAware(names, queues, index, Scorer(router_config, block_tokens), block_tokens, rng)
-    elif policy == "global_cache":
-        caches = [BlockCache(settings.capacity_blocks * len(names), block_tokens)] * len(names)
-        chooser = LeastLoaded(queues, rng)
-    else:
-        caches = [BlockCache(settings.capacity_blocks, block_tokens) for _ in names]
-        if policy == "round_robin":
-            chooser = RoundRobin(len(names))
-        elif policy == "random":
-            chooser = RandomChoice(len(names), rng)
-        else:
-            chooser = LeastLoaded(queues, rng)
+    view = FleetView(names, router_config.prefill_tps or settings.prefill_tps, block_tokens)
+    clock = [0.0]  # now, stamped on published batches
+    chooser, caches = build_policy(policy, settings, view, router_config, random.Random(settings.seed), clock)
+    servers = [PrefillServer(settings.prefill_tps, settings.step_tokens) for _ in names]
+    n = len(trace)
+    t0 = trace[0].timestamp_ms if n else 0.0
+    arrival = [(r.timestamp_ms - t0) / 1000.0 / settings.speedup for r in trace]
+    first_token = [0.0] * n
+    replica_of = [0] * n
+    prefill_of = [0] * n
+    hashes_of: list[list[int]] = [[] for _ in range(n)]
+    work = [0.0] * len(names)
+    heap: list[tuple[float, int, int]] = []  # (time, kind, replica for a step end | request for a completion)
+    imbalance: list[float] = []
+    next_window = settings.window_s
+    decode_tps = settings.decode_tps
+
+    def sample_windows(until: float) -> None:
+        nonlocal next_window
+        while next_window <= until:
+            loads = [server.take_area(next_window) for server in servers]  # mean outstanding x window
+            mean = sum(loads) / len(loads)
+            if mean > 0:
+                imbalance.append(max(loads) / mean)
+            next_window += settings.window_s
+
+    def advance(until: float) -> None:
+        while heap and heap[0][0] <= until:
+            now, kind, who = heapq.heappop(heap)
+            sample_windows(now)
+            clock[0] = now
+            if kind == _STEP_END:
+                done, next_end = servers[who].end_step()
+                if next_end is not None:
+                    heapq.heappush(heap, (next_end, _STEP_END, who))
+                for rid in done:
+                    first_token[rid] = now
+                    finish = now + max(0, trace[rid].output_length - 1) / decode_tps
+                    heapq.heappush(heap, (finish, _DONE, rid))
+            else:
+                view.finished(replica_of[who], hashes_of[who], trace[who].output_length, prefill_of[who])
+                hashes_of[who] = []
+        if math.isfinite(until):  # at the end, windows stop with the last event
+            sample_windows(until)
+
     prompt_tokens = cached_tokens = output_tokens = mismatches = 0
-    waits: list[float] = []
-    for request in trace:
-        now = request.timestamp_ms / 1000.0
+    for rid, request in enumerate(trace):
+        now = arrival[rid]
+        advance(now)
         clock[0] = now
         expanded = expander.expand(request)
         choice = chooser.choose(request, expanded.external, now)
-        hits = caches[choice.replica].serve(expanded.digests, expanded.token_ids)
+        replica = choice.replica
+        hits = caches[replica].serve(expanded.digests, expanded.token_ids)
         if choice.predicted_blocks is not None and choice.predicted_blocks != hits:
             mismatches += 1
         cached = min(hits * block_tokens, request.input_length - 1)
+        prefill = request.input_length - cached
+        replica_of[rid], prefill_of[rid], hashes_of[rid] = replica, prefill, expanded.external
+        view.dispatched(replica, expanded.external, request.output_length, prefill, now)
+        step_end = servers[replica].submit(rid, prefill, now)
+        if step_end is not None:
+            heapq.heappush(heap, (step_end, _STEP_END, replica))
         prompt_tokens += request.input_length
         cached_tokens += cached
         output_tokens += request.output_length
-        waits.append(queues[choice.replica].add(request.input_length - cached + request.output_length, now))
+        work[replica] += prefill + request.output_length
+    advance(math.inf)
     return PolicyResult(
-        len(trace),
-        prompt_tokens,
-        cached_tokens,
-        output_tokens,
-        [q.total_work for q in queues],
-        waits,
-        mismatches,
-        time.perf_counter() - started,
+        requests=n,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        output_tokens=output_tokens,
+        work_per_replica=work,
+        ttfts_s=[first_token[i] - arrival[i] for i in range(n)],
+        window_imbalance=imbalance,
+        busy_s=(prompt_tokens - cached_tokens) / settings.prefill_tps,
+        makespan_s=max(first_token, default=0.0),
+        index_mismatches=mismatches,
+        wall_s=time.perf_counter() - started,
     )
 
 
@@ -188,120 +337,3 @@ def _publisher(index: PrefixIndex, producer: str, clock: list[float]) -> Callabl
         next_seq += 1
 
     return publish
-
-
-# ---------------------------------------------------------------- command line
-
-
-def run(args: argparse.Namespace) -> int:
-    settings = SimulationSettings(
-        replicas=args.replicas,
-        capacity_tokens=args.capacity_tokens,
-        block_tokens=args.block_tokens,
-        drain_rate=args.drain_rate,
-        seed=args.seed,
-    )
-    _validate(settings, args)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    for policy in policies:
-        if policy not in POLICIES:
-            raise ConfigError(f"--policies: unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    config = load_config(args.config, overrides=args.set)
-    trace = read_trace(args.trace, args.limit)
-    if not trace:
-        raise ConfigError(f"trace {args.trace} holds no requests")
-    hasher = BlockHasher(config.cache.hash_algo, config.cache.hash_seed, settings.block_tokens)
-    expander = TraceExpander(hasher, args.hash)
-    started = time.perf_counter()
-    for request in trace:  # hash every block once, shared by all policies
-        expander.expand(request, with_tokens=False)
-    hashing_s = time.perf_counter() - started
-    results = {policy: simulate_policy(policy, trace, settings, expander, config.router) for policy in policies}
-    _print_table(results, settings, len(trace), args)
-    if args.json:
-        report = {
-            "trace": str(args.trace),
-            "requests": len(trace),
-            "replicas": settings.replicas,
-            "capacity_tokens": settings.capacity_tokens,
-            "block_tokens": settings.block_tokens,
-            "drain_rate": settings.drain_rate,
-            "seed": settings.seed,
-            "hash_mode": args.hash,
-            "hashing_s": hashing_s,
-            "router": {f: getattr(config.router, f) for f in config.router.__struct_fields__},
-            "policies": {name: result.as_json() for name, result in results.items()},
-        }
-        if "kvstore" in results and "global_cache" in results and results["global_cache"].hit_rate > 0:
-            report["kvstore_hit_rate_vs_global_cache"] = results["kvstore"].hit_rate / results["global_cache"].hit_rate
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0
-
-
-def _validate(settings: SimulationSettings, args: argparse.Namespace) -> None:
-    if settings.replicas < 1:
-        raise ConfigError("--replicas must be >= 1")
-    if settings.block_tokens < 1 or MOONCAKE_BLOCK_TOKENS % settings.block_tokens:
-        raise ConfigError(f"--block-tokens must divide the trace's {MOONCAKE_BLOCK_TOKENS}-token blocks")
-    if settings.capacity_blocks < 1:
-        raise ConfigError("--capacity-tokens must hold at least one block")
-    if settings.drain_rate <= 0:
-        raise ConfigError("--drain-rate must be > 0")
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError("--limit must be >= 1")
-
-
-def _print_table(
-    results: dict[str, PolicyResult], settings: SimulationSettings, requests: int, args: argparse.Namespace
-) -> None:
-    print(
-        f"routing simulation: {requests} requests, {settings.replicas} replicas x "
-        f"{settings.capacity_tokens:,} tokens of cache, {settings.block_tokens}-token blocks, "
-        f"{settings.drain_rate:,.0f} tokens/s per replica"
-    )
-    header = f"{'policy':<14}{'hit rate':>10}{'saved tokens':>16}{'max/mean load':>15}{'mean wait s':>13}"
-    print(header + f"{'p99 wait s':>12}{'seconds':>9}")
-    for name, r in results.items():
-        print(
-            f"{name:<14}{r.hit_rate:>10.3f}{r.cached_tokens:>16,}{r.max_mean_load:>15.3f}"
-            f"{r.mean_wait_s:>13.2f}{r.p99_wait_s:>12.2f}{r.wall_s:>9.1f}"
-        )
-    ours, best = results.get("kvstore"), results.get("global_cache")
-    if ours is not None and best is not None and best.hit_rate > 0:
-        print(f"kvstore hit rate / global cache hit rate: {ours.hit_rate / best.hit_rate:.3f}")
-    if ours is not None and ours.index_mismatches:
-        print(f"warning: the index mispredicted {ours.index_mismatches} prefixes")
-
-
-def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("simulate", help="replay a Mooncake trace over simulated replicas, per routing policy")
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
-    p.add_argument("--replicas", type=int, default=8)
-    p.add_argument(
-        "--capacity-tokens",
-        type=int,
-        default=DEFAULT_CAPACITY_TOKENS,
-        help=f"KV cache per replica, in tokens (default {DEFAULT_CAPACITY_TOKENS:,})",
-    )
-    p.add_argument("--limit", type=int, default=None, help="only the first K requests of the trace")
-    p.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, help="tokens per simulated block")
-    p.add_argument(
-        "--drain-rate",
-        type=float,
-        default=DEFAULT_DRAIN_RATE,
-        help=f"work each replica completes per second, in tokens (default {DEFAULT_DRAIN_RATE:,.0f})",
-    )
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ", ".join(POLICIES))
-    p.add_argument("--seed", type=int, default=0, help="seed of the tie-breaking and random policies")
-    p.add_argument(
-        "--hash",
-        choices=HASH_MODES,
-        default="tokens",
-        help="block hashes: our BlockHasher over the expanded tokens, or a derived chain (faster)",
-    )
-    p.add_argument("--config", default=None, help="kvstore TOML config (router weights, hash algorithm and seed)")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override (repeatable)"
-    )
-    p.add_argument("--json", default=None, help="write the results here")
-    p.set_defaults(func=run)
