@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tiers.stats import TierStats
+from tiers.stats import DIRECTIONS, TierStats
 
 
 class TierCollector(Collector):
@@ -43,11 +43,11 @@ class TierCollector(Collector):
             capacity.add_metric([medium], stats.capacity_bytes[medium])
             blocks.add_metric([medium], stats.blocks[medium])
         hits = CounterMetricFamily("kvstore_tier_hits", "Blocks served to workers per tier.", labels=["medium"])
-        for medium, value in stats.hits.items():
-            hits.add_metric([medium], value)
+        for medium in stats.usage_bytes:  # every medium from zero, so rates work before the first hit
+            hits.add_metric([medium], stats.hits.get(medium, 0))
         moved = CounterMetricFamily("kvstore_offload_bytes", "Bytes moved between tiers.", labels=["direction"])
-        for direction, value in stats.offload_bytes.items():
-            moved.add_metric([direction], value)
+        for direction in DIRECTIONS:
+            moved.add_metric([direction], stats.offload_bytes.get(direction, 0))
         seconds = HistogramMetricFamily(
             "kvstore_offload_seconds", "Latency of one batch moved between tiers.", labels=["direction"]
         )

@@ -103,11 +103,15 @@ def test_serve_embedded_then_sigint_leaves_nothing_behind(tmp_path: Path) -> Non
                 metrics = client.get("/metrics").text
             for name in ("kvstore_gpu_cache_usage_perc", "kvstore_prefix_cache_queries_total",
                          "kvstore_prefix_cache_hits_total", "kvstore_preemptions_total",
-                         "kvstore_tier_usage_bytes", "kvstore_offload_bytes_total"):  # fmt: skip
+                         "kvstore_tier_usage_bytes", "kvstore_tier_hits_total",
+                         "kvstore_offload_bytes_total"):  # fmt: skip
                 assert name in metrics, name
 
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0, "".join(output) + (proc.stdout.read() or "")
+        code = proc.wait(timeout=90)
+        shutdown = proc.stdout.read() or ""
+        assert code == 0, "".join(output) + shutdown
+        assert "Traceback" not in shutdown and "kvstore stopped" in shutdown, shutdown
         _gone, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"
         assert not [p for p in ports if port_open(p)], "a printed port is still listening"
