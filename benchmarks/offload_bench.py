@@ -23,9 +23,14 @@ you want measured (``--disk-dir``; the default is the repository's ignored
 Every GB/s is the median of ``--repeat`` runs; each ratio is the median of
 per-run ratios, each baseline measured right beside the run it is compared
 with.
+TTFT (:mod:`benchmarks.offload_ttft`): for each ``--ttft-lengths`` prompt,
+the time to first token when a real worker recomputes it, and when it hits
+in its GPU pool, in the CPU tier and on disk (promoted through the same
+tier link a Ray worker uses); the baseline is recompute.
+
 JSON (``--json``) holds the headline ratios for the 2 MiB Llama-3-8B block
-(or the largest shape measured) under ``cpu`` and ``disk``, all rows, and an
-empty ``ttft`` list (the worker integration adds TTFT later).
+(or the largest shape measured) under ``cpu`` and ``disk``, all rows, and
+one ``ttft`` row per prompt length.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from typing import Any, NamedTuple
 import torch
 from tqdm import tqdm
 
+from benchmarks.offload_ttft import TTFTRow, measure_ttft
 from kvstore.config import TierConfig
 from kvstore.errors import ConfigError
 from tiers.blocks import BlockMeta
@@ -343,6 +349,22 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 1024:.0f} KiB" if nbytes < 1024 * 1024 else f"{nbytes / 1024 / 1024:.0f} MiB"
 
 
+def print_ttft(rows: list[TTFTRow]) -> None:
+    if not rows:
+        return
+    print("\nTTFT (one worker, the `kvstore bench ttft` model on the CPU): recompute vs a hit in each tier")
+    print(
+        f"{'prompt':>8}{'recompute ms':>14}{'GPU hit ms':>12}{'CPU hit ms':>12}{'disk hit ms':>13}"
+        f"{'recompute/CPU':>15}{'recompute/disk':>16}"
+    )
+    for row in rows:
+        print(
+            f"{row.prompt_tokens:>8}{row.recompute_ms:>14.1f}{row.gpu_hit_ms:>12.1f}{row.cpu_hit_ms:>12.1f}"
+            f"{row.disk_hit_ms:>13.1f}{row.recompute_ms / row.cpu_hit_ms:>14.1f}x"
+            f"{row.recompute_ms / row.disk_hit_ms:>15.1f}x"
+        )
+
+
 def print_tables(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespace, disk_dir: Path) -> None:
     if cpu:
         print(
@@ -386,8 +408,8 @@ def _headline(rows: list[Any]) -> Any:
     return max(rows, key=lambda row: row.block_bytes)
 
 
-def report(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"cpu": {}, "disk": {}, "ttft": []}
+def report(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {"cpu": {}, "disk": {}, "ttft": [row._asdict() for row in ttft]}
     if cpu:
         head = _headline(cpu)
         result["cpu"] = {
@@ -421,13 +443,13 @@ def report(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespace) -> 
     return result
 
 
-def plot(cpu: list[CpuRow], disk: list[DiskRow], path: Path) -> None:
+def plot(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.8))
     panels: list[tuple[Any, list[str], dict[str, list[float]], str]] = [
         (
             axes[0],
@@ -460,6 +482,21 @@ def plot(cpu: list[CpuRow], disk: list[DiskRow], path: Path) -> None:
         axis.set_ylabel("GB/s")
         axis.set_title(title)
         axis.legend(fontsize=8)
+    lengths = [row.prompt_tokens for row in ttft]
+    for label, values in (
+        ("recompute", [row.recompute_ms for row in ttft]),
+        ("GPU hit", [row.gpu_hit_ms for row in ttft]),
+        ("CPU-tier hit", [row.cpu_hit_ms for row in ttft]),
+        ("disk-tier hit", [row.disk_hit_ms for row in ttft]),
+    ):
+        axes[2].plot(lengths, values, marker="o", label=label)
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_yscale("log")
+    axes[2].set_xlabel("prompt tokens")
+    axes[2].set_ylabel("TTFT ms (log)")
+    axes[2].set_title("TTFT: recompute vs a hit in each tier")
+    axes[2].grid(True, which="both", alpha=0.3)
+    axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -485,11 +522,18 @@ def run(args: argparse.Namespace) -> int:
         disk_dir = Path(tempfile.mkdtemp(prefix="offload-bench-", dir=disk_root))
     except OSError as exc:
         raise ConfigError(f"--disk-dir {disk_root}: {exc.strerror}") from None
+    try:
+        ttft_lengths = [int(x) for x in args.ttft_lengths.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--ttft-lengths must be comma-separated integers, got {args.ttft_lengths!r}") from None
+    if any(length < 256 or length > 65536 for length in ttft_lengths):  # shorter ones stay in the pool
+        raise ConfigError("--ttft-lengths: each prompt length must be in 256..65536 tokens")
     cpu_shapes = shapes if args.total_mib else []
     disk_shapes = disk_shapes if args.disk_total_mib else []
-    steps = len(cpu_shapes) * 3 * (args.repeat + 1) + len(disk_shapes) * 3 * args.repeat
+    steps = len(cpu_shapes) * 3 * (args.repeat + 1) + len(disk_shapes) * 3 * args.repeat + len(ttft_lengths)
     cpu_rows: list[CpuRow] = []
     disk_rows: list[DiskRow] = []
+    ttft_rows: list[TTFTRow] = []
     try:
         with tqdm(total=steps, desc="offload bench", unit="step", disable=args.no_progress) as progress:
             for name in cpu_shapes:
@@ -498,10 +542,15 @@ def run(args: argparse.Namespace) -> int:
             for name in disk_shapes:
                 progress.set_postfix_str(f"disk {name}")
                 disk_rows.append(measure_disk(name, SHAPES[name], args, disk_dir, progress))
+            for length in ttft_lengths:
+                progress.set_postfix_str(f"ttft {length}")
+                ttft_rows.extend(measure_ttft([length], seed=length))
+                progress.update(1)
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
     print_tables(cpu_rows, disk_rows, args, disk_root)
-    result = report(cpu_rows, disk_rows, args)
+    print_ttft(ttft_rows)
+    result = report(cpu_rows, disk_rows, ttft_rows, args)
     if cpu_rows:
         head = _headline(cpu_rows)
         print(
@@ -518,7 +567,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:
-        plot(cpu_rows, disk_rows, Path(args.plot))
+        plot(cpu_rows, disk_rows, ttft_rows, Path(args.plot))
     return 0
 
 
@@ -537,5 +586,10 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is reported")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    p.add_argument(
+        "--ttft-lengths",
+        default="1024,2048,4096,8192",
+        help="prompt lengths for TTFT recompute vs GPU/CPU/disk hit, comma-separated ('' skips)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)

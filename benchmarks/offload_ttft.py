@@ -13,7 +13,8 @@ prompt P of each length:
   disk before coming back.
 
 Each run checks its hit came from the medium it claims; a prompt is one
-output token, so TTFT is the prefill (and the promotion).
+output token, so TTFT is the prefill (and the promotion). The model is the
+one ``kvstore bench ttft`` measures (4 layers, hidden 512, fp32, CPU).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from kvstore.config import Config, config_from_dict
+from benchmarks.ttft_bench import BENCH_MODEL
+from kvstore.config import Config, load_config
 from kvstore.hashing import BlockHasher, to_external
 from tiers.client import LocalTierClient
 from tiers.identity import CacheIdentity
@@ -46,23 +48,25 @@ class TTFTRow(NamedTuple):
 
 
 def _config(length: int, *, cpu_slots: int, disk_dir: Path | None) -> Config:
+    """The TTFT benchmark's model (:data:`benchmarks.ttft_bench.BENCH_MODEL`), one prompt's pool, a tier."""
     blocks = -(-length // BLOCK) + 2
-    base = config_from_dict({})
-    w = base.worker
-    block_bytes = 2 * BLOCK * w.num_kv_heads * w.head_dim * 4 * w.num_layers
-    return config_from_dict(
-        {
-            "cache": {"block_size": BLOCK},
-            "pool": {"num_blocks": blocks + 8, "watermark": 0.0},
-            "events": {"enabled": False},
-            "worker": {"device": "cpu", "max_context": length + 64, "max_num_batched_tokens": 4096},
-            "tiers": {
-                "cpu_capacity_bytes": cpu_slots * block_bytes,
-                "cpu_prefault": False,
-                **({"disk_dir": str(disk_dir)} if disk_dir is not None else {}),
-            },
-        }
-    )
+    model = load_config(overrides=BENCH_MODEL).worker
+    block_bytes = 2 * BLOCK * model.num_kv_heads * model.head_dim * 4 * model.num_layers
+    overrides = [
+        *BENCH_MODEL,
+        f"cache.block_size={BLOCK}",
+        f"pool.num_blocks={blocks + 8}",
+        "pool.watermark=0.0",
+        "events.enabled=false",
+        "worker.device=cpu",
+        f"worker.max_context={length + 64}",
+        "worker.max_num_batched_tokens=4096",
+        f"tiers.cpu_capacity_bytes={cpu_slots * block_bytes}",
+        "tiers.cpu_prefault=false",
+    ]
+    if disk_dir is not None:
+        overrides.append(f"tiers.disk_dir={disk_dir}")
+    return load_config(overrides=overrides)
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> None:

@@ -43,24 +43,35 @@ def test_offload_bench_writes_json_and_plot(tmp_path: Path, capsys: pytest.Captu
             str(out),
             "--plot",
             str(plot),
+            "--ttft-lengths",
+            "256",
             "--no-progress",
         ]
     )
     assert args.func(args) == 0
     report = json.loads(out.read_text())
-    assert set(report) >= {"cpu", "disk", "ttft"} and report["ttft"] == []
+    assert set(report) >= {"cpu", "disk", "ttft"}
+    (row,) = report["ttft"]
+    assert row["prompt_tokens"] == 256
+    assert all(row[k] > 0 for k in ("recompute_ms", "gpu_hit_ms", "cpu_hit_ms", "disk_hit_ms"))
     assert isinstance(report["cpu"]["spill_ratio"], float) and isinstance(report["cpu"]["promote_ratio"], float)
     assert isinstance(report["disk"]["write_ratio"], float) and isinstance(report["disk"]["read_ratio"], float)
     assert report["cpu"]["rows"][0]["shape"] == "tiny" and report["disk"]["rows"][0]["blocks"] == 64
     assert plot.stat().st_size > 0
     assert list((tmp_path / "disk").iterdir()) == []  # its files are cleaned up
     text = capsys.readouterr().out
-    assert "spill/memcpy" in text and "I/O mode:" in text
+    assert "spill/memcpy" in text and "I/O mode:" in text and "recompute/CPU" in text
 
 
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
-    [("--shapes", "gpt-5", "unknown shape"), ("--repeat", "0", "--repeat"), ("--total-mib", "-1", "--total-mib")],
+    [
+        ("--shapes", "gpt-5", "unknown shape"),
+        ("--repeat", "0", "--repeat"),
+        ("--total-mib", "-1", "--total-mib"),
+        ("--ttft-lengths", "1k", "--ttft-lengths"),
+        ("--ttft-lengths", "128", "--ttft-lengths"),
+    ],
 )
 def test_offload_bench_rejects_bad_flags(tmp_path: Path, flag: str, value: str, message: str) -> None:
     args = build_parser().parse_args(["bench", "offload", flag, value, "--disk-dir", str(tmp_path)])
