@@ -28,17 +28,26 @@ Measured, in one run:
   ``dynamo._core.RadixTree`` (one ``apply_event`` per event, its JSON
   pre-encoded outside the timing) and the same queries through
   ``find_matches``; its per-replica scores are checked against ours.
+- **scale** (``--scale-replicas``, 1,024 by default): the same two streams
+  recorded over that many replicas, with each conversation served by a group
+  of ``--scale-spread`` replicas (its turns rotating over the group, so a
+  conversation's earlier turns end up cached on several replicas): the index's
+  memory per (block, replica) entry and per distinct block (tracemalloc,
+  :func:`measure_index_memory`), and lookup latency measured as above.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
 import random
 import statistics
 import time
+import tracemalloc
+from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -47,7 +56,7 @@ from typing import Any, NamedTuple
 from kvstore.block_pool import BlockPool
 from kvstore.config import CacheConfig, EventsConfig
 from kvstore.errors import ConfigError
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventDecoder, EventEncoder
 from kvstore.hashing import BlockHasher
 from kvstore.publisher import ZmqEventPublisher
 from kvstore.subscriber import EventListener
@@ -56,6 +65,7 @@ from router.mooncake import DEFAULT_TRACE, MOONCAKE_BLOCK_TOKENS, TraceExpander,
 
 IS_BENCHMARK = True
 QUERY_BLOCKS = 32
+E2E_MAX_REPLICAS = 256  # R publishers and R listener sockets (+ monitors) must fit ZeroMQ's 1,023 sockets per context
 
 
 class Recording(NamedTuple):
@@ -66,17 +76,28 @@ class Recording(NamedTuple):
     pool_contents: list[set[int]]  # each pool's cached hashes at the end
 
 
-def record(trace_path: str, limit: int | None, replicas: int, total_blocks: int, block_size: int) -> Recording:
-    """Drive one pool per replica with the trace and keep its events, one batch per request."""
+def record(
+    trace_path: str, limit: int | None, replicas: int, total_blocks: int, block_size: int, spread: int = 1
+) -> Recording:
+    """Drive one pool per replica with the trace and keep its events, one batch per request.
+
+    A conversation (its first conversation-specific trace block) is pinned to
+    replica ``anchor % replicas``; with ``spread`` > 1 it is served by that
+    replica and the next ``spread - 1``, its turns taking them in turn, so the
+    blocks of its earlier turns are cached on up to ``spread`` replicas.
+    """
     expander = TraceExpander(BlockHasher("sha256_cbor", "kvstore", block_size), "derived")
     pools = [BlockPool(max(1, total_blocks // replicas), block_size=block_size) for _ in range(replicas)]
     batches: list[tuple[int, EventBatch]] = []
     queries: list[list[int]] = []
     blocks = 0
+    turns: dict[int, int] = {}
     for request in read_trace(trace_path, limit):
         expanded = expander.expand(request)
         anchor = request.hash_ids[1] if len(request.hash_ids) > 1 else request.hash_ids[0]
-        replica = anchor % replicas
+        turn = turns.get(anchor, 0)
+        turns[anchor] = turn + 1
+        replica = (anchor + turn % spread) % replicas
         pool = pools[replica]
         hits = []
         for digest in expanded.digests:
@@ -144,6 +165,52 @@ def measure_ingest(recording: Recording, repeat: int) -> tuple[Rate, PrefixIndex
         cpus.append(time.process_time() - cpu)
     check_index(index, recording)
     return Rate(recording.blocks / statistics.median(walls), recording.blocks / statistics.median(cpus)), index
+
+
+# ------------------------------------------------------------------ memory
+
+
+def measure_index_memory(recording: Recording) -> tuple[int, PrefixIndex]:
+    """Bytes a fresh index keeps allocated once it has applied the whole recording (tracemalloc).
+
+    The batches are msgpack-encoded beforehand and decoded one at a time
+    inside the measurement, as the listener delivers them, so the hash ints
+    the index keeps are its own allocations rather than the recording's, and
+    each decoded batch is garbage once applied. What is still allocated at the
+    end (after a collection), minus what was before the index was created, is
+    the index: its registry of producers, the node dict, node tuples, hash
+    ints, replica masks and children sets. tracemalloc counts the bytes
+    requested from Python's allocators: pymalloc's rounding to 8-byte size
+    classes and its arena slack are not included (RSS is somewhat higher).
+    """
+    encoder, decoder = EventEncoder(), EventDecoder()
+    payloads = [(replica, encoder.encode(batch)) for replica, batch in recording.batches]
+    names = producer_names(recording.replicas)
+    started_here = not tracemalloc.is_tracing()
+    gc.collect()
+    if started_here:
+        tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = fresh_index(recording.replicas)
+        apply, decode = index.apply_batch, decoder.decode
+        for seq, (replica, payload) in enumerate(payloads):
+            apply(names[replica], seq, decode(payload).batch)
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        if started_here:
+            tracemalloc.stop()
+    check_index(index, recording)
+    return retained, index
+
+
+def holders_per_block(recording: Recording) -> Counter[int]:
+    """How many blocks are held by 1, 2, ... replicas at the end of the recording."""
+    holders: Counter[int] = Counter()
+    for contents in recording.pool_contents:
+        holders.update(contents)
+    return Counter(holders.values())
 
 
 # ------------------------------------------------------------------ lookups
@@ -381,6 +448,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')} must divide {MOONCAKE_BLOCK_TOKENS}")
     if args.blocks < 1 or args.repeat < 1 or args.queries < 1 or (args.limit is not None and args.limit < 1):
         raise ConfigError("--blocks, --repeat, --queries and --limit must be >= 1")
+    if args.scale_replicas < 0 or args.scale_spread < 1:
+        raise ConfigError("--scale-replicas must be >= 0 (0 skips the scale run) and --scale-spread >= 1")
     rng = random.Random(0)
     radix_tree = None if args.no_dynamo else load_dynamo()
     report: dict[str, Any] = {
@@ -388,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
         "lookup_block_size": args.lookup_block_size,
         "target_blocks": args.blocks,
         "per_replicas": {},
+        "e2e_skipped": None,
     }
     for replicas in replica_counts:
         result: dict[str, Any] = {}
@@ -405,7 +475,9 @@ def run(args: argparse.Namespace) -> int:
         )
         result["ingest_index_nodes"] = len(index)
         del index
-        if replicas == min(replica_counts) and not args.no_e2e:
+        if replicas == min(replica_counts) and not args.no_e2e and replicas > E2E_MAX_REPLICAS:
+            report["e2e_skipped"] = f"{replicas} publishers: more sockets than one ZeroMQ context allows"
+        elif replicas == min(replica_counts) and not args.no_e2e:
             e2e, transport = measure_end_to_end(stream)
             result.update(
                 e2e_blocks_per_s=e2e.wall,
@@ -419,52 +491,99 @@ def run(args: argparse.Namespace) -> int:
             del tree
         del stream
         # 2. Lookups: prompts' first 32 blocks, on an index of the whole trace at a larger block size.
-        lookups = record(args.trace, args.lookup_limit, replicas, args.blocks, args.lookup_block_size)
-        index = fresh_index(replicas)
-        for seq, (replica, batch) in enumerate(lookups.batches):
-            index.apply_batch(producer_names(replicas)[replica], seq, batch)
-        check_index(index, lookups)
-        stats = index.stats()
-        queries = rng.sample(lookups.queries, min(args.queries, len(lookups.queries)))
-        contenders: dict[str, Callable[[list[int]], object]] = {"ours": index.lookup}
-        tree = None
-        if radix_tree is not None:
-            _, tree, _ = measure_dynamo(radix_tree, lookups, dynamo_events(lookups))
-            contenders["dynamo"] = _scores_of(tree)
-        timings = measure_lookups(contenders, queries)
-        ours = timings["ours"]
-        result.update(
-            index_nodes=stats.nodes,
-            index_entries=stats.entries,
-            lookup_p50_us=ours.wall.p50_us,
-            lookup_p99_us=ours.wall.p99_us,
-            lookup_mean_us=ours.wall.mean_us,
-            lookup_cpu_p50_us=ours.cpu.p50_us,
-            lookup_cpu_p99_us=ours.cpu.p99_us,
-            lookup_mean_matching_replicas=statistics.fmean(len(index.lookup(q)) for q in queries),
-        )
-        if tree is not None:
-            theirs = timings["dynamo"]
-            dynamo.update(
-                lookup_p50_us=theirs.wall.p50_us,
-                lookup_p99_us=theirs.wall.p99_us,
-                agreement=agreement(index, tree, queries[:500], replicas),
-            )
+        lookup_result, lookup_dynamo = measure_lookup_index(args, replicas, 1, rng, radix_tree)
+        result.update(lookup_result)
+        if lookup_dynamo is not None:
+            dynamo.update(lookup_dynamo)
             result["dynamo"] = dynamo
-            del tree
-        worst = measure_lookups({"ours": index.lookup}, worst_case_queries(index, replicas, 500, rng))["ours"]
-        result.update(
-            lookup_worst_case_p50_us=worst.wall.p50_us,
-            lookup_worst_case_p99_us=worst.wall.p99_us,
-            lookup_worst_case_cpu_p99_us=worst.cpu.p99_us,
-        )
         report["per_replicas"][str(replicas)] = result
-        del index, lookups
+    report["scale"] = measure_scale(args, rng, radix_tree) if args.scale_replicas else None
     _summarise(report, radix_tree is not None)
     _print(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def measure_lookup_index(
+    args: argparse.Namespace, replicas: int, spread: int, rng: random.Random, radix_tree: Any | None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Lookup latency (ours, and Dynamo's when given) on an index of the whole trace at the lookup block size.
+
+    Returns our numbers and Dynamo's (None without Dynamo).
+    """
+    lookups = record(args.trace, args.lookup_limit, replicas, args.blocks, args.lookup_block_size, spread)
+    index = fresh_index(replicas)
+    names = producer_names(replicas)
+    for seq, (replica, batch) in enumerate(lookups.batches):
+        index.apply_batch(names[replica], seq, batch)
+    check_index(index, lookups)
+    stats = index.stats()
+    queries = rng.sample(lookups.queries, min(args.queries, len(lookups.queries)))
+    contenders: dict[str, Callable[[list[int]], object]] = {"ours": index.lookup}
+    tree = None
+    if radix_tree is not None:
+        _, tree, _ = measure_dynamo(radix_tree, lookups, dynamo_events(lookups))
+        contenders["dynamo"] = _scores_of(tree)
+    timings = measure_lookups(contenders, queries)
+    ours = timings["ours"]
+    result: dict[str, Any] = {
+        "index_nodes": stats.nodes,
+        "index_entries": stats.entries,
+        "lookup_p50_us": ours.wall.p50_us,
+        "lookup_p99_us": ours.wall.p99_us,
+        "lookup_mean_us": ours.wall.mean_us,
+        "lookup_cpu_p50_us": ours.cpu.p50_us,
+        "lookup_cpu_p99_us": ours.cpu.p99_us,
+        "lookup_mean_matching_replicas": statistics.fmean(len(index.lookup(q)) for q in queries),
+    }
+    dynamo = None
+    if tree is not None:
+        theirs = timings["dynamo"]
+        dynamo = {
+            "lookup_p50_us": theirs.wall.p50_us,
+            "lookup_p99_us": theirs.wall.p99_us,
+            "agreement": agreement(index, tree, queries[:500], replicas),
+        }
+        del tree
+    worst = measure_lookups({"ours": index.lookup}, worst_case_queries(index, replicas, 500, rng))["ours"]
+    result.update(
+        lookup_worst_case_p50_us=worst.wall.p50_us,
+        lookup_worst_case_p99_us=worst.wall.p99_us,
+        lookup_worst_case_cpu_p99_us=worst.cpu.p99_us,
+    )
+    return result, dynamo
+
+
+def measure_scale(args: argparse.Namespace, rng: random.Random, radix_tree: Any | None) -> dict[str, Any]:
+    """Index memory and lookups at ``--scale-replicas``, conversations spread over ``--scale-spread`` replicas."""
+    replicas = args.scale_replicas
+    spread = min(args.scale_spread, replicas)
+    started = time.perf_counter()
+    stream = record(args.trace, args.limit, replicas, args.blocks, args.block_size, spread)
+    index_bytes, index = measure_index_memory(stream)
+    stats = index.stats()
+    holders = holders_per_block(stream)
+    del index, stream
+    scale: dict[str, Any] = {
+        "replicas": replicas,
+        "spread": spread,
+        "memory_method": "tracemalloc",
+        "index_bytes": index_bytes,
+        "index_bytes_per_entry": index_bytes / stats.entries if stats.entries else None,
+        "index_bytes_per_block": index_bytes / stats.nodes if stats.nodes else None,
+        "entries": stats.entries,
+        "blocks": stats.nodes,
+        "blocks_held_by_several": sum(count for held, count in holders.items() if held > 1),
+        "max_holders": max(holders, default=0),
+    }
+    lookup_result, lookup_dynamo = measure_lookup_index(args, replicas, spread, rng, radix_tree)
+    lookup_result["lookup_index_nodes"] = lookup_result.pop("index_nodes")  # not the memory index above
+    lookup_result["lookup_index_entries"] = lookup_result.pop("index_entries")
+    scale.update(lookup_result)
+    scale["dynamo"] = lookup_dynamo
+    scale["elapsed_s"] = time.perf_counter() - started
+    return scale
 
 
 def _summarise(report: dict[str, Any], with_dynamo: bool) -> None:
@@ -517,6 +636,8 @@ def _print(report: dict[str, Any]) -> None:
             f"({report['e2e_blocks_per_router_cpu_s']:,.0f} per router CPU s); "
             f"transport alone: {report['e2e_baseline_blocks_per_s']:,.0f} blocks/s"
         )
+    elif report["e2e_skipped"]:
+        print(f"end to end: not measured ({report['e2e_skipped']}; include a count <= {E2E_MAX_REPLICAS})")
     if report["dynamo"] is not None:
         print(
             f"vs Dynamo RadixTree: ingest {report['ingest_ratio_vs_dynamo']:.2f}x, "
@@ -524,13 +645,35 @@ def _print(report: dict[str, Any]) -> None:
         )
     else:
         print("Dynamo: not measured (--no-dynamo, or ai-dynamo-runtime is not installed)")
+    scale = report["scale"]
+    if scale is not None:
+        several = scale["blocks_held_by_several"] / scale["blocks"] if scale["blocks"] else 0.0
+        print(
+            f"scale, {scale['replicas']:,} replicas (conversations spread over {scale['spread']}): index of "
+            f"{scale['blocks']:,} blocks, {scale['entries']:,} (block, replica) entries ({several:.0%} of blocks "
+            f"on several replicas, up to {scale['max_holders']:,}): {scale['index_bytes'] / 2**20:,.1f} MiB, "
+            f"{scale['index_bytes_per_entry']:.1f} B per entry, {scale['index_bytes_per_block']:.1f} B per block "
+            f"({scale['memory_method']})"
+        )
+        dyn = scale["dynamo"]
+        theirs = f"; Dynamo p50 / p99 {dyn['lookup_p50_us']:.1f} / {dyn['lookup_p99_us']:.1f} us" if dyn else ""
+        print(
+            f"scale, {scale['replicas']:,} replicas: lookup p50 / p99 {scale['lookup_p50_us']:.1f} / "
+            f"{scale['lookup_p99_us']:.1f} us (cpu p99 {scale['lookup_cpu_p99_us']:.1f}; "
+            f"{scale['lookup_mean_matching_replicas']:,.0f} replicas matched on average; "
+            f"worst case p99 {scale['lookup_worst_case_p99_us']:.1f} us){theirs}"
+        )
 
 
 def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("router", help="prefix index ingest, end-to-end and lookup speed (vs Dynamo's RadixTree)")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
     p.add_argument("--limit", type=int, default=3000, help="requests taken from the trace")
-    p.add_argument("--replicas", default="8,64", help="comma-separated replica counts (default 8,64)")
+    p.add_argument(
+        "--replicas",
+        default="8,64",
+        help="comma-separated replica counts, e.g. 8,64,1024 (default 8,64; end to end runs at the smallest, <= 256)",
+    )
     p.add_argument("--blocks", type=int, default=1_100_000, help="blocks the replicas' pools hold together")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (vLLM's default)")
     p.add_argument("--repeat", type=int, default=3, help="ingest runs; the median is reported")
@@ -543,6 +686,18 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     p.add_argument("--lookup-limit", type=int, default=None, help="requests for the lookup index (default: all)")
     p.add_argument("--no-e2e", action="store_true", help="skip the ZeroMQ end-to-end measurement")
+    p.add_argument(
+        "--scale-replicas",
+        type=int,
+        default=1024,
+        help="index memory per entry and lookups at this many replicas (default 1024; 0 skips)",
+    )
+    p.add_argument(
+        "--scale-spread",
+        type=int,
+        default=4,
+        help="in the scale run, replicas each conversation's turns rotate over (default 4)",
+    )
     p.add_argument("--no-dynamo", action="store_true", help="skip Dynamo even if installed")
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=run)
