@@ -11,7 +11,10 @@ Two layers:
   all of them with one poller, executes the actions, decodes payloads and
   hands batches to a :class:`BatchSink`.
 
-Recovery rules (``next`` is the next seq we expect):
+On subscribing, the subscriber asks for a replay from 0 at once (so a
+producer that stays quiet is still known; a snapshot when the replay no
+longer reaches back to 0); if nothing was published yet, the first live
+batch decides. Recovery rules (``next`` is the next seq we expect):
 
 =================================  ==============================================
 live seq                           action
@@ -113,12 +116,30 @@ class ProducerStream:
         self._replayed: dict[int, int] = {}
         self._disconnected = False  # the live connection dropped since the last live batch
         self._sync_cut = False  # ... while a replay or snapshot was in flight
+        self._initial = False  # the replay asked for on subscribing is in flight
         self.gaps = 0
         self.restarts = 0
         self.replays = 0
         self.snapshots = 0
         self.stale = 0
         self.lossy = 0
+
+    def on_subscribe(self) -> list[Action]:
+        """A new subscription: ask for the producer's history now, not at its next batch.
+
+        A quiet producer (a tier whose workers are idle, a replica with no
+        traffic) may publish nothing for a long time, and until it does the
+        subscriber would know nothing of what it holds. The replay from 0
+        applies what it returns, as a late join does; one that no longer
+        reaches back to 0 falls back to a snapshot. An empty answer (nothing
+        published yet) is no loss: the live batches that came meanwhile are
+        then taken as if they had just arrived, and the first of them decides
+        (module table). Counted in ``replays``, like every replay request.
+        """
+        if self.started or self.syncing is not None:
+            return []
+        self._initial = True
+        return self._start_replay()
 
     def on_live(self, seq: int, payload: bytes) -> list[Action]:
         if self.syncing is not None:
@@ -210,6 +231,11 @@ class ProducerStream:
         """The terminator arrived (or the request timed out: pass ``ok=False`` via on_sync_failed)."""
         if self.syncing == "replay":
             self.syncing = None
+            initial, self._initial = self._initial, False
+            if initial:
+                if self._replay_ok and not self._replay_progress:
+                    return self._refeed()  # nothing published yet: the first live batch decides
+                self.started = True
             if not self._replay_ok or (not self._replay_progress and self.next_seq not in self._pending):
                 # The producer no longer holds (or never held) what we miss; asking
                 # again would loop forever, so only a snapshot can recover exactly.
@@ -229,6 +255,14 @@ class ProducerStream:
         """The replay or snapshot request got no terminator in time."""
         if self.syncing == "replay":
             self.syncing = None
+            if self._initial:  # the producer did not answer in time: its live batches decide
+                self._initial = False
+                actions: list[Action] = []
+                if self._replay_progress:  # part of a history: undo it, it would pass for the whole
+                    actions.append(Reset())
+                    self.next_seq = 0
+                    self._replayed.clear()
+                return actions + self._refeed()
             return self._start_snapshot()
         if self.syncing == "snapshot":
             self.syncing = None
@@ -257,6 +291,15 @@ class ProducerStream:
         self._replayed.clear()  # the snapshot's seq decides what is stale from now on
         self.snapshots += 1
         return [RequestSnapshot()]
+
+    def _refeed(self) -> list[Action]:
+        """After an initial sync that told nothing: the buffered live batches, as if they had just arrived."""
+        pending = sorted(self._pending.items())
+        self._pending.clear()
+        actions: list[Action] = []
+        for seq, payload in pending:
+            actions.extend(self.on_live(seq, payload))
+        return actions
 
     def _give_up(self) -> list[Action]:
         """No exact recovery possible: resume at the oldest batch we still hold."""
@@ -489,6 +532,7 @@ class EventListener:
                 poller.register(sub, zmq.POLLIN)
                 poller.register(arg.monitor, zmq.POLLIN)
                 self._producers[arg.name] = arg
+                self._execute(arg, arg.stream.on_subscribe(), poller)
             else:
                 assert isinstance(arg, str)
                 gone = self._producers.pop(arg, None)

@@ -216,3 +216,61 @@ def test_sync_timeouts() -> None:
     assert streaming_at(1).on_sync_failed() == []
     assert streaming_at(1).on_sync_end() == []
     assert streaming_at(1).on_sync_item(0, b"x") == []
+
+
+# --------------------------------------------------------------------------- the sync asked for on subscribing
+
+
+def test_subscribe_replays_the_history_of_a_quiet_producer() -> None:
+    s = ProducerStream()
+    assert s.on_subscribe() == [RequestReplay(0)]
+    assert s.on_subscribe() == []  # already syncing
+    assert s.on_sync_item(0, b"r0") == [Apply(0, b"r0")]
+    assert s.on_sync_item(1, b"r1") == [Apply(1, b"r1")]
+    assert s.on_sync_end() == []
+    assert s.started and s.next_seq == 2 and s.syncing is None
+    assert counters(s) == {**ZERO, "replays": 1}
+    assert s.on_live(2, p(2)) == [Apply(2, p(2))]
+    assert s.on_subscribe() == []  # a started stream needs no initial sync
+
+
+def test_subscribe_to_a_producer_that_published_nothing_lets_the_first_live_batch_decide() -> None:
+    s = ProducerStream()
+    assert s.on_subscribe() == [RequestReplay(0)]
+    assert s.on_live(0, p(0)) == []  # published while the replay was in flight: buffered
+    assert s.on_sync_end() == [Apply(0, p(0))]  # empty replay: no loss, seq 0 starts the stream
+    assert s.started and s.next_seq == 1 and counters(s) == {**ZERO, "replays": 1}
+
+    late = ProducerStream()
+    assert late.on_subscribe() == [RequestReplay(0)]
+    assert late.on_live(3, p(3)) == []
+    assert late.on_sync_end() == [RequestReplay(0)]  # the first live batch is seq 3: a late join, as ever
+    assert late.on_sync_item(0, b"r0") == [Apply(0, b"r0")]
+    assert late.on_sync_item(1, b"r1") == [Apply(1, b"r1")]
+    assert late.on_sync_item(2, b"r2") == [Apply(2, b"r2")]
+    assert late.on_sync_end() == [Apply(3, p(3))]
+    assert late.next_seq == 4 and late.lossy == 0 and late.replays == 2
+
+
+def test_subscribe_when_the_replay_no_longer_reaches_seq_0_takes_a_snapshot() -> None:
+    s = ProducerStream()
+    assert s.on_subscribe() == [RequestReplay(0)]
+    assert s.on_sync_item(40, b"r40") == []  # the buffer starts at 40: 0..39 are gone
+    assert s.on_sync_end() == [RequestSnapshot()]
+    assert s.started and s.syncing == "snapshot"
+    assert s.on_sync_item(41, b"snap") == [Reset(), Apply(41, b"snap")]
+    assert s.on_sync_end() == []
+    assert s.next_seq == 42 and counters(s) == {**ZERO, "replays": 1, "snapshots": 1}
+
+
+def test_subscribe_replay_timeout_undoes_a_partial_history_and_waits_for_live_batches() -> None:
+    s = ProducerStream()
+    assert s.on_subscribe() == [RequestReplay(0)]
+    assert s.on_sync_item(0, b"r0") == [Apply(0, b"r0")]
+    assert s.on_live(5, p(5)) == []
+    assert s.on_sync_failed() == [Reset(), RequestReplay(0)]  # undo r0; seq 5 is a late first batch
+    assert s.started and s.next_seq == 0 and s.lossy == 0
+    silent = ProducerStream()
+    assert silent.on_subscribe() == [RequestReplay(0)]
+    assert silent.on_sync_failed() == []  # no answer, nothing received: wait
+    assert not silent.started and silent.syncing is None and silent.lossy == 0

@@ -182,7 +182,8 @@ def test_normal_flow_converges(ctx: zmq.Context) -> None:
         assert producer.publisher.flush()
         h = assert_converges(listener, sink, "w0", producer)
         assert (h.gaps, h.snapshots, h.restarts, h.lossy, h.decode_errors, h.skipped_events) == (0, 0, 0, 0, 0, 0)
-        assert h.replays <= 1
+        # The replay asked for on subscribing, and one more if the first batches went out before the SUB joined.
+        assert h.replays <= 2
         # Every batch was applied exactly once, in order, from seq 0.
         assert sink.seqs["w0"] == list(range(producer.publisher.last_seq + 1))
         assert producer.publisher.stats.dropped == 0
