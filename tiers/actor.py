@@ -63,14 +63,14 @@ class TierActor:
     async def lookup(self, block_hashes: list[int], start: int = 0) -> TierHit:
         return self._store.lookup(block_hashes, start)
 
-    async def reserve(self, blocks: list[BlockMeta]) -> list[SlotGrant | None]:
-        return await self._store.reserve(blocks)
+    async def reserve(self, blocks: list[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
+        return await self._store.reserve(blocks, arena)
 
     async def commit(self, lease_ids: list[int]) -> int:
         return await self._store.commit(lease_ids)
 
-    async def acquire(self, blocks: list[BlockMeta]) -> list[SlotGrant]:
-        return await self._store.acquire(blocks)
+    async def acquire(self, blocks: list[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
+        return await self._store.acquire(blocks, arena)
 
     async def release(self, lease_ids: list[int]) -> None:
         self._store.release(lease_ids)
@@ -102,11 +102,19 @@ class TierActor:
 
 
 def tier_actor_options(node_id: str, *, namespace: str = TIER_NAMESPACE) -> dict[str, Any]:
-    """Ray ``.options(...)`` placing the tier actor on ``node_id`` (hard affinity) under its name."""
+    """Ray ``.options(...)`` placing the tier actor on ``node_id`` (hard affinity) under its name.
+
+    A tier actor whose process dies is restarted by Ray on the same node with
+    the same arguments, so its disk tier's scan serves what survived; an
+    exception in its constructor (a bad config, too little /dev/shm) is not
+    retried by Ray, it leaves the actor dead. Workers skip a tier that does
+    not answer and reconnect by name; the router follows its new endpoints.
+    """
     return {
         "name": tier_actor_name(node_id),
         "namespace": namespace,
         "get_if_exists": True,
+        "max_restarts": -1,
         "num_cpus": 0,
         "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
     }

@@ -22,7 +22,7 @@ import ray
 
 from kvstore.config import EventsConfig, TierConfig
 from tiers.blocks import BlockMeta, SlotGrant, TierHit
-from tiers.errors import TierTimeoutError, TierUnavailableError
+from tiers.errors import TierError, TierTimeoutError, TierUnavailableError
 from tiers.identity import CacheIdentity
 from tiers.shared_memory import ArenaInfo
 from tiers.stats import TierStats
@@ -36,9 +36,9 @@ class TierClient(Protocol):
 
     def arena_info(self) -> ArenaInfo: ...
     def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit: ...
-    def reserve(self, blocks: Sequence[BlockMeta]) -> list[SlotGrant | None]: ...
+    def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]: ...
     def commit(self, lease_ids: Sequence[int]) -> int: ...
-    def acquire(self, blocks: Sequence[BlockMeta]) -> list[SlotGrant]: ...
+    def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]: ...
     def release(self, lease_ids: Sequence[int]) -> None: ...
     def stats(self) -> TierStats: ...
 
@@ -57,6 +57,10 @@ class RayTierClient:
             raise TierTimeoutError(f"the tier actor did not answer within {self._timeout_s} s") from None
         except ray.exceptions.RayActorError as exc:  # dead, or unreachable (ActorUnavailableError)
             raise TierUnavailableError(f"the tier actor is gone ({type(exc).__name__})") from exc
+        except ray.exceptions.RayTaskError as exc:  # raised by the tier itself: re-raise its own type
+            if isinstance(exc.cause, TierError):
+                raise exc.cause from None
+            raise
 
     def arena_info(self) -> ArenaInfo:
         return self._get(self._handle.arena_info.remote())  # type: ignore[no-any-return]
@@ -64,14 +68,14 @@ class RayTierClient:
     def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit:
         return self._get(self._handle.lookup.remote(list(block_hashes), start))  # type: ignore[no-any-return]
 
-    def reserve(self, blocks: Sequence[BlockMeta]) -> list[SlotGrant | None]:
-        return self._get(self._handle.reserve.remote(list(blocks)))  # type: ignore[no-any-return]
+    def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
+        return self._get(self._handle.reserve.remote(list(blocks), arena))  # type: ignore[no-any-return]
 
     def commit(self, lease_ids: Sequence[int]) -> int:
         return self._get(self._handle.commit.remote(list(lease_ids)))  # type: ignore[no-any-return]
 
-    def acquire(self, blocks: Sequence[BlockMeta]) -> list[SlotGrant]:
-        return self._get(self._handle.acquire.remote(list(blocks)))  # type: ignore[no-any-return]
+    def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
+        return self._get(self._handle.acquire.remote(list(blocks), arena))  # type: ignore[no-any-return]
 
     def release(self, lease_ids: Sequence[int]) -> None:
         self._get(self._handle.release.remote(list(lease_ids)))
@@ -111,14 +115,14 @@ class LocalTierClient:
     def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit:
         return self._call(lambda: self.store.lookup(block_hashes, start))
 
-    def reserve(self, blocks: Sequence[BlockMeta]) -> list[SlotGrant | None]:
-        return self._run(self.store.reserve(blocks))
+    def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
+        return self._run(self.store.reserve(blocks, arena))
 
     def commit(self, lease_ids: Sequence[int]) -> int:
         return self._run(self.store.commit(lease_ids))
 
-    def acquire(self, blocks: Sequence[BlockMeta]) -> list[SlotGrant]:
-        return self._run(self.store.acquire(blocks))
+    def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
+        return self._run(self.store.acquire(blocks, arena))
 
     def release(self, lease_ids: Sequence[int]) -> None:
         self._call(lambda: self.store.release(lease_ids))

@@ -33,5 +33,14 @@ class TierUnavailableError(TierError):
     """
 
 
+class ArenaMovedError(TierUnavailableError):
+    """The tier's arena is not the one the caller mapped: the tier actor was restarted and made a new one.
+
+    A worker that kept copying through its old mapping would read and write
+    memory the tier no longer uses (and commit slots it never filled); the
+    tier refuses its leases instead, and the worker reconnects and remaps.
+    """
+
+
 class TierTimeoutError(TierUnavailableError, TimeoutError):
     """A tier call passed its deadline (the tier may be alive but stuck)."""

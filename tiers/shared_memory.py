@@ -44,10 +44,10 @@ from tiers.errors import ArenaError
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVSARENA"
-VERSION = 2  # 2: the owner's pid namespace joined the header
+VERSION = 3  # 2: the owner's pid namespace joined the header; 3: an incarnation id
 HEADER_BYTES = 4096
-# magic, version, reserved, owner pid, owner's pid namespace (inode), num slots, slot bytes, tag
-_HEADER = struct.Struct("<8sHHIQQQ64s")
+# magic, version, reserved, owner pid, owner's pid namespace (inode), num slots, slot bytes, incarnation, tag
+_HEADER = struct.Struct("<8sHHIQQQQ64s")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
@@ -59,6 +59,7 @@ class ArenaInfo(NamedTuple):
     num_slots: int
     slot_bytes: int
     tag: str  # the creator's label (the tier store puts its cache identity digest here)
+    incarnation: int  # random per created arena: a re-created arena of the same name has another
 
 
 class SharedSlots:
@@ -71,7 +72,7 @@ class SharedSlots:
 
     def __init__(self, path: Path, mapping: mmap.mmap, *, owner: bool) -> None:
         raw = mapping[: _HEADER.size]
-        magic, version, _, _, _, num_slots, slot_bytes, tag = _HEADER.unpack(raw)
+        magic, version, _, _, _, num_slots, slot_bytes, incarnation, tag = _HEADER.unpack(raw)
         if magic != MAGIC:
             raise ArenaError(f"{path} is not a kvstore arena (bad magic)")
         if version != VERSION:
@@ -83,6 +84,7 @@ class SharedSlots:
         self.num_slots: int = num_slots
         self.slot_bytes: int = slot_bytes
         self.tag: str = tag.rstrip(b"\0").decode()
+        self.incarnation: int = incarnation
         self.owner = owner
         self._mmap = mapping
         # Built on a memoryview (not the mmap): the view's export makes mmap.close() refuse
@@ -139,7 +141,10 @@ class SharedSlots:
             _unlink(path)
             raise
         os.close(fd)
-        header = _HEADER.pack(MAGIC, VERSION, 0, os.getpid(), _pid_namespace(), num_slots, slot_bytes, tag.encode())
+        incarnation = int.from_bytes(os.urandom(8), "little")
+        header = _HEADER.pack(
+            MAGIC, VERSION, 0, os.getpid(), _pid_namespace(), num_slots, slot_bytes, incarnation, tag.encode()
+        )
         mapping[: _HEADER.size] = header
         return cls(path, mapping, owner=True)
 
@@ -169,7 +174,7 @@ class SharedSlots:
 
     @property
     def info(self) -> ArenaInfo:
-        return ArenaInfo(self.name, str(self.path.parent), self.num_slots, self.slot_bytes, self.tag)
+        return ArenaInfo(self.name, str(self.path.parent), self.num_slots, self.slot_bytes, self.tag, self.incarnation)
 
     @property
     def closed(self) -> bool:
@@ -257,7 +262,7 @@ def _owned_by_dead_process(path: Path) -> bool:
         return False
     if len(raw) < _HEADER.size or raw[:8] != MAGIC:
         return False  # not an arena, or one still being created
-    _, _, _, pid, namespace, _, _, _ = _HEADER.unpack(raw)
+    _, _, _, pid, namespace, _, _, _, _ = _HEADER.unpack(raw)
     return bool(namespace == _pid_namespace() and not _pid_alive(pid))
 
 

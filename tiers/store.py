@@ -52,7 +52,7 @@ from tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit, check_blocks
 from tiers.copy_engine import CopyEngine, block_rows
 from tiers.cpu_arena import CpuArena, Lease, LeaseKind
 from tiers.disk import DiskTier
-from tiers.errors import InvalidBlockError, LeaseError
+from tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
 from tiers.identity import CacheIdentity
 from tiers.shared_memory import ArenaInfo, SharedSlots
 from tiers.stats import DISK_READ, DISK_WRITE, PROMOTE, SPILL, StoreCounters, TierStats
@@ -274,8 +274,18 @@ class TierStore:
             raise
         return stored
 
-    async def reserve(self, blocks: Sequence[BlockMeta]) -> list[SlotGrant | None]:
+    def _check_arena(self, arena: int | None) -> None:
+        incarnation = self._cpu.slots.incarnation
+        if arena is not None and arena != incarnation:
+            raise ArenaMovedError(
+                f"the caller mapped arena incarnation {arena:#x}, the tier's is {incarnation:#x}: remap it"
+            )
+
+    async def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
         """Write leases on CPU slots for ``blocks``, in order; None for a block not taken.
+
+        ``arena``: the incarnation of the arena the caller mapped (``ArenaInfo.incarnation``);
+        another one raises :class:`~tiers.errors.ArenaMovedError` before any lease is granted.
 
         None means: held already (or being written), not admitted yet, or no
         slot could be freed (all leased, or the disk was too slow to drain
@@ -283,6 +293,7 @@ class TierStore:
         gets None beyond them: split large batches (:meth:`put` and
         ``TierLink.spill`` do). Commit or release every grant.
         """
+        self._check_arena(arena)
         check_blocks(blocks, self.identity.block_size)
         cpu = self._cpu
         wanted: list[int] = []
@@ -331,8 +342,10 @@ class TierStore:
 
     # ----------------------------------------------------------------- promote
 
-    async def acquire(self, blocks: Sequence[BlockMeta]) -> list[SlotGrant]:
+    async def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
         """Read leases on the longest held prefix of ``blocks``, disk hits promoted into CPU.
+
+        ``arena`` as for :meth:`reserve`.
 
         Returns one grant per block of the prefix, in order (``medium`` says
         where each was found). Copy the slots out, then :meth:`release`.
@@ -340,6 +353,7 @@ class TierStore:
         a shorter answer may mean "no room now": call again with the blocks
         after the prefix until it comes back empty (:meth:`get` does).
         """
+        self._check_arena(arena)
         check_blocks(blocks, self.identity.block_size)
         budget = self._cpu.num_slots - self._cpu.num_leased_slots
         found: list[Lease | BlockMeta] = []  # a CPU lease, or a block to read from disk

@@ -31,7 +31,7 @@ from kvstore.events import BlockRemoved, BlockStored
 from kvstore.metrics import render
 from tiers.blocks import BlockMeta
 from tiers.copy_engine import CopyEngine
-from tiers.errors import InvalidBlockError, LeaseError
+from tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
 from tiers.metrics import TierCollector
 from tiers.shared_memory import SharedSlots
 from tiers.store import TierStore
@@ -90,6 +90,35 @@ def test_worker_flow_through_the_arena_mapped_by_name(tmp_path: Path) -> None:
             store.check_invariants()
 
     asyncio.run(scenario())
+
+
+def test_leases_name_the_arena_incarnation_the_caller_mapped(tmp_path: Path) -> None:
+    """A restarted tier re-creates its arena under the same name: a worker still mapping the old one gets no lease."""
+
+    async def scenario() -> None:
+        metas, _ = make_blocks(2)
+        async with new_store(tier_config(tmp_path, cpu_blocks=8, disk_blocks=0)) as store:
+            first = store.arena_info.incarnation
+            grants = await store.reserve(metas[:1], first)
+            assert await store.commit([g.lease_id for g in grants if g is not None]) == 1
+            with pytest.raises(ArenaMovedError, match="remap"):
+                await store.reserve(metas[1:], first ^ 1)
+            with pytest.raises(ArenaMovedError):
+                await store.acquire(metas[:1], first ^ 1)
+            held = await store.acquire(metas[:1], first)
+            store.release([g.lease_id for g in held])
+            assert store.stats().blocks["CPU"] == 1  # the refused calls leased and stored nothing
+            store.check_invariants()
+
+    asyncio.run(scenario())
+    # The same name created twice (what a restarted tier actor does): two incarnations.
+    one = SharedSlots.create("kvstore-test-incarnation", 2, 64, shm_dir=str(tmp_path), prefault=False)
+    incarnation = one.incarnation
+    assert SharedSlots.attach("kvstore-test-incarnation", shm_dir=str(tmp_path)).incarnation == incarnation
+    one.close()
+    two = SharedSlots.create("kvstore-test-incarnation", 2, 64, shm_dir=str(tmp_path), prefault=False)
+    assert two.info.incarnation != incarnation
+    two.close()
 
 
 def test_put_and_get_at_scattered_pool_rows_in_pipelined_chunks(tmp_path: Path) -> None:
