@@ -32,7 +32,7 @@ from router.backends import RayActorBackend
 from router.protocol import ModelLimits
 from router.service import ProducerSpec, ReplicaSpec, RouterService
 from router.tokenizer import load_tokenizer
-from tiers.actor import get_or_create_tier_actor
+from tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
 from tiers.identity import CacheIdentity
 from workers.actor import KVWorkerActor, routable_endpoint, worker_actor_options
 from workers.api import GenerateRequest
@@ -66,6 +66,7 @@ class PlacedTier(NamedTuple):
     handle: Any
     endpoint: str
     replay_endpoint: str
+    ip: str  # the node's address: where its "0.0.0.0" endpoints are reached from other nodes
 
 
 class Deployment:
@@ -144,6 +145,7 @@ def place_tiers(config: Config, *, timeout_s: float = 120.0) -> dict[str, Placed
             handle,
             routable_endpoint(ep.endpoint, ip),
             routable_endpoint(ep.replay_endpoint, ip),
+            ip,
         )
         for (node, handle), ep, ip in zip(handles.items(), endpoints, ips, strict=True)
     }
@@ -203,16 +205,39 @@ def build_service(
     service = RouterService(config, load_tokenizer(config.router.tokenizer), limits)
     for tier in (tiers or {}).values():
         producer = ProducerSpec(f"tier-{tier.node[:12]}", tier.endpoint, tier.replay_endpoint)
-        service.add_tier_producer(tier.node, producer)
-        service.add_metrics_source(producer.name, _text_fetcher(tier.handle))
+        service.add_tier_producer(tier.node, producer, locate=_tier_locator(tier))
+        service.add_metrics_source(producer.name, _tier_text_fetcher(tier.node))
     for worker in workers:
         service.add_replica(replica_spec(worker))
     return service
 
 
-def _text_fetcher(handle: Any) -> Callable[[], Awaitable[str]]:
+_TIER_CALL_S = 5.0  # deadline of one call to a tier actor from the router's health poll
+
+
+async def _tier_actor(node: str) -> Any:
+    """The node's tier actor as Ray knows it now (restarted or re-created ones included)."""
+    return await asyncio.to_thread(ray.get_actor, tier_actor_name(node), namespace=TIER_NAMESPACE)
+
+
+def _tier_locator(tier: PlacedTier) -> Callable[[], Awaitable[tuple[str, str | None]]]:
+    """Where the node's tier publishes now, as the router reaches it (RouterService.poll_tiers)."""
+
+    async def locate() -> tuple[str, str | None]:
+        handle = await _tier_actor(tier.node)
+        endpoints = await asyncio.wait_for(handle.event_endpoints.remote(), _TIER_CALL_S)
+        return (
+            routable_endpoint(endpoints.endpoint, tier.ip),
+            routable_endpoint(endpoints.replay_endpoint, tier.ip),
+        )
+
+    return locate
+
+
+def _tier_text_fetcher(node: str) -> Callable[[], Awaitable[str]]:
     async def fetch() -> str:
-        page = await asyncio.wait_for(handle.metrics_text.remote(), 5.0)
+        handle = await _tier_actor(node)
+        page = await asyncio.wait_for(handle.metrics_text.remote(), _TIER_CALL_S)
         return page.decode() if isinstance(page, bytes) else str(page)
 
     return fetch

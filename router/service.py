@@ -91,6 +91,16 @@ class _Replica:
         self.metrics_text = ""  # its Prometheus page as of the last poll
 
 
+TierLocator = Callable[[], Awaitable[tuple[str, str | None]]]
+"""Where a tier's event stream is now: (endpoint, replay endpoint). Raises when the tier does not answer."""
+
+
+class _TierWatch:
+    def __init__(self, locate: TierLocator) -> None:
+        self.locate = locate
+        self.up = True  # subscribed to the endpoints in its ProducerSpec
+
+
 class RouteResult(NamedTuple):
     decision: Decision
     matched: dict[str, MediumCounts]  # per candidate: leading blocks it holds, by medium
@@ -126,6 +136,7 @@ class RouterService:
         self.listener = EventListener(self.index, sync_timeout_s=config.router.sync_timeout_s)
         self._replicas: dict[str, _Replica] = {}
         self._tier_producers: dict[str, ProducerSpec] = {}
+        self._tier_watch: dict[str, _TierWatch] = {}
         self._metrics_sources: dict[str, Callable[[], Awaitable[str]]] = {}
         self._metrics_pages: dict[str, str] = {}
         self._rng = random.Random(seed)
@@ -189,19 +200,69 @@ class RouterService:
         self.listener.remove_producer(replica.spec.events.name)
         self.index.remove_producer(replica.spec.events.name)
 
-    def add_tier_producer(self, node: str, producer: ProducerSpec, *, shared_storage: bool = False) -> None:
+    def add_tier_producer(
+        self,
+        node: str,
+        producer: ProducerSpec,
+        *,
+        shared_storage: bool = False,
+        locate: TierLocator | None = None,
+    ) -> None:
         """A node tier's stream: its blocks count for every replica of ``node``.
 
         With ``shared_storage`` its STORAGE blocks count for every replica of the cluster.
+        ``locate``, when given, is asked on every health poll where the tier's event
+        endpoints are now (see :meth:`poll_tiers`).
         """
         self._tier_producers[producer.name] = producer
         self.index.add_producer(producer.name, "tier", node=node, shared_storage=shared_storage, rekey=producer.rekey)
         self._listen(producer)
+        if locate is not None:
+            self._tier_watch[producer.name] = _TierWatch(locate)
 
     def remove_tier_producer(self, name: str) -> None:
+        self._tier_watch.pop(name, None)
         if self._tier_producers.pop(name, None) is not None:
             self.listener.remove_producer(name)
             self.index.remove_producer(name)
+
+    def tier_producers(self) -> dict[str, ProducerSpec]:
+        """The tier streams subscribed to now, by producer name."""
+        return dict(self._tier_producers)
+
+    async def poll_tiers(self) -> None:
+        """Follow every watched tier: down, its blocks leave the index; moved, resubscribe to its new endpoints.
+
+        A tier actor that died serves nothing until it is back, so its CPU and
+        STORAGE blocks must not attract requests; a restarted one binds new
+        ports, and a subscription to the old ones would wait forever. The new
+        subscription syncs by snapshot: what its disk scan found.
+        """
+        watched = list(self._tier_watch.items())
+        found = await asyncio.gather(*(watch.locate() for _, watch in watched), return_exceptions=True)
+        for (name, watch), where in zip(watched, found, strict=True):
+            spec = self._tier_producers.get(name)
+            if spec is None:
+                continue
+            if isinstance(where, BaseException):
+                if watch.up:
+                    logger.warning("tier %s did not answer (%s); dropping its blocks from the index", name, where)
+                    self.listener.remove_producer(name, reset=True)
+                    watch.up = False
+                continue
+            endpoint, replay_endpoint = where
+            if (endpoint, replay_endpoint) != (spec.endpoint, spec.replay_endpoint):
+                logger.info("tier %s moved to %s; resubscribing", name, endpoint)
+                if watch.up:
+                    self.listener.remove_producer(name, reset=True)
+                spec = spec._replace(endpoint=endpoint, replay_endpoint=replay_endpoint)
+                self._tier_producers[name] = spec
+                self._listen(spec)
+                watch.up = True
+            elif not watch.up:
+                logger.info("tier %s answers again; resubscribing", name)
+                self._listen(spec)
+                watch.up = True
 
     def add_metrics_source(self, name: str, fetch: Callable[[], Awaitable[str]]) -> None:
         """Another Prometheus page (e.g. a node's tier actor) polled with the replicas and merged into /metrics."""
@@ -385,7 +446,8 @@ class RouterService:
         self._listen(replica.spec.events)
 
     async def poll_health(self) -> None:
-        """Poll every replica's load once; update health."""
+        """Poll every replica's load and every watched tier once; update health."""
+        await self.poll_tiers()
         replicas = list(self._replicas.items())
         sources = list(self._metrics_sources.items())
         pages = await asyncio.gather(*(fetch() for _, fetch in sources), return_exceptions=True)
