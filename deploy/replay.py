@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(reports))
     if args.json:
         report = replay_json(workload, schedule, shape, args, reports, overrides, num_workers if args.compare else None)
-        _write(args.json, json.dumps(report, indent=1) + "\n")
+        write_output(args.json, json.dumps(report, indent=1) + "\n")
     if args.plot:
         write_plot(reports, args.plot, title=heading.splitlines()[0])
     return 0
@@ -205,7 +205,8 @@ def _check_writable(flag: str, path: Path) -> None:
         raise ConfigError(f"{flag} {path}: directory {path.parent} does not exist")
 
 
-def _write(path: str, text: str) -> None:
+def write_output(path: str, text: str) -> None:
+    """Write a command's output file; a path that cannot be written is the user's to fix (ConfigError)."""
     try:
         Path(path).write_text(text)
     except OSError as exc:

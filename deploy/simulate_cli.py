@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from deploy.replay import write_output
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
 from kvstore.hashing import BlockHasher
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             "policies": {name: result.as_json() for name, result in results.items()},
         }
         report.update(_ratios(results))
-        _write(args.json, json.dumps(report, indent=2) + "\n")
+        write_output(args.json, json.dumps(report, indent=2) + "\n")
     if args.plot:
         write_plot(
             results, args.plot, title=f"{len(trace)} requests, {settings.replicas} replicas, speedup {speedup:.3g}"
@@ -190,13 +191,6 @@ def write_plot(results: Mapping[str, PolicyResult], path: str | Path, *, title: 
         raise ConfigError(f"cannot write plot {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
-
-
-def _write(path: str, text: str) -> None:
-    try:
-        Path(path).write_text(text)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

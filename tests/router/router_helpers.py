@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 
 from kvstore.block_pool import BlockPool
 from kvstore.events import KVEvent
@@ -107,3 +109,13 @@ class WorkloadProducer:
 def held(index: PrefixIndex, producer: str, medium: str = "GPU") -> Counter[int]:
     """What the index believes ``producer`` holds on ``medium``."""
     return index.dump().get(producer, {}).get(medium, Counter())
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()

@@ -10,8 +10,7 @@ ZeroMQ -- and the router app built by ``kvstore router``'s own code, all on
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -24,18 +23,10 @@ from kvstore.hashing import to_external
 from router.app import create_app
 from router.cli import build_router
 from tests.http_servers import ServerThread
+from tests.router.router_helpers import wait_for
 from workers.worker import KVWorker
 
 BLOCK = 16
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def base_config(**router: Any) -> Config:

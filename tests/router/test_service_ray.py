@@ -7,8 +7,6 @@ same launcher code as ``kvstore serve``, and the router app on 127.0.0.1.
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,17 +17,9 @@ from deploy.launcher import build_service, place_workers
 from kvstore.config import config_from_dict
 from router.app import create_app
 from tests.http_servers import ServerThread
+from tests.router.router_helpers import wait_for
 
 BLOCK = 16
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.mark.ray

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from kvstore.config import config_from_dict
@@ -20,18 +19,9 @@ from kvstore.publisher import Snapshot, ZmqEventPublisher
 from router.protocol import ModelLimits
 from router.service import ProducerSpec, RouterService
 from router.tokenizer import ByteTokenizer
-from tests.router.router_helpers import held
+from tests.router.router_helpers import held, wait_for
 
 BLOCK = 16
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 class Tier:
