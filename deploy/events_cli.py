@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--count must be >= 1")
     sink = JsonLinesSink(sys.stdout, args.count)
     listener = EventListener(sink, on_decode_error=sink.decode_error)
-    listener.add_producer(args.name, endpoint, replay, topic=args.topic)
+    listener.add_producer(args.name, endpoint, replay, topic=args.topic, curve_server_key=args.curve_server_key)
     listener.start()
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
@@ -87,6 +87,11 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     tail.add_argument("--replay-endpoint", default=None, help="its ROUTER endpoint, for gap recovery")
     tail.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     tail.add_argument("--name", default="producer", help="label printed with each event")
+    tail.add_argument(
+        "--curve-server-key",
+        default=None,
+        help="the producer's CURVE public key (Z85), when it publishes with CURVE (events.curve_public_key)",
+    )
     tail.add_argument("--count", type=int, default=None, help="stop after this many events")
     tail.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     tail.set_defaults(func=run)

@@ -204,11 +204,13 @@ def build_service(
     limits = ModelLimits(info.vocab_size, info.max_context)
     service = RouterService(config, load_tokenizer(config.router.tokenizer), limits)
     for tier in (tiers or {}).values():
-        producer = ProducerSpec(f"tier-{tier.node[:12]}", tier.endpoint, tier.replay_endpoint)
+        producer = ProducerSpec(
+            f"tier-{tier.node[:12]}", tier.endpoint, tier.replay_endpoint, curve_server_key=curve_server_key(config)
+        )
         service.add_tier_producer(tier.node, producer, locate=_tier_locator(tier))
         service.add_metrics_source(producer.name, _tier_text_fetcher(tier.node))
     for worker in workers:
-        service.add_replica(replica_spec(worker))
+        service.add_replica(replica_spec(worker, curve_server_key=curve_server_key(config)))
     return service
 
 
@@ -243,9 +245,17 @@ def _tier_text_fetcher(node: str) -> Callable[[], Awaitable[str]]:
     return fetch
 
 
-def replica_spec(worker: PlacedWorker) -> ReplicaSpec:
+def curve_server_key(config: Config) -> str | None:
+    """The key the router must present to the deployment's publishers: they all run with ``config.events``."""
+    return config.events.curve_public_key or None
+
+
+def replica_spec(worker: PlacedWorker, *, curve_server_key: str | None = None) -> ReplicaSpec:
+    """The router's view of a placed worker; ``curve_server_key`` when its publisher runs with CURVE."""
     backend = RayActorBackend(worker.name, worker.handle, GenerateRequest)
-    producer = ProducerSpec(f"{worker.name}/gpu", worker.endpoint, worker.replay_endpoint)
+    producer = ProducerSpec(
+        f"{worker.name}/gpu", worker.endpoint, worker.replay_endpoint, curve_server_key=curve_server_key
+    )
     return ReplicaSpec(worker.name, worker.node, backend, producer)
 
 

@@ -182,6 +182,13 @@ class ExternalReplica(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """True when it hashes differently (another algorithm or seed): re-key from token ids."""
     model: str | None = None
     """``model`` to send it; None = forward the client's."""
+    curve_server_key: str | None = None
+    """Its event publisher's CURVE public key (Z85, 40 characters) when it runs with CURVE; None = plain."""
+
+    def __post_init__(self) -> None:
+        key = self.curve_server_key
+        if key is not None and (len(key) != 40 or not _Z85_ALPHABET.issuperset(key)):
+            raise ValueError("curve_server_key must be a 40-character Z85 public key (zmq.curve_keypair()), or unset")
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

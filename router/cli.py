@@ -42,7 +42,9 @@ def build_router(config: Config) -> RouterService:
     service = RouterService(config, load_tokenizer(config.router.tokenizer), limits)
     for r in replicas:
         backend = HttpBackend(r.name, r.url, model=r.model, timeout_s=config.router.request_timeout_s)
-        events = ProducerSpec(f"{r.name}/events", r.events, r.replay, rekey=r.rekey)
+        events = ProducerSpec(
+            f"{r.name}/events", r.events, r.replay, rekey=r.rekey, curve_server_key=r.curve_server_key
+        )
         service.add_replica(ReplicaSpec(r.name, r.node, backend, events))
     return service
 
