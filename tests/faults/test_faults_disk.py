@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faults_helpers import tokens
+from faults_helpers import reference_outputs, tokens
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -69,18 +69,6 @@ def disk_config(tmp_path: Path, *, disk_files: int | None = None) -> Config:
 def block_bytes() -> int:
     worker = config_from_dict({}).worker
     return 2 * BLOCK * worker.num_kv_heads * worker.head_dim * 4 * worker.num_layers
-
-
-def reference_outputs(prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy outputs with the prefix cache off: the ground truth."""
-    plain = config_from_dict({"cache": {"block_size": BLOCK, "enable_prefix_caching": False},
-                              "pool": {"num_blocks": 64}, "worker": {"device": "cpu"},
-                              "events": {"enabled": False}})  # fmt: skip
-    worker = KVWorker("reference", plain)
-    try:
-        return [worker.generate(GenerateRequest(p, MAX_TOKENS)).output_token_ids for p in prompts]
-    finally:
-        worker.shutdown()
 
 
 @contextmanager
@@ -138,7 +126,7 @@ def test_corrupt_truncated_and_deleted_block_files_never_serve_a_wrong_token(tmp
     rng = random.Random(2024)
     docs = [tokens(rng, DOC_BLOCKS * BLOCK) for _ in range(130)]
     prompts = [doc + tokens(rng, 2) for doc in docs]  # every block of the doc can be a hit
-    expected = reference_outputs(prompts)
+    expected = reference_outputs(prompts, MAX_TOKENS)
     doc_hashes = [[to_external(h) for h in hasher.hash_blocks(doc)] for doc in docs]
 
     with tiered_workers(config, ["fill", "serve"]) as (client, (fill, serve)):
@@ -239,7 +227,7 @@ def test_full_disk_stops_storing_and_is_counted_while_every_output_stays_exact(
     config = disk_config(tmp_path, disk_files=150)  # fewer files than the first prompts need: LRU at capacity
     rng = random.Random(99)
     prompts = [tokens(rng, DOC_BLOCKS * BLOCK) + tokens(rng, 2) for _ in range(24)]
-    expected = reference_outputs(prompts)
+    expected = reference_outputs(prompts, MAX_TOKENS)
     early, late = prompts[:10], prompts[10:]
 
     with tiered_workers(config, ["w0"]) as (client, (worker,)):

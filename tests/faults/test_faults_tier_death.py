@@ -22,14 +22,13 @@ from typing import Any
 
 import pytest
 import ray
-from faults_helpers import BLOCK, tokens, wait_for
+from faults_helpers import BLOCK, reference_outputs, tokens, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.launcher import PlacedTier, PlacedWorker, place_tiers, place_workers
 from kvstore.config import Config, config_from_dict
 from kvstore.hashing import BlockHasher, to_external
 from workers.api import GenerateRequest, GenerateResult
-from workers.worker import KVWorker
 
 MAX_TOKENS = 4
 PROMPT_BLOCKS = 12  # full blocks of a prompt (+ 3 tokens: all 12 can be a hit, the last token is beyond them)
@@ -47,18 +46,6 @@ def tier_config(tmp_path: Path) -> Config:
             "tiers": {"cpu_capacity_bytes": 4 * block_bytes, "disk_dir": str(tmp_path / "disk"), "io_deadline_s": 2.0},
         }
     )
-
-
-def reference_outputs(prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy outputs with the prefix cache off: the ground truth."""
-    plain = config_from_dict({"cache": {"block_size": BLOCK, "enable_prefix_caching": False},
-                              "pool": {"num_blocks": 64}, "worker": {"device": "cpu"},
-                              "events": {"enabled": False}})  # fmt: skip
-    worker = KVWorker("reference", plain)
-    try:
-        return [worker.generate(GenerateRequest(p, MAX_TOKENS)).output_token_ids for p in prompts]
-    finally:
-        worker.shutdown()
 
 
 def metrics(handle: Any) -> dict[str, float]:
@@ -93,7 +80,7 @@ def test_tier_actor_killed_while_serving_then_restarted_on_the_same_disk(ray_ses
     hasher = BlockHasher.from_config(config.cache)
     rng = random.Random(41)
     prompts = [tokens(rng, PROMPT_BLOCKS * BLOCK + 3) for _ in range(23)]
-    expected = reference_outputs(prompts)
+    expected = reference_outputs(prompts, MAX_TOKENS)
     spilled, burst, after = prompts[:5], prompts[5:17], prompts[17:]  # never shared: no GPU hit across prompts
 
     tiers = place_tiers(config)

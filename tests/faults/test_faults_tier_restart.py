@@ -21,8 +21,8 @@ import httpx
 import msgspec
 import pytest
 import ray
-from faults_helpers import BLOCK, tokens, wait_for
-from test_faults_tier_death import MAX_TOKENS, PROMPT_BLOCKS, reference_outputs, stop, tier_config
+from faults_helpers import BLOCK, reference_outputs, tokens, wait_for
+from test_faults_tier_death import MAX_TOKENS, PROMPT_BLOCKS, stop, tier_config
 
 from deploy.launcher import build_service, place_tiers, place_workers
 from router.app import create_app
@@ -36,7 +36,7 @@ def test_a_crashed_tier_actor_is_restarted_and_the_router_follows_it(ray_session
     config = msgspec.structs.replace(base, router=msgspec.structs.replace(base.router, health_interval_s=0.2))
     rng = random.Random(17)
     prompts = [tokens(rng, PROMPT_BLOCKS * BLOCK + 3) for _ in range(8)]
-    expected = reference_outputs(prompts)
+    expected = reference_outputs(prompts, MAX_TOKENS)
     target, fillers = prompts[0], prompts[1:]
 
     tiers = place_tiers(config)
