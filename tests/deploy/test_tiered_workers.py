@@ -16,8 +16,8 @@ import ray
 
 from deploy.launcher import place_tiers, place_workers
 from kvstore.config import Config, config_from_dict
+from tests.ground_truth import reference_outputs
 from workers.api import GenerateRequest
-from workers.worker import KVWorker
 
 BLOCK = 16
 
@@ -35,18 +35,6 @@ def tiered_config(tmp_path: Path, *, cpu_slots: int) -> Config:
     )
 
 
-def reference_outputs(config: Config, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy outputs with the prefix cache off: the ground truth."""
-    plain = config_from_dict({"cache": {"block_size": BLOCK, "enable_prefix_caching": False},
-                              "pool": {"num_blocks": 64}, "worker": {"device": "cpu"},
-                              "events": {"enabled": False}})  # fmt: skip
-    worker = KVWorker("reference", plain)
-    try:
-        return [worker.generate(GenerateRequest(p, max_tokens)).output_token_ids for p in prompts]
-    finally:
-        worker.shutdown()
-
-
 def run(handle: Any, prompt: list[int], max_tokens: int) -> Any:
     return ray.get(handle.generate.remote(GenerateRequest(prompt, max_tokens)), timeout=120)
 
@@ -59,7 +47,7 @@ def test_spilled_prefix_is_promoted_into_another_worker_exactly(
     config = tiered_config(tmp_path, cpu_slots=cpu_slots)
     rng = random.Random(cpu_slots)
     prompts = [[rng.randrange(512) for _ in range(20 * BLOCK + 5)] for _ in range(4)]  # 21 blocks each
-    expected = reference_outputs(config, prompts, 6)
+    expected = reference_outputs(prompts, 6)
     tiers = place_tiers(config)
     workers = place_workers(config, 2, tiers=tiers, start_index=200)
     try:

@@ -70,18 +70,6 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-def reference_outputs(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy outputs of the default model with the prefix cache off: the ground truth for cached runs."""
-    plain = config_from_dict({"cache": {"block_size": BLOCK, "enable_prefix_caching": False},
-                              "pool": {"num_blocks": 64}, "worker": {"device": "cpu"},
-                              "events": {"enabled": False}})  # fmt: skip
-    worker = KVWorker("reference", plain)
-    try:
-        return [worker.generate(GenerateRequest(p, max_tokens)).output_token_ids for p in prompts]
-    finally:
-        worker.shutdown()
-
-
 class HttpFleet:
     """Workers behind HTTP, a RouterService over them, the router app; all on 127.0.0.1."""
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faults_helpers import reference_outputs, tokens
+from faults_helpers import tokens
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +34,7 @@ import tiers.disk as disk_module
 from kvstore.config import Config, config_from_dict
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.metrics import render
+from tests.ground_truth import reference_outputs
 from tiers.client import LocalTierClient
 from tiers.disk_format import header_len
 from tiers.identity import CacheIdentity

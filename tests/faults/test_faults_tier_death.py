@@ -22,12 +22,13 @@ from typing import Any
 
 import pytest
 import ray
-from faults_helpers import BLOCK, reference_outputs, tokens, wait_for
+from faults_helpers import BLOCK, tokens, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.launcher import PlacedTier, PlacedWorker, place_tiers, place_workers
 from kvstore.config import Config, config_from_dict
 from kvstore.hashing import BlockHasher, to_external
+from tests.ground_truth import reference_outputs
 from workers.api import GenerateRequest, GenerateResult
 
 MAX_TOKENS = 4

@@ -210,20 +210,26 @@ def test_collision_on_disk_is_a_miss(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_tokens_damaged_while_the_tier_was_down_are_refused_not_taken_for_a_collision(tmp_path: Path) -> None:
-    """The scan checks headers, not checksums (that needs the payload): a token flipped while the tier was
-    down is indexed with the wrong tokens. The first read must find the file damaged -- counted as an
-    integrity failure and removed -- not call it a hash collision and keep it forever."""
+def written_then_closed(tmp_path: Path, count: int) -> tuple[list[BlockMeta], list[bytes]]:
+    """A tier's first life, for the restart tests: ``count`` blocks written, then the tier closed."""
 
     async def first_run() -> tuple[list[BlockMeta], list[bytes]]:
         tier = new_tier(tmp_path)
-        metas, views = payloads(2)
+        metas, views = payloads(count)
         for meta, view in zip(metas, views, strict=True):
             assert await tier.write(meta, view)
         await tier.aclose()
         return metas, [bytes(v) for v in views]
 
-    metas, contents = asyncio.run(first_run())
+    return asyncio.run(first_run())
+
+
+def test_tokens_damaged_while_the_tier_was_down_are_refused_not_taken_for_a_collision(tmp_path: Path) -> None:
+    """The scan checks headers, not checksums (that needs the payload): a token flipped while the tier was
+    down is indexed with the wrong tokens. The first read must find the file damaged -- counted as an
+    integrity failure and removed -- not call it a hash collision and keep it forever."""
+
+    metas, contents = written_then_closed(tmp_path, 2)
     directory = tmp_path / IDENTITY.digest()
     damaged = directory / shard_name(metas[0].block_hash) / file_name(metas[0].block_hash)
     _flip(64)(damaged, damaged)  # the first token
@@ -243,15 +249,7 @@ def test_tokens_damaged_while_the_tier_was_down_are_refused_not_taken_for_a_coll
 
 
 def test_restart_scan_keeps_valid_files_and_removes_the_rest(tmp_path: Path) -> None:
-    async def first_run() -> tuple[list[BlockMeta], list[bytes]]:
-        tier = new_tier(tmp_path)
-        metas, views = payloads(5)
-        for meta, view in zip(metas, views, strict=True):
-            assert await tier.write(meta, view)
-        await tier.aclose()
-        return metas, [bytes(v) for v in views]
-
-    metas, contents = asyncio.run(first_run())
+    metas, contents = written_then_closed(tmp_path, 5)
     directory = tmp_path / IDENTITY.digest()
     path_of = {m.block_hash: directory / shard_name(m.block_hash) / file_name(m.block_hash) for m in metas}
     for age, meta in enumerate(metas):  # distinct mtimes: the scan orders the LRU by them
