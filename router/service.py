@@ -235,8 +235,8 @@ class RouterService:
 
         A tier actor that died serves nothing until it is back, so its CPU and
         STORAGE blocks must not attract requests; a restarted one binds new
-        ports, and a subscription to the old ones would wait forever. The new
-        subscription syncs by snapshot: what its disk scan found.
+        ports, and a subscription to the old ones would wait forever. A new
+        subscription starts with a replay (or a snapshot): what the tier holds.
         """
         watched = list(self._tier_watch.items())
         found = await asyncio.gather(*(watch.locate() for _, watch in watched), return_exceptions=True)
@@ -251,18 +251,17 @@ class RouterService:
                     watch.up = False
                 continue
             endpoint, replay_endpoint = where
-            if (endpoint, replay_endpoint) != (spec.endpoint, spec.replay_endpoint):
-                logger.info("tier %s moved to %s; resubscribing", name, endpoint)
-                if watch.up:
-                    self.listener.remove_producer(name, reset=True)
+            moved = (endpoint, replay_endpoint) != (spec.endpoint, spec.replay_endpoint)
+            if watch.up and not moved:
+                continue
+            if watch.up:
+                self.listener.remove_producer(name, reset=True)
+            if moved:
                 spec = spec._replace(endpoint=endpoint, replay_endpoint=replay_endpoint)
                 self._tier_producers[name] = spec
-                self._listen(spec)
-                watch.up = True
-            elif not watch.up:
-                logger.info("tier %s answers again; resubscribing", name)
-                self._listen(spec)
-                watch.up = True
+            logger.info("tier %s answers at %s; resubscribing", name, endpoint)
+            self._listen(spec)
+            watch.up = True
 
     def add_metrics_source(self, name: str, fetch: Callable[[], Awaitable[str]]) -> None:
         """Another Prometheus page (e.g. a node's tier actor) polled with the replicas and merged into /metrics."""

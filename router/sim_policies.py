@@ -60,6 +60,7 @@ class FleetView:
 
     def __init__(self, names: Sequence[str], prefill_tps: float, block_tokens: int) -> None:
         self.names = list(names)
+        self.slot = {name: i for i, name in enumerate(self.names)}  # replica name -> its index
         self.loads = [PrefillLoad(prefill_tps) for _ in self.names]
         self._block_tokens = block_tokens
         self._prompt_blocks: list[Counter[int]] = [Counter() for _ in self.names]
@@ -118,11 +119,10 @@ class LeastLoaded:
 
     def __init__(self, view: FleetView, rng: random.Random) -> None:
         self._view = view
-        self._slot = {name: i for i, name in enumerate(view.names)}
         self._rng = rng
 
     def choose(self, request: MooncakeRequest, block_hashes: list[int], now: float) -> Choice:
-        return Choice(self._slot[least_loaded(self._view.states(now), self._rng)], None)
+        return Choice(self._view.slot[least_loaded(self._view.states(now), self._rng)], None)
 
 
 class CacheAware:
@@ -132,7 +132,6 @@ class CacheAware:
         self, view: FleetView, index: PrefixIndex, scorer: Scorer, block_tokens: int, rng: random.Random
     ) -> None:
         self._view = view
-        self._slot = {name: i for i, name in enumerate(view.names)}
         self._index = index
         self._scorer = scorer
         self._block_tokens = block_tokens
@@ -142,7 +141,7 @@ class CacheAware:
         matches = self._index.lookup(block_hashes)
         num_blocks = math.ceil(request.input_length / self._block_tokens)
         decision = self._scorer.choose(self._view.states(now), matches, num_blocks, self._rng)
-        return Choice(self._slot[decision.replica], decision.matched.total)
+        return Choice(self._view.slot[decision.replica], decision.matched.total)
 
 
 class DynamoStyle:

@@ -44,9 +44,6 @@ class TierLink:
         self.identity = identity
         info = client.arena_info()
         self.slots = SharedSlots.attach(info.name, shm_dir=info.shm_dir, expect_tag=identity.digest())
-        # Every lease names the arena mapped here: a restarted tier re-creates its arena under
-        # the same name, and slots of the new one must never be copied through this mapping.
-        self.arena = self.slots.incarnation
         try:
             self.engine = CopyEngine(self.slots.tensor, num_threads=copy_threads, pin=pin)
         except BaseException:
@@ -73,7 +70,9 @@ class TierLink:
         return stored
 
     def _spill_chunk(self, blocks: Sequence[BlockMeta], pool: torch.Tensor, block_ids: Sequence[int]) -> int:
-        grants = self.client.reserve(blocks, self.arena)
+        # Every lease names the arena mapped here: a restarted tier re-creates its arena under
+        # the same name, and slots of the new one must never be copied through this mapping.
+        grants = self.client.reserve(blocks, self.slots.incarnation)
         chosen = [(block_id, grant) for block_id, grant in zip(block_ids, grants, strict=True) if grant is not None]
         if not chosen:
             return 0
@@ -98,7 +97,7 @@ class TierLink:
         block_ids: list[int] = []
         media: list[str] = []
         while len(media) < len(blocks):
-            grants = self.client.acquire(blocks[len(media) :], self.arena)
+            grants = self.client.acquire(blocks[len(media) :], self.slots.incarnation)
             if not grants:
                 break
             try:
