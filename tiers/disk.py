@@ -14,12 +14,14 @@ Contracts
   block or identity, of another format version, or fails its checksum
   returns False: a *miss*, counted by reason, and the file is removed.
   Wrong KV is never handed back.
-- Every I/O holds one of ``max_concurrent_io`` permits and has a deadline
-  (waiting for a permit included). A caller gets its answer by the
-  deadline; an I/O that already started keeps running in the background,
-  and the buffer it reads or writes is only handed back -- through
-  ``on_settled(ok)`` -- when it has finished. A write that completes late
-  is still indexed; a read that completes late is still verified.
+- At most ``max_concurrent_io`` I/Os run at once (one per I/O thread), and
+  every I/O has a deadline (time queued for a thread included). A caller
+  gets its answer by the deadline; an I/O that no thread took up by then
+  is skipped without touching its buffer; one that already started keeps
+  running in the background, and the buffer it reads or writes is only
+  handed back -- through ``on_settled(ok)`` -- when it has finished. A
+  write that completes late is still indexed; a read that completes late
+  is still verified.
 - ENOSPC (or EDQUOT) lowers the tier's limit to the bytes it holds, so
   later blocks replace the least recently used ones instead of failing.
   The limit grows back (up to the configured capacity) as soon as the file
@@ -39,7 +41,12 @@ write, close, rename; or open, read, check -- runs as one call on the
 tier's own thread pool (``max_concurrent_io`` threads) through aiofiles'
 executor wrapper, so a block costs one thread hand-off rather than one per
 step (measured: per-step aiofiles calls lost ~20% of disk bandwidth, more
-on a busy machine). Header and payload move in one vectored ``pwritev`` /
+on a busy machine). I/Os queue on the pool itself, not on a semaphore on
+the event loop, so a thread that finishes one block starts the next at
+once instead of after a round trip through the loop (on two busy cores
+the loop's turn is what the disk waits for: the same reads from a bare
+thread pool measured 0.93 of the sequential baseline, 0.87 with every
+completion passing through the loop). Header and payload move in one vectored ``pwritev`` /
 ``preadv``, so each block is one device I/O, and the checksum is verified
 (and computed, for writes) on the I/O thread. Eviction unlinks inline: it is a metadata operation, and
 doing it later could delete a newer file of the same block.
@@ -53,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import itertools
 import logging
 import mmap
 import os
@@ -118,14 +126,29 @@ class _Entry(NamedTuple):
 
 
 class _IoState:
-    """Where one I/O task is: ``started`` once it holds a permit; ``abandoned`` when its caller
-    gave up first (the task then quits without touching the buffer)."""
+    """Where one I/O is: ``started`` once an I/O thread took it up; ``abandoned`` when its caller
+    gave up first (the thread then skips it without touching the buffer). The two are decided under
+    one lock, so exactly one of them wins."""
 
-    __slots__ = ("abandoned", "started")
+    __slots__ = ("_lock", "abandoned", "started")
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.started = False
         self.abandoned = False
+
+    def begin(self) -> bool:
+        """On the I/O thread: True if the I/O may run (its caller has not given up)."""
+        with self._lock:
+            if self.abandoned:
+                return False
+            self.started = True
+            return True
+
+    def abandon(self) -> None:
+        """On the event loop, at the deadline: skip the I/O unless a thread already runs it."""
+        with self._lock:
+            self.abandoned = not self.started
 
 
 class DiskCounters:
@@ -168,12 +191,13 @@ class DiskTier:
         self._limit = capacity_bytes
         self._deadline_s = deadline_s
         self._fsync = fsync
-        self._semaphore = asyncio.Semaphore(max_concurrent_io)
         self._executor = ThreadPoolExecutor(max_concurrent_io, thread_name_prefix="kv-disk")
         self._index: OrderedDict[int, _Entry] = OrderedDict()
         self._inflight: dict[int, asyncio.Task[bool]] = {}
         self._late: set[asyncio.Task[bool]] = set()
         self._generation = 0
+        self._temp_names = itertools.count()
+        self._temp_prefix = uuid.uuid4().hex[:8]  # this tier instance's: two on one directory never collide
         self._events: list[KVEvent] = []
         self._lock = threading.Lock()
         for shard in range(256):
@@ -287,29 +311,51 @@ class DiskTier:
     # ---------------------------------------------------------------- internal
 
     async def _answer_by_deadline(self, task: asyncio.Task[bool], state: _IoState, op: str) -> bool:
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), self._deadline_s)
-        except TimeoutError:
+        """``task``'s answer, or False at the deadline -- the task is never cancelled: it runs its own
+        clean-up (and on_settled) either way. One timer and one future per I/O (``wait_for`` over a
+        ``shield`` made four objects and two extra loop turns; on a busy two-core box that loop time
+        is time the disk sits idle)."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[bool] = loop.create_future()
+
+        def finished(done: asyncio.Task[bool]) -> None:
+            if answer.done():
+                return
+            error = None if done.cancelled() else done.exception()
+            if done.cancelled():
+                answer.cancel()
+            elif error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(done.result())
+
+        def expired() -> None:
+            if answer.done():
+                return
             self.counters.deadline_expired[op] += 1
-            # Not cancelled: the task must run its own clean-up (and on_settled) either way.
-            state.abandoned = not state.started
+            state.abandon()
             self._late.add(task)
             task.add_done_callback(self._late.discard)
-            return False
+            answer.set_result(False)
+
+        timer = loop.call_later(self._deadline_s, expired)
+        task.add_done_callback(finished)
+        try:
+            return await answer
+        finally:
+            timer.cancel()
 
     async def _write_job(self, meta: BlockMeta, payload: memoryview, state: _IoState, on_settled: Settled) -> bool:
         ok = False
         try:
-            async with self._semaphore:
-                if state.abandoned:
-                    self.counters.not_stored["timeout"] += 1
-                    return False
-                state.started = True
-                try:
-                    await self._write_file(meta, payload)
-                except OSError as exc:
-                    self._count_write_error(exc)
-                    return False
+            try:
+                ran = await self._write_file(meta, payload, state)
+            except OSError as exc:
+                self._count_write_error(exc)
+                return False
+            if not ran:
+                self.counters.not_stored["timeout"] += 1
+                return False
             self._insert(meta)
             ok = True
             return True
@@ -317,13 +363,24 @@ class DiskTier:
             del self._inflight[meta.block_hash]
             on_settled(ok)
 
-    async def _write_file(self, meta: BlockMeta, payload: memoryview) -> None:
+    async def _write_file(self, meta: BlockMeta, payload: memoryview, state: _IoState) -> bool:
+        """Write ``meta``'s file on an I/O thread; False if the caller gave up before a thread took it."""
         final = self.path_of(meta.block_hash)
-        temp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
+        temp = final.with_name(f".{final.name}.{self._temp_prefix}-{next(self._temp_names)}{TEMP_SUFFIX}")
         direct = self.direct_io and _aligned(payload)
-        await _write_block_file_async(
-            temp, final, meta, payload, self._layout, direct, self._fsync, executor=self._executor
+        ran: bool = await _run_gated_async(
+            state,
+            _write_block_file,
+            temp,
+            final,
+            meta,
+            payload,
+            self._layout,
+            direct,
+            self._fsync,
+            executor=self._executor,
         )
+        return ran
 
     def _count_write_error(self, exc: OSError) -> None:
         if exc.errno in _FULL_ERRNOS:
@@ -343,25 +400,22 @@ class DiskTier:
         hash collision and still a miss."""
         ok = False
         try:
-            async with self._semaphore:
-                if state.abandoned:
+            try:
+                if not await self._read_file(entry.meta, out, state):
                     return False
-                state.started = True
-                try:
-                    await self._read_file(entry.meta, out)
-                except IntegrityError as exc:
-                    self.counters.integrity_failures[exc.reason] += 1
-                    logger.warning("disk tier: refused %s: %s", self.path_of(entry.meta.block_hash), exc)
-                    self._drop(entry, unlink=True)
-                    return False
-                except FileNotFoundError:
-                    self.counters.integrity_failures["missing"] += 1
-                    self._drop(entry, unlink=False)
-                    return False
-                except OSError as exc:
-                    self.counters.io_errors[_errno_name(exc)] += 1
-                    self._drop(entry, unlink=True)
-                    return False
+            except IntegrityError as exc:
+                self.counters.integrity_failures[exc.reason] += 1
+                logger.warning("disk tier: refused %s: %s", self.path_of(entry.meta.block_hash), exc)
+                self._drop(entry, unlink=True)
+                return False
+            except FileNotFoundError:
+                self.counters.integrity_failures["missing"] += 1
+                self._drop(entry, unlink=False)
+                return False
+            except OSError as exc:
+                self.counters.io_errors[_errno_name(exc)] += 1
+                self._drop(entry, unlink=True)
+                return False
             if collision:
                 self.counters.collisions += 1
                 return False
@@ -371,12 +425,21 @@ class DiskTier:
         finally:
             on_settled(ok)
 
-    async def _read_file(self, meta: BlockMeta, out: memoryview) -> None:
-        """Fill ``out`` with ``meta``'s verified payload; raises IntegrityError or OSError."""
+    async def _read_file(self, meta: BlockMeta, out: memoryview, state: _IoState) -> bool:
+        """Fill ``out`` with ``meta``'s verified payload on an I/O thread; False if the caller gave up
+        before a thread took it. Raises IntegrityError or OSError."""
         direct = self.direct_io and _aligned(out)
-        await _read_block_file_async(
-            self.path_of(meta.block_hash), meta, out, direct, self._layout, executor=self._executor
+        ran: bool = await _run_gated_async(
+            state,
+            _read_block_file,
+            self.path_of(meta.block_hash),
+            meta,
+            out,
+            direct,
+            self._layout,
+            executor=self._executor,
         )
+        return ran
 
     def _make_room(self) -> bool:
         """Evict LRU files until one more (beside those in flight) fits under the limit."""
@@ -527,7 +590,9 @@ def _write_block_file(
     write header and payload, (fsync,) close, rename into place -- so each block costs one thread
     hand-off, and hashing the payload keeps the event loop free."""
     header = encode_header(meta, payload, layout.identity_digest)
-    head = _aligned_copy(header) if direct else memoryview(header)
+    head = _header_buffer(len(header)) if direct else memoryview(header)
+    if direct:
+        head[:] = header
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
     try:
         try:
@@ -545,7 +610,7 @@ def _write_block_file(
 def _read_block_file(path: Path, meta: BlockMeta, out: memoryview, direct: bool, layout: _Layout) -> None:
     """On an I/O thread: read ``meta``'s file into ``out`` and check everything; raises IntegrityError."""
     hlen = layout.header_len
-    head = memoryview(mmap.mmap(-1, hlen)) if direct else memoryview(bytearray(hlen))
+    head = _header_buffer(hlen) if direct else memoryview(bytearray(hlen))
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     try:
         size = os.fstat(fd).st_size
@@ -567,9 +632,32 @@ def _read_block_file(path: Path, meta: BlockMeta, out: memoryview, direct: bool,
     verify(header, out[: max(got - hlen, 0)])
 
 
-# aiofiles' executor wrapper: awaitable, run on the tier's own thread pool (executor=...).
-_write_block_file_async = aiofiles.os.wrap(_write_block_file)  # type: ignore[attr-defined]
-_read_block_file_async = aiofiles.os.wrap(_read_block_file)  # type: ignore[attr-defined]
+def _run_gated(state: _IoState, job: Callable[..., None], *args: object) -> bool:
+    """On an I/O thread: run ``job`` unless its caller already gave up (False, buffer untouched)."""
+    if not state.begin():
+        return False
+    job(*args)
+    return True
+
+
+# aiofiles' executor wrapper: awaitable, run on the tier's own thread pool (executor=...). Every I/O is
+# handed to the pool at once and queues there, so a thread that finishes one starts the next without a
+# round trip through the event loop (a semaphore on the loop left the disk one I/O short meanwhile).
+_run_gated_async = aiofiles.os.wrap(_run_gated)  # type: ignore[attr-defined]
+
+_thread_buffers = threading.local()
+
+
+def _header_buffer(nbytes: int) -> memoryview:
+    """This I/O thread's page-aligned buffer of ``nbytes`` for O_DIRECT headers, made once per size
+    (an mmap per I/O cost two system calls each)."""
+    buffers: dict[int, memoryview] | None = getattr(_thread_buffers, "headers", None)
+    if buffers is None:
+        buffers = _thread_buffers.headers = {}
+    view = buffers.get(nbytes)
+    if view is None:
+        view = buffers[nbytes] = memoryview(mmap.mmap(-1, nbytes))
+    return view
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:
@@ -616,12 +704,6 @@ def _aligned(view: memoryview) -> bool:
         return False
     address = ctypes.addressof(ctypes.c_char.from_buffer(view))
     return address % ALIGN == 0
-
-
-def _aligned_copy(data: bytes) -> memoryview:
-    buffer = mmap.mmap(-1, len(data))
-    buffer[:] = data
-    return memoryview(buffer)
 
 
 def _remove(path: Path) -> None:
