@@ -36,7 +36,7 @@ def test_offload_bench_writes_json_and_plot(tmp_path: Path, capsys: pytest.Captu
             "--disk-total-mib",
             "1",
             "--repeat",
-            "1",
+            "2",  # both disk orders: ours first, then the baseline first
             "--disk-dir",
             str(tmp_path / "disk"),
             "--json",
@@ -57,6 +57,8 @@ def test_offload_bench_writes_json_and_plot(tmp_path: Path, capsys: pytest.Captu
     assert isinstance(report["cpu"]["spill_ratio"], float) and isinstance(report["cpu"]["promote_ratio"], float)
     assert isinstance(report["disk"]["write_ratio"], float) and isinstance(report["disk"]["read_ratio"], float)
     assert report["cpu"]["rows"][0]["shape"] == "tiny" and report["disk"]["rows"][0]["blocks"] == 64
+    disk_row = report["disk"]["rows"][0]
+    assert len(disk_row["write_ratio_runs"]) == len(disk_row["read_ratio_runs"]) == 2
     assert plot.stat().st_size > 0
     assert list((tmp_path / "disk").iterdir()) == []  # its files are cleaned up
     text = capsys.readouterr().out
