@@ -281,6 +281,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
     run_dir.mkdir(parents=True)
     direct = direct_io_refusal(run_dir) is None
     source = mmap.mmap(-1, total)  # page-aligned, for the baseline
+    os.sync()  # nothing of earlier work (another shape's deleted files) still in flight
     source_view = memoryview(source)
 
     async def run() -> tuple[str, list[float], list[float], list[float], list[float]]:
@@ -333,6 +334,10 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                 await disk.aclose()
                 shutil.rmtree(disk.directory.parent)
                 big.unlink()
+                # Settle the deletions before the next run: on a ``discard`` mount (this machine's) the
+                # freed blocks are trimmed at the next journal commit, which otherwise landed inside
+                # whichever measurement came next.
+                os.sync()
                 progress.update()
         finally:
             arena.close()
