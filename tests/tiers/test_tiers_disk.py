@@ -484,3 +484,41 @@ def test_wrong_sized_buffers_are_caller_errors(tmp_path: Path) -> None:
         await tier.aclose()
 
     asyncio.run(scenario())
+
+
+def test_reads_leave_access_times_alone_and_work_where_noatime_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O_NOATIME keeps reads from dirtying inodes; where the kernel refuses it (not the file's owner)
+    the read goes on without it."""
+    if not getattr(os, "O_NOATIME", 0):
+        pytest.skip("this platform has no O_NOATIME")
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path)
+        metas, views = payloads(2)
+        for meta, view in zip(metas, views, strict=True):
+            assert await tier.write(meta, view)
+        path = tier.path_of(metas[0].block_hash)
+        stale = time.time() - 3600
+        os.utime(path, (stale, stale))  # older than mtime: relatime would update it on the next read
+        out = out_buffer()
+        assert await tier.read_into(metas[0], out) and bytes(out) == bytes(views[0])
+        assert os.stat(path).st_atime == pytest.approx(stale, abs=1.0)
+
+        real_open, refused = os.open, []
+
+        def no_noatime(file: Any, flags: int, *args: Any) -> int:
+            if flags & os.O_NOATIME:
+                refused.append(file)
+                raise PermissionError(errno.EPERM, "not the owner")
+            return real_open(file, flags, *args)
+
+        monkeypatch.setattr(os, "open", no_noatime)
+        out = out_buffer()
+        assert await tier.read_into(metas[1], out) and bytes(out) == bytes(views[1])
+        assert refused == [tier.path_of(metas[1].block_hash)]
+        monkeypatch.setattr(os, "open", real_open)
+        await tier.aclose()
+
+    asyncio.run(scenario())
