@@ -149,10 +149,21 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-async def _timed_async(fn: Callable[[], Awaitable[Any]]) -> float:
-    start = time.perf_counter()
-    await fn()
-    return time.perf_counter() - start
+async def _side_by_side(
+    ours: Callable[[], Awaitable[Any]], baseline: Callable[[], float], ours_first: bool
+) -> tuple[float, float]:
+    """Seconds of ``ours`` and of ``baseline`` (which times itself), run one right after the other."""
+
+    async def timed_ours() -> float:
+        start = time.perf_counter()
+        await ours()
+        return time.perf_counter() - start
+
+    if ours_first:
+        mine = await timed_ours()
+        return mine, baseline()
+    base = baseline()
+    return await timed_ours(), base
 
 
 # --------------------------------------------------------------------------- CPU tier
@@ -291,6 +302,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
         writes, reads, base_writes, base_reads = [], [], [], []
         io_mode = ""
         try:
+            big = run_dir / "baseline.bin"
             for rep in range(args.repeat):
                 disk = DiskTier(
                     run_dir / f"tier-{rep}",
@@ -307,8 +319,6 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                     assert all(ok), f"{ok.count(False)} blocks not stored: {dict(tier.counters.not_stored)}"
                     os.sync()
 
-                big = run_dir / "baseline.bin"
-
                 async def read_all(tier: DiskTier = disk, blocks: list[BlockMeta] = metas) -> None:
                     order = list(reversed(range(count)))  # into other slots than they came from
                     ok = await asyncio.gather(*(tier.read_into(m, arena.view(order[i])) for i, m in enumerate(blocks)))
@@ -318,18 +328,16 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                 # while after fsync returns, slowing whatever runs next (measured: ours first gave write
                 # 0.90, read 0.76 of the baseline; the baseline first gave 0.82, 0.90).
                 ours_first = rep % 2 == 0
-                if not ours_first:
-                    base_writes.append(baseline_write(big, source_view, direct))
-                writes.append(await _timed_async(write_all))
-                if ours_first:
-                    base_writes.append(baseline_write(big, source_view, direct))
+                mine, base = await _side_by_side(
+                    write_all, lambda: baseline_write(big, source_view, direct), ours_first
+                )
+                writes.append(mine)
+                base_writes.append(base)
                 progress.update()
                 _drop_cache(disk.path_of(m.block_hash) for m in metas)
-                if not ours_first:
-                    base_reads.append(baseline_read(big, source_view, direct))
-                reads.append(await _timed_async(read_all))
-                if ours_first:
-                    base_reads.append(baseline_read(big, source_view, direct))
+                mine, base = await _side_by_side(read_all, lambda: baseline_read(big, source_view, direct), ours_first)
+                reads.append(mine)
+                base_reads.append(base)
                 progress.update()
                 await disk.aclose()
                 shutil.rmtree(disk.directory.parent)

@@ -321,10 +321,9 @@ class DiskTier:
         def finished(done: asyncio.Task[bool]) -> None:
             if answer.done():
                 return
-            error = None if done.cancelled() else done.exception()
             if done.cancelled():
                 answer.cancel()
-            elif error is not None:
+            elif (error := done.exception()) is not None:
                 answer.set_exception(error)
             else:
                 answer.set_result(done.result())
@@ -590,9 +589,11 @@ def _write_block_file(
     write header and payload, (fsync,) close, rename into place -- so each block costs one thread
     hand-off, and hashing the payload keeps the event loop free."""
     header = encode_header(meta, payload, layout.identity_digest)
-    head = _header_buffer(len(header)) if direct else memoryview(header)
     if direct:
+        head = _header_buffer(len(header))
         head[:] = header
+    else:
+        head = memoryview(header)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
     try:
         try:
@@ -632,6 +633,9 @@ def _read_block_file(path: Path, meta: BlockMeta, out: memoryview, direct: bool,
     verify(header, out[: max(got - hlen, 0)])
 
 
+_NOATIME = getattr(os, "O_NOATIME", 0)
+
+
 def _open_for_read(path: Path, direct: bool) -> int:
     """Open a block file to read it, without updating its access time where allowed: on a
     ``relatime`` mount the first read after a write would otherwise dirty the inode, one journal
@@ -644,9 +648,6 @@ def _open_for_read(path: Path, direct: bool) -> int:
         except PermissionError:
             pass
     return os.open(path, flags)
-
-
-_NOATIME = getattr(os, "O_NOATIME", 0)
 
 
 def _run_gated(state: _IoState, job: Callable[..., None], *args: object) -> bool:
