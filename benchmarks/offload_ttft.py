@@ -50,8 +50,9 @@ class TTFTRow(NamedTuple):
 def _config(length: int, *, cpu_slots: int, disk_dir: Path | None) -> Config:
     """The TTFT benchmark's model (:data:`benchmarks.ttft_bench.BENCH_MODEL`), one prompt's pool, a tier."""
     blocks = -(-length // BLOCK) + 2
-    model = load_config(overrides=BENCH_MODEL).worker
-    block_bytes = 2 * BLOCK * model.num_kv_heads * model.head_dim * 4 * model.num_layers
+    block_bytes = CacheIdentity.from_config(
+        load_config(overrides=[*BENCH_MODEL, f"cache.block_size={BLOCK}"])
+    ).block_bytes
     overrides = [
         *BENCH_MODEL,
         f"cache.block_size={BLOCK}",

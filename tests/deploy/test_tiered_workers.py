@@ -17,6 +17,7 @@ import ray
 from deploy.launcher import place_tiers, place_workers
 from kvstore.config import Config, config_from_dict
 from tests.ground_truth import reference_outputs
+from tiers.identity import CacheIdentity
 from workers.api import GenerateRequest
 
 BLOCK = 16
@@ -24,7 +25,7 @@ BLOCK = 16
 
 def tiered_config(tmp_path: Path, *, cpu_slots: int) -> Config:
     base = config_from_dict({"cache": {"block_size": BLOCK}, "worker": {"device": "cpu"}})
-    block_bytes = 2 * BLOCK * base.worker.num_kv_heads * base.worker.head_dim * 4 * base.worker.num_layers
+    block_bytes = CacheIdentity.from_config(base).block_bytes
     return config_from_dict(
         {
             "cache": {"block_size": BLOCK},

@@ -68,8 +68,7 @@ def disk_config(tmp_path: Path, *, disk_files: int | None = None) -> Config:
 
 
 def block_bytes() -> int:
-    worker = config_from_dict({}).worker
-    return 2 * BLOCK * worker.num_kv_heads * worker.head_dim * 4 * worker.num_layers
+    return CacheIdentity.from_config(config_from_dict({"cache": {"block_size": BLOCK}})).block_bytes
 
 
 @contextmanager

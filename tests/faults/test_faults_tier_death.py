@@ -29,6 +29,7 @@ from deploy.launcher import PlacedTier, PlacedWorker, place_tiers, place_workers
 from kvstore.config import Config, config_from_dict
 from kvstore.hashing import BlockHasher, to_external
 from tests.ground_truth import reference_outputs
+from tiers.identity import CacheIdentity
 from workers.api import GenerateRequest, GenerateResult
 
 MAX_TOKENS = 4
@@ -38,7 +39,7 @@ PROMPT_BLOCKS = 12  # full blocks of a prompt (+ 3 tokens: all 12 can be a hit, 
 def tier_config(tmp_path: Path) -> Config:
     """The toy model on the CPU; a 40-block pool, a 4-slot CPU arena: evicted blocks reach the disk fast."""
     base = config_from_dict({"cache": {"block_size": BLOCK}, "worker": {"device": "cpu"}})
-    block_bytes = 2 * BLOCK * base.worker.num_kv_heads * base.worker.head_dim * 4 * base.worker.num_layers
+    block_bytes = CacheIdentity.from_config(base).block_bytes
     return config_from_dict(
         {
             "cache": {"block_size": BLOCK},
