@@ -58,6 +58,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.offload_ttft import TTFTRow, measure_ttft
+from deploy.figures import pyplot, save_figure
 from kvstore.config import TierConfig
 from kvstore.errors import ConfigError
 from tiers.blocks import BlockMeta
@@ -477,11 +478,7 @@ def report(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], args: ar
 
 
 def plot(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(19, 4.8))
     panels: list[tuple[Any, list[str], dict[str, list[float]], str]] = [
         (
@@ -531,8 +528,7 @@ def plot(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], path: Path
     axes[2].grid(True, which="both", alpha=0.3)
     axes[2].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def run(args: argparse.Namespace) -> int:

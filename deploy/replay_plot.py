@@ -5,20 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from deploy.figures import pyplot, save_figure
 from deploy.replay_report import ReplayReport
-from kvstore.errors import ConfigError
 
 
 def write_plot(reports: Mapping[str, ReplayReport], path: str | Path, *, title: str) -> None:
     """Write a three-panel PNG to ``path``: TTFT CDF (solid: replica TTFT, dotted: client latency),
     requests per replica, and the cached fraction by medium. Raises ConfigError when the file cannot be written."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (cdf, load, cached) = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [1.4, 1, 1]})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, report) in enumerate(reports.items()):
@@ -66,9 +60,4 @@ def write_plot(reports: Mapping[str, ReplayReport], path: str | Path, *, title: 
 
     fig.suptitle(title, fontsize="medium")
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=90)
-    except OSError as exc:
-        raise ConfigError(f"cannot write --plot {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, dpi=90)

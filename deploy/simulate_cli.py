@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from deploy.figures import pyplot, save_figure
 from deploy.replay import write_output
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
@@ -153,11 +154,7 @@ def _print_summary(results: Mapping[str, PolicyResult]) -> None:
 
 def write_plot(results: Mapping[str, PolicyResult], path: str | Path, *, title: str) -> None:
     """Two panels: TTFT CDF per policy (log time), and hit rate against window load imbalance p99."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (cdf, scatter) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.5, 1]})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, result) in enumerate(results.items()):
@@ -185,12 +182,7 @@ def write_plot(results: Mapping[str, PolicyResult], path: str | Path, *, title: 
     scatter.grid(True, alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise ConfigError(f"cannot write plot {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
