@@ -51,7 +51,7 @@ from tiers.admission import AdmissionFilter
 from tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit, check_blocks
 from tiers.copy_engine import CopyEngine, block_rows
 from tiers.cpu_arena import CpuArena, Lease, LeaseKind
-from tiers.disk import DiskTier
+from tiers.disk import DiskTier, Settled
 from tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
 from tiers.identity import CacheIdentity
 from tiers.shared_memory import ArenaInfo, SharedSlots
@@ -336,7 +336,7 @@ class TierStore:
         self._observe_batch(SPILL, [lease.lease_id for lease in leases], now)
         if self.config.write_through and self._disk is not None:
             pinned = [self._cpu.acquire(lease.meta) for lease in leases]
-            await asyncio.gather(*(self._write_to_disk(lease) for lease in pinned if lease is not None))
+            await self._write_to_disk([lease for lease in pinned if lease is not None])
         self._publish()
         return len(leases)
 
@@ -517,60 +517,68 @@ class TierStore:
             if disk is None or lease.meta.block_hash in disk:
                 lease.release()
             else:
-                writes.append(self._write_to_disk(lease))
-        await asyncio.gather(*writes)
+                writes.append(lease)
+        await self._write_to_disk(writes)
 
-    async def _write_to_disk(self, lease: Lease) -> bool:
-        """Write a leased slot's block to disk; the lease ends when the write settles."""
+    async def _write_to_disk(self, leases: list[Lease]) -> None:
+        """Write leased slots' blocks to disk, as one batch; each lease ends when its write settles."""
+        if not leases:
+            return
         disk = self._disk
         assert disk is not None
         started = time.perf_counter()
 
-        def settled(ok: bool) -> None:
-            if self._closed:  # settled after aclose() gave up waiting: the arena is gone
-                return
-            lease.release()
-            if ok:
-                self._counters.offload_bytes[DISK_WRITE] += self.identity.block_bytes
-                self._counters.offload_seconds[DISK_WRITE].observe(time.perf_counter() - started)
-            self._publish()
+        def settled(lease: Lease) -> Settled:
+            def done(ok: bool) -> None:
+                if self._closed:  # settled after aclose() gave up waiting: the arena is gone
+                    return
+                lease.release()
+                if ok:
+                    self._counters.offload_bytes[DISK_WRITE] += self.identity.block_bytes
+                    self._counters.offload_seconds[DISK_WRITE].observe(time.perf_counter() - started)
+                self._publish()
 
-        return await disk.write(lease.meta, self._cpu.view(lease.slot), settled)
+            return done
+
+        await disk.write_many([(lease.meta, self._cpu.view(lease.slot), settled(lease)) for lease in leases])
 
     async def _promote_from_disk(self, metas: list[BlockMeta]) -> dict[int, Lease]:
-        """Read ``metas`` from disk into CPU slots; read leases on those that arrived intact."""
+        """Read ``metas`` from disk into CPU slots, as one batch; read leases on those that arrived intact."""
         if not metas:
             return {}
+        disk = self._disk
+        assert disk is not None
         await self._make_cpu_room(len(metas))
+        started = time.perf_counter()
+
+        def settled(write_lease: Lease) -> Settled:
+            def done(ok: bool) -> None:
+                if self._closed:  # settled after aclose() gave up waiting: the arena is gone
+                    return
+                # Even after the caller's deadline: a verified read still lands in the CPU tier.
+                if ok:
+                    self._cpu.commit(write_lease.lease_id)
+                    self._counters.offload_bytes[DISK_READ] += self.identity.block_bytes
+                    self._counters.offload_seconds[DISK_READ].observe(time.perf_counter() - started)
+                else:
+                    self._cpu.release(write_lease.lease_id)
+                self._publish()
+
+            return done
+
         reads = []
         for meta in metas:
             lease = self._cpu.reserve(meta)
             if lease is None:
                 break  # no slot (all leased) or being written: the prefix ends here anyway
-            reads.append(self._read_from_disk(meta, lease))
-        results = await asyncio.gather(*reads)
-        return {lease.meta.block_hash: lease for lease in results if lease is not None}
-
-    async def _read_from_disk(self, meta: BlockMeta, write_lease: Lease) -> Lease | None:
-        disk = self._disk
-        assert disk is not None
-        started = time.perf_counter()
-
-        def settled(ok: bool) -> None:
-            if self._closed:  # settled after aclose() gave up waiting: the arena is gone
-                return
-            # Even after the caller's deadline: a verified read still lands in the CPU tier.
-            if ok:
-                self._cpu.commit(write_lease.lease_id)
-                self._counters.offload_bytes[DISK_READ] += self.identity.block_bytes
-                self._counters.offload_seconds[DISK_READ].observe(time.perf_counter() - started)
-            else:
-                self._cpu.release(write_lease.lease_id)
-            self._publish()
-
-        if not await disk.read_into(meta, self._cpu.view(write_lease.slot), settled):
-            return None
-        return self._cpu.acquire(meta)
+            reads.append((meta, self._cpu.view(lease.slot), settled(lease)))
+        answers = await disk.read_many(reads)
+        promoted: dict[int, Lease] = {}
+        for (meta, _, _), ok in zip(reads, answers, strict=True):
+            lease = self._cpu.acquire(meta) if ok else None
+            if lease is not None:
+                promoted[meta.block_hash] = lease
+        return promoted
 
     def _observe_batch(self, direction: str, lease_ids: list[int], now: float) -> None:
         starts = [self._lease_started.pop(lease_id) for lease_id in lease_ids if lease_id in self._lease_started]

@@ -426,7 +426,8 @@ def test_write_deadline_answers_in_time_and_settles_later(tmp_path: Path, monkey
         started = time.monotonic()
         results = await asyncio.gather(tier.write(metas[0], views[0], first), tier.write(metas[1], views[1], second))
         assert results == [False, False] and time.monotonic() - started < 1.0
-        assert first.calls == [] and second.calls == []  # the buffers are still in use
+        assert first.calls == []  # it is being written: the buffer is still in use
+        assert second.calls == [False]  # queued behind it: abandoned, its buffer handed back at once
         assert dict(tier.counters.deadline_expired) == {"write": 2}
         release.set()
         for _ in range(200):
@@ -434,7 +435,7 @@ def test_write_deadline_answers_in_time_and_settles_later(tmp_path: Path, monkey
                 break
             await asyncio.sleep(0.01)
         assert first.calls == [True]  # it was writing: finished late, and kept
-        assert second.calls == [False]  # it was queued behind: abandoned without touching its buffer
+        assert second.calls == [False]  # settled once only
         assert tier.lru_hashes() == [metas[0].block_hash]
         assert tier.counters.not_stored["timeout"] == 1
         tier.check_invariants()
@@ -519,6 +520,130 @@ def test_reads_leave_access_times_alone_and_work_where_noatime_is_refused(
         assert await tier.read_into(metas[1], out) and bytes(out) == bytes(views[1])
         assert refused == [tier.path_of(metas[1].block_hash)]
         monkeypatch.setattr(os, "open", real_open)
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_batches_answer_each_block_in_order(tmp_path: Path) -> None:
+    """write_many / read_many: one answer per request, in request order, whatever each one's fate."""
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=3)
+        metas, views = payloads(5)
+        settles = [Settles() for _ in range(6)]
+        answers = await tier.write_many(
+            [
+                (metas[0], views[0], settles[0]),
+                (metas[1], views[1], settles[1]),
+                (metas[0], views[0], settles[2]),  # the same block again, while the first is being written
+                (metas[2], views[2], settles[3]),
+            ]
+        )
+        assert answers == [True, True, False, True]
+        assert [s.calls for s in settles[:4]] == [[True], [True], [False], [True]]
+        assert tier.counters.not_stored == {"in_flight": 1}
+        assert await tier.write_many([(metas[1], views[1], settles[4])]) == [True]  # already stored
+        # Room for three files: the fourth in one batch is refused up front, since every earlier one is in flight.
+        tier2 = new_tier(tmp_path / "small", files=2)
+        assert await tier2.write_many([(m, v, Settles()) for m, v in zip(metas[:3], views[:3], strict=True)]) == [
+            True,
+            True,
+            False,
+        ]
+        assert tier2.counters.not_stored == {"capacity": 1}
+        await tier2.aclose()
+
+        outs = [out_buffer() for _ in range(4)]
+        impostor = BlockMeta(metas[2].block_hash, None, (9, 9, 9, 9))
+        tier.path_of(metas[1].block_hash).write_bytes(b"garbage")
+        reads = [Settles() for _ in range(4)]
+        answers = await tier.read_many(
+            [
+                (metas[0], outs[0], reads[0]),  # intact
+                (metas[1], outs[1], reads[1]),  # damaged: a miss, removed
+                (metas[3], outs[2], reads[2]),  # never stored
+                (impostor, outs[3], reads[3]),  # another block's hash
+            ]
+        )
+        assert answers == [True, False, False, False]
+        assert [r.calls for r in reads] == [[True], [False], [False], [False]]
+        assert bytes(outs[0]) == bytes(views[0])
+        assert tier.counters.integrity_failures == {"short_read": 1} and tier.counters.collisions == 1
+        assert tier.lru_hashes() == [metas[2].block_hash, metas[0].block_hash]
+        assert await tier.read_many([]) == [] and await tier.write_many([]) == []
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_batch_deadline_answers_finished_now_abandons_queued_and_settles_running_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_read_full = disk_module._read_full
+    release = threading.Event()
+    calls = 0
+
+    def second_hangs(*args: Any) -> int:  # the batch's second read hangs (one I/O thread: in order)
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            release.wait(10)
+        return real_read_full(*args)
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, deadline_s=0.3, max_concurrent_io=1)
+        metas, views = payloads(3)
+        for meta, view in zip(metas, views, strict=True):
+            assert await tier.write(meta, view)
+        monkeypatch.setattr(disk_module, "_read_full", second_hangs)
+        outs = [out_buffer() for _ in range(3)]
+        settles = [Settles() for _ in range(3)]
+        started = time.monotonic()
+        answers = await tier.read_many(list(zip(metas, outs, settles, strict=True)))
+        assert answers == [True, False, False] and time.monotonic() - started < 2.0
+        assert settles[0].calls == [True] and bytes(outs[0]) == bytes(views[0])  # done before the deadline
+        assert settles[1].calls == []  # still being read into: the buffer is not handed back yet
+        assert settles[2].calls == [False] and not any(bytes(outs[2]))  # queued: abandoned, untouched
+        assert tier.counters.deadline_expired == {"read": 2}
+        release.set()
+        for _ in range(200):
+            if settles[1].calls:
+                break
+            await asyncio.sleep(0.01)
+        assert settles[1].calls == [True] and bytes(outs[1]) == bytes(views[1])  # verified, late
+        assert calls == 2  # the abandoned read never ran
+        assert [s.calls for s in settles] == [[True], [True], [False]]  # each settled exactly once
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_bug_in_an_io_is_raised_after_every_io_in_the_batch_settled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_read_full = disk_module._read_full
+    calls = 0
+
+    def first_breaks(*args: Any) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug, not a storage error")
+        return real_read_full(*args)
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, max_concurrent_io=1)
+        metas, views = payloads(2)
+        for meta, view in zip(metas, views, strict=True):
+            assert await tier.write(meta, view)
+        monkeypatch.setattr(disk_module, "_read_full", first_breaks)
+        settles = [Settles(), Settles()]
+        with pytest.raises(RuntimeError, match="a bug"):
+            await tier.read_many([(m, out_buffer(), s) for m, s in zip(metas, settles, strict=True)])
+        assert [s.calls for s in settles] == [[False], [True]]  # every buffer handed back before the raise
+        assert len(tier.lru_hashes()) == 2  # a bug is not a damaged file: nothing removed
         await tier.aclose()
 
     asyncio.run(scenario())
