@@ -27,7 +27,10 @@ with. On disk, which of the two goes first alternates by run: a large write
 leaves a virtual disk busy for a while after fsync returns, which slowed
 whatever ran next (with ours always first, reads measured 0.76 of the
 baseline; with the baseline first, 0.90), so an even ``--repeat`` weighs
-both orders alike.
+both orders alike; and before each measured pair (writes, then reads) the
+bench syncs and idles ``--settle-s`` seconds, so the tail of the work
+before it is not inside it.
+
 TTFT (:mod:`benchmarks.offload_ttft`): for each ``--ttft-lengths`` prompt,
 the time to first token when a real worker recomputes it, and when it hits
 in its GPU pool, in the CPU tier and on disk (promoted through the same
@@ -143,6 +146,15 @@ def _ratios(ours: list[float], baseline: list[float]) -> list[float]:
     """Per-run bandwidth ratios from seconds (each run's baseline ran right beside it: a busy machine
     slows both alike, where a ratio of medians would mix quiet and busy moments)."""
     return [round(base / mine, 3) for mine, base in zip(ours, baseline, strict=True)]
+
+
+def _settle_disk(seconds: float) -> None:
+    """Before each measured pair: flush, then give the device a moment. A virtual disk keeps
+    working after fsync/sync return (host write-back, trims on a ``discard`` mount), and that
+    tail landed in whichever measurement came next: settled, writes measured 0.88-0.90 of the
+    baseline run to run instead of 0.82-0.89."""
+    os.sync()
+    time.sleep(seconds)
 
 
 def _ignore(ok: bool) -> None:
@@ -334,6 +346,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                 # while after fsync returns, slowing whatever runs next (measured: ours first gave write
                 # 0.90, read 0.76 of the baseline; the baseline first gave 0.82, 0.90).
                 ours_first = rep % 2 == 0
+                _settle_disk(args.settle_s)  # the last run's deletions too: trimmed at the next journal commit here
                 mine, base = await _side_by_side(
                     write_all, lambda: baseline_write(big, source_view, direct), ours_first
                 )
@@ -341,6 +354,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                 base_writes.append(base)
                 progress.update()
                 _drop_cache(disk.path_of(m.block_hash) for m in metas)
+                _settle_disk(args.settle_s)
                 mine, base = await _side_by_side(read_all, lambda: baseline_read(big, source_view, direct), ours_first)
                 reads.append(mine)
                 base_reads.append(base)
@@ -348,10 +362,6 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                 await disk.aclose()
                 shutil.rmtree(disk.directory.parent)
                 big.unlink()
-                # Settle the deletions before the next run: on a ``discard`` mount (this machine's) the
-                # freed blocks are trimmed at the next journal commit, which otherwise landed inside
-                # whichever measurement came next.
-                os.sync()
                 progress.update()
         finally:
             arena.close()
@@ -475,6 +485,7 @@ def report(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], args: ar
         "copy_threads": args.copy_threads,
         "io": args.io,
         "repeat": args.repeat,
+        "settle_s": args.settle_s,
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "machine": platform.platform(),
@@ -545,6 +556,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (0 skips that part)")
     if args.deadline_s <= 0:
         raise ConfigError("--deadline-s must be > 0")
+    if args.settle_s < 0:
+        raise ConfigError("--settle-s must be >= 0")
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     disk_shapes = [s.strip() for s in args.disk_shapes.split(",") if s.strip()]
     unknown = sorted(set(shapes + disk_shapes) - set(SHAPES))
@@ -617,6 +630,9 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--copy-threads", type=int, default=2, help="copy engine threads")
     p.add_argument("--io", type=int, default=16, help="disk I/Os in flight")
     p.add_argument("--deadline-s", type=float, default=30.0, help="per-I/O deadline of the disk tier")
+    p.add_argument(
+        "--settle-s", type=float, default=1.5, help="sync, then idle this long before each measured disk pair"
+    )
     p.add_argument(
         "--repeat", type=int, default=6, help="runs per measurement (even: disk runs alternate who goes first)"
     )

@@ -37,6 +37,8 @@ def test_offload_bench_writes_json_and_plot(tmp_path: Path, capsys: pytest.Captu
             "1",
             "--repeat",
             "2",  # both disk orders: ours first, then the baseline first
+            "--settle-s",
+            "0.1",
             "--disk-dir",
             str(tmp_path / "disk"),
             "--json",
@@ -72,6 +74,7 @@ def test_offload_bench_writes_json_and_plot(tmp_path: Path, capsys: pytest.Captu
         ("--repeat", "0", "--repeat"),
         ("--total-mib", "-1", "--total-mib"),
         ("--ttft-lengths", "1k", "--ttft-lengths"),
+        ("--settle-s", "-1", "--settle-s"),
         ("--ttft-lengths", "128", "--ttft-lengths"),
     ],
 )
