@@ -285,17 +285,7 @@ class DiskTier:
                 raise InvalidBlockError(
                     f"payload is {payload.nbytes} bytes; this identity's blocks are {self.block_bytes}"
                 )
-        answers: list[bool | None] = []
-        ios: list[_Io] = []
-        for meta, payload, on_settled in requests:
-            answer = self._write_answered_now(meta)
-            if answer is None:
-                self._inflight.add(meta.block_hash)
-                ios.append(self._write_io(meta, payload, on_settled))
-            else:
-                on_settled(answer)
-            answers.append(answer)
-        return _merge(answers, await self._run(ios, "write"))
+        return await self._run_batch(requests, self._plan_write, "write")
 
     async def read_into(self, meta: BlockMeta, out: memoryview, on_settled: Settled = _settled_nothing) -> bool:
         """Read ``meta``'s payload into ``out``; True only if it passed every check.
@@ -311,21 +301,7 @@ class DiskTier:
         for _, out, _ in requests:
             if out.nbytes != self.block_bytes or out.readonly:
                 raise InvalidBlockError(f"read buffer must be {self.block_bytes} writable bytes, got {out.nbytes}")
-        answers: list[bool | None] = []
-        ios: list[_Io] = []
-        for meta, out, on_settled in requests:
-            entry = self._index.get(meta.block_hash)
-            if entry is None:
-                on_settled(False)
-                answers.append(False)
-                continue
-            # Other tokens (or parent) under this hash: a collision if the file is intact -- or a header
-            # damaged while the tier was down, which the start-up scan cannot tell (the checksum covers the
-            # payload). Read it as what it claims to be: a damaged file is refused and removed like any
-            # other. Never a hit: ``out`` is handed back with on_settled(False) either way.
-            ios.append(self._read_io(entry, out, on_settled, collision=entry.meta != meta))
-            answers.append(None)
-        return _merge(answers, await self._run(ios, "read"))
+        return await self._run_batch(requests, self._plan_read, "read")
 
     async def aclose(self) -> None:
         """Wait (up to one deadline) for I/O still running, then stop the I/O threads."""
@@ -338,6 +314,27 @@ class DiskTier:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- internal
+
+    async def _run_batch(
+        self,
+        requests: Sequence[tuple[BlockMeta, memoryview, Settled]],
+        plan: Callable[[BlockMeta, memoryview, Settled], _Io | bool],
+        op: str,
+    ) -> list[bool]:
+        """Plan each request -- answered at once (its ``on_settled`` called here) or an I/O -- then run
+        the I/Os together; the answers in request order."""
+        answers: list[bool | None] = []
+        ios: list[_Io] = []
+        for meta, buffer, on_settled in requests:
+            planned = plan(meta, buffer, on_settled)
+            if isinstance(planned, _Io):
+                ios.append(planned)
+                answers.append(None)
+            else:
+                on_settled(planned)
+                answers.append(planned)
+        ran = iter(await self._run(ios, op))
+        return [next(ran) if answer is None else answer for answer in answers]
 
     async def _run(self, ios: list[_Io], op: str) -> list[bool]:
         """Run ``ios`` on the I/O threads and answer each by the deadline (time queued included).
@@ -381,8 +378,8 @@ class DiskTier:
             raise bugs[0]
         return answers
 
-    def _write_answered_now(self, meta: BlockMeta) -> bool | None:
-        """A write's answer without I/O (True if stored, False if not storable now), or None."""
+    def _plan_write(self, meta: BlockMeta, payload: memoryview, on_settled: Settled) -> _Io | bool:
+        """A write's answer without I/O (True: stored already; False: not storable now), or its I/O."""
         block_hash = meta.block_hash
         if block_hash in self._index:
             self._touch(block_hash)
@@ -393,10 +390,8 @@ class DiskTier:
         if not self._make_room():
             self.counters.not_stored["capacity"] += 1
             return False
-        return None
-
-    def _write_io(self, meta: BlockMeta, payload: memoryview, on_settled: Settled) -> _Io:
-        final = self.path_of(meta.block_hash)
+        self._inflight.add(block_hash)
+        final = self.path_of(block_hash)
         temp = final.with_name(f".{final.name}.{self._temp_prefix}-{next(self._temp_names)}{TEMP_SUFFIX}")
         direct = self.direct_io and _aligned(payload)
         job = partial(_write_block_file, temp, final, meta, payload, self._layout, direct, self._fsync)
@@ -428,10 +423,19 @@ class DiskTier:
             self.counters.not_stored["io_error"] += 1
             self.counters.io_errors[_errno_name(exc)] += 1
 
-    def _read_io(self, entry: _Entry, out: memoryview, on_settled: Settled, *, collision: bool) -> _Io:
-        meta = entry.meta
+    def _plan_read(self, meta: BlockMeta, out: memoryview, on_settled: Settled) -> _Io | bool:
+        """False for a block not stored, else its read's I/O."""
+        entry = self._index.get(meta.block_hash)
+        if entry is None:
+            return False
+        # Other tokens (or parent) under this hash: a collision if the file is intact -- or a header damaged
+        # while the tier was down, which the start-up scan cannot tell (the checksum covers the payload). Read
+        # it as what it claims to be: a damaged file is refused and removed like any other. Never a hit:
+        # ``out`` is handed back with on_settled(False) either way.
+        collision = entry.meta != meta
+        stored = entry.meta
         direct = self.direct_io and _aligned(out)
-        job = partial(_read_block_file, self.path_of(meta.block_hash), meta, out, direct, self._layout)
+        job = partial(_read_block_file, self.path_of(stored.block_hash), stored, out, direct, self._layout)
         return _Io(job, partial(self._settle_read, entry, on_settled, collision))
 
     def _settle_read(self, entry: _Entry, on_settled: Settled, collision: bool, io: _Io) -> bool:
@@ -680,12 +684,6 @@ def _drain(queue: deque[_Io]) -> None:
         except IndexError:
             return
         io.run()
-
-
-def _merge(answers: list[bool | None], ran: list[bool]) -> list[bool]:
-    """``answers`` with each None filled, in order, from the answers of the I/Os that ran."""
-    it = iter(ran)
-    return [next(it) if answer is None else answer for answer in answers]
 
 
 # aiofiles' executor wrapper: awaitable, run on the tier's own thread pool (executor=...).

@@ -48,6 +48,13 @@ def out_buffer(identity: CacheIdentity = IDENTITY) -> memoryview:
     return memoryview(mmap.mmap(-1, identity.block_bytes))
 
 
+async def loop_until(predicate: Callable[[], bool], seconds: float = 2.0) -> None:
+    """Let the event loop run until ``predicate`` holds or ``seconds`` pass (the caller then asserts)."""
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 class Settles:
     """Records on_settled calls."""
 
@@ -430,10 +437,7 @@ def test_write_deadline_answers_in_time_and_settles_later(tmp_path: Path, monkey
         assert second.calls == [False]  # queued behind it: abandoned, its buffer handed back at once
         assert dict(tier.counters.deadline_expired) == {"write": 2}
         release.set()
-        for _ in range(200):
-            if first.calls and second.calls:
-                break
-            await asyncio.sleep(0.01)
+        await loop_until(lambda: bool(first.calls and second.calls))
         assert first.calls == [True]  # it was writing: finished late, and kept
         assert second.calls == [False]  # settled once only
         assert tier.lru_hashes() == [metas[0].block_hash]
@@ -463,10 +467,7 @@ def test_read_deadline_is_a_miss_and_the_buffer_is_handed_back_later(
         assert not await tier.read_into(metas[0], out, settled)
         assert settled.calls == [] and tier.counters.deadline_expired["read"] == 1
         release.set()
-        for _ in range(200):
-            if settled.calls:
-                break
-            await asyncio.sleep(0.01)
+        await loop_until(lambda: bool(settled.calls))
         assert settled.calls == [True] and bytes(out) == bytes(views[0])
         assert metas[0].block_hash in tier  # a slow read is not a corrupt file
         await tier.aclose()
@@ -608,10 +609,7 @@ def test_batch_deadline_answers_finished_now_abandons_queued_and_settles_running
         assert settles[2].calls == [False] and not any(bytes(outs[2]))  # queued: abandoned, untouched
         assert tier.counters.deadline_expired == {"read": 2}
         release.set()
-        for _ in range(200):
-            if settles[1].calls:
-                break
-            await asyncio.sleep(0.01)
+        await loop_until(lambda: bool(settles[1].calls))
         assert settles[1].calls == [True] and bytes(outs[1]) == bytes(views[1])  # verified, late
         assert calls == 2  # the abandoned read never ran
         assert [s.calls for s in settles] == [[True], [True], [False]]  # each settled exactly once
