@@ -42,17 +42,16 @@ from typing import Any, NamedTuple
 import uvicorn
 import zmq
 
-from deploy.worker_http import create_worker_app
-from kvstore.config import Config, load_config
+from kvstore.deploy.config import Config, load_config
 from kvstore.errors import ConfigError
-from router.app import create_app
-from router.backends import HttpBackend
-from router.protocol import ModelLimits
-from router.service import ProducerSpec, ReplicaSpec, RouterService
-from router.tokenizer import load_tokenizer
-from workers.worker import KVWorker
+from kvstore.openai.protocol import ModelLimits
+from kvstore.openai.tokenizer import load_tokenizer
+from kvstore.router.app import create_app
+from kvstore.router.backends import HttpBackend
+from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
+from kvstore.workers.http import create_worker_app
+from kvstore.workers.worker import KVWorker
 
-IS_BENCHMARK = True
 BENCH_DEFAULTS = (
     "worker.device=cpu",
     "worker.max_context=1024",

@@ -31,7 +31,7 @@ both orders alike; and before each measured pair (writes, then reads) the
 bench syncs and idles ``--settle-s`` seconds, so the tail of the work
 before it is not inside it.
 
-TTFT (:mod:`benchmarks.offload_ttft`): for each ``--ttft-lengths`` prompt,
+TTFT (:mod:`kvstore.benchmarks.offload_ttft`): for each ``--ttft-lengths`` prompt,
 the time to first token when a real worker recomputes it, and when it hits
 in its GPU pool, in the CPU tier and on disk (promoted through the same
 tier link a Ray worker uses); the baseline is recompute.
@@ -61,33 +61,31 @@ from typing import Any, NamedTuple
 import torch
 from tqdm import tqdm
 
-from benchmarks.offload_ttft import TTFTRow, measure_ttft
-from deploy.figures import pyplot, save_figure
-from kvstore.config import TierConfig
+from kvstore.benchmarks.figures import pyplot, save_figure
+from kvstore.benchmarks.offload_ttft import TTFTRow, measure_ttft
 from kvstore.errors import ConfigError
-from tiers.blocks import BlockMeta
-from tiers.disk import DiskTier, direct_io_refusal
-from tiers.identity import CacheIdentity
-from tiers.shared_memory import SharedSlots
-from tiers.store import TierStore
+from kvstore.kv_layout import KVLayout
+from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.config import TierConfig
+from kvstore.tiers.disk import DiskTier, direct_io_refusal
+from kvstore.tiers.identity import CacheIdentity
+from kvstore.tiers.shared_memory import SharedSlots
+from kvstore.tiers.store import TierStore
 
-IS_BENCHMARK = True
 HEADLINE_SHAPE = "llama-3-8b"
 _GB = 1e9
 _CHUNK = 256 * 1024 * 1024
 
 
 def _identity(model: str, layers: int, kv_heads: int, head_dim: int, dtype: str, block_size: int) -> CacheIdentity:
-    return CacheIdentity(
-        model=model,
+    layout = KVLayout(
         num_layers=layers,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         dtype=dtype,  # type: ignore[arg-type]
         block_size=block_size,
-        hash_algo="sha256_cbor",
-        hash_seed="kvstore",
     )
+    return CacheIdentity(model=model, layout=layout, hash_algo="sha256_cbor", hash_seed="kvstore")
 
 
 SHAPES: dict[str, CacheIdentity] = {
@@ -191,7 +189,7 @@ def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, pr
     block_bytes = identity.block_bytes
     count = max(1, args.total_mib * 1024 * 1024 // block_bytes)
     config = TierConfig(cpu_capacity_bytes=count * block_bytes, copy_threads=args.copy_threads)
-    pool = torch.empty((count, *identity.block_shape), dtype=identity.torch_dtype)
+    pool = torch.empty((count, *identity.layout.block_shape), dtype=identity.torch_dtype)
     pool.view(torch.uint8).random_()  # touched: no page faults inside the timings
     target = torch.zeros_like(pool)
     generator = torch.Generator().manual_seed(0)

@@ -26,15 +26,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from benchmarks.ttft_bench import BENCH_MODEL
-from kvstore.config import Config, load_config
+from kvstore.benchmarks.ttft_bench import BENCH_MODEL
+from kvstore.deploy.config import Config, load_config
 from kvstore.hashing import BlockHasher, to_external
-from tiers.client import LocalTierClient
-from tiers.identity import CacheIdentity
-from tiers.link import TierLink
-from workers.api import GenerateRequest, GenerateResult
-from workers.tier_offload import TierOffload
-from workers.worker import KVWorker
+from kvstore.tiers.client import LocalTierClient
+from kvstore.tiers.link import TierLink
+from kvstore.worker_api import GenerateRequest, GenerateResult
+from kvstore.workers.config import cache_identity
+from kvstore.workers.tier_offload import TierOffload
+from kvstore.workers.worker import KVWorker
 
 BLOCK = 16
 
@@ -48,11 +48,9 @@ class TTFTRow(NamedTuple):
 
 
 def _config(length: int, *, cpu_slots: int, disk_dir: Path | None) -> Config:
-    """The TTFT benchmark's model (:data:`benchmarks.ttft_bench.BENCH_MODEL`), one prompt's pool, a tier."""
+    """The TTFT benchmark's model (:data:`kvstore.benchmarks.ttft_bench.BENCH_MODEL`), one prompt's pool, a tier."""
     blocks = -(-length // BLOCK) + 2
-    block_bytes = CacheIdentity.from_config(
-        load_config(overrides=[*BENCH_MODEL, f"cache.block_size={BLOCK}"])
-    ).block_bytes
+    block_bytes = cache_identity(load_config(overrides=[*BENCH_MODEL, f"cache.block_size={BLOCK}"])).block_bytes
     overrides = [
         *BENCH_MODEL,
         f"cache.block_size={BLOCK}",
@@ -83,8 +81,8 @@ def _tiered_hit(length: int, cpu_slots: int, medium: str, rng: random.Random) ->
     with tempfile.TemporaryDirectory(prefix="kvstore-ttft-") as tmp:
         # The CPU case has no disk: its arena holds every block spilled, so nothing is written back.
         config = _config(length, cpu_slots=cpu_slots, disk_dir=Path(tmp) if medium == "STORAGE" else None)
-        client = LocalTierClient(config.tiers, CacheIdentity.from_config(config))
-        offload = TierOffload(TierLink(client, CacheIdentity.from_config(config)))
+        client = LocalTierClient(config.tiers, cache_identity(config))
+        offload = TierOffload(TierLink(client, cache_identity(config)))
         worker = KVWorker("bench", config, offload=offload)
         try:
             prompt = [rng.randrange(256) for _ in range(length)]

@@ -31,7 +31,6 @@ from kvstore.errors import ConfigError
 from kvstore.events import BlockRemoved, BlockStored, KVEvent
 from kvstore.hashing import BlockHash, to_external
 
-IS_BENCHMARK = True
 DEFAULT_TRACE = Path(__file__).parent / "data" / "mooncake_conversation_trace.jsonl"
 MOONCAKE_BLOCK_TOKENS = 512
 

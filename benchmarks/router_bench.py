@@ -2,7 +2,7 @@
 
 The event streams are recorded from real block pools: the Mooncake
 conversation trace is expanded into ``--block-size``-token blocks (derived
-chain hashes, :mod:`router.mooncake`), each conversation is pinned to one of
+chain hashes, :mod:`kvstore.benchmarks.mooncake`), each conversation is pinned to one of
 R replicas (by its first conversation-specific block, as a cache-aware
 router would), and each replica is a real :class:`~kvstore.block_pool.BlockPool`
 sized so that the replicas together hold ``--blocks`` blocks. Each request is
@@ -13,7 +13,7 @@ more.
 Measured, in one run:
 
 - **ingest**: blocks/s applying the already-decoded batches into a fresh
-  :class:`~router.index.PrefixIndex` (stored + removed blocks / time);
+  :class:`~kvstore.router.index.PrefixIndex` (stored + removed blocks / time);
 - **end to end**: blocks/s from R real ZmqEventPublishers on 127.0.0.1 (in a
   child process, as producers are) through one
   :class:`~kvstore.subscriber.EventListener` into the index; baseline: the
@@ -53,17 +53,16 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvstore.benchmarks.mooncake import DEFAULT_TRACE, MOONCAKE_BLOCK_TOKENS, TraceExpander, read_trace
 from kvstore.block_pool import BlockPool
 from kvstore.config import CacheConfig, EventsConfig
 from kvstore.errors import ConfigError
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventDecoder, EventEncoder
 from kvstore.hashing import BlockHasher
 from kvstore.publisher import ZmqEventPublisher
+from kvstore.router.index import PrefixIndex
 from kvstore.subscriber import EventListener
-from router.index import PrefixIndex
-from router.mooncake import DEFAULT_TRACE, MOONCAKE_BLOCK_TOKENS, TraceExpander, read_trace
 
-IS_BENCHMARK = True
 QUERY_BLOCKS = 32
 E2E_MAX_REPLICAS = 256  # R publishers and R listener sockets (+ monitors) must fit ZeroMQ's 1,023 sockets per context
 

@@ -1,6 +1,6 @@
 """``kvstore bench ttft``: time to first token by prompt length, recompute vs a GPU-pool prefix hit.
 
-One :class:`workers.worker.KVWorker` (no Ray), one request at a time, one
+One :class:`kvstore.workers.worker.KVWorker` (no Ray), one request at a time, one
 output token each, so TTFT is the prefill. For each prompt length L:
 
 - **recompute** (the baseline): a fresh random prompt of L tokens, nothing
@@ -31,12 +31,11 @@ from typing import Any, NamedTuple
 import msgspec
 import torch
 
-from kvstore.config import Config, load_config
+from kvstore.deploy.config import Config, load_config
 from kvstore.errors import ConfigError
-from workers.api import GenerateRequest
-from workers.worker import KVWorker
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.worker import KVWorker
 
-IS_BENCHMARK = True
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096)
 BENCH_MODEL = (
     "worker.num_layers=4",

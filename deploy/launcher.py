@@ -26,16 +26,16 @@ from typing import Any, NamedTuple
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvstore.config import Config
+from kvstore.deploy.config import Config
 from kvstore.errors import ConfigError
-from router.backends import RayActorBackend
-from router.protocol import ModelLimits
-from router.service import ProducerSpec, ReplicaSpec, RouterService
-from router.tokenizer import load_tokenizer
-from tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
-from tiers.identity import CacheIdentity
-from workers.actor import KVWorkerActor, routable_endpoint, worker_actor_options
-from workers.api import GenerateRequest
+from kvstore.openai.protocol import ModelLimits
+from kvstore.openai.tokenizer import load_tokenizer
+from kvstore.router.backends import RayActorBackend
+from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
+from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.actor import KVWorkerActor, routable_endpoint, worker_actor_options
+from kvstore.workers.config import cache_identity
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def alive_nodes(*, gpu_first: bool) -> list[str]:
 
 def place_tiers(config: Config, *, timeout_s: float = 120.0) -> dict[str, PlacedTier]:
     """One tier actor per live node (created, or found by name), keyed by node id."""
-    identity = CacheIdentity.from_config(config)
+    identity = cache_identity(config)
     handles = {
         node: get_or_create_tier_actor(config.tiers, identity, events=config.events, node_id=node)
         for node in alive_nodes(gpu_first=False)

@@ -1,6 +1,6 @@
 """``kvstore serve``: the whole service, on an embedded local Ray or on a Ray cluster.
 
-Starts the deployment (:mod:`deploy.launcher`), binds the router's HTTP
+Starts the deployment (:mod:`kvstore.deploy.launcher`), binds the router's HTTP
 socket itself (so ``--port 0`` works and the printed URL is the real one),
 prints the URLs and a curl line to try, and serves until SIGINT/SIGTERM;
 then it stops the HTTP server, kills the actors and, when it started Ray,
@@ -17,10 +17,10 @@ import sys
 
 import uvicorn
 
-from deploy.launcher import launch
-from kvstore.config import load_config
+from kvstore.deploy.config import load_config
+from kvstore.deploy.launcher import launch
 from kvstore.errors import ConfigError
-from router.app import create_app
+from kvstore.router.app import create_app
 
 
 def _bind(host: str, port: int) -> socket.socket:

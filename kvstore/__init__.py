@@ -1,10 +1,11 @@
 """kvstore core: hashing, block pool, KV cache manager, events and their transport.
 
-No Ray here: every other package (workers, tiers, router, deploy) builds on this one.
+No Ray here: every other package (workers, tiers, router, deploy) builds on this one. The layers above
+live in this package too (``kvstore.workers``, ``kvstore.tiers``, ...), but nothing here imports them.
 """
 
 from kvstore.block_pool import BlockPool, KVCacheBlock
-from kvstore.config import CacheConfig, Config, EventsConfig, PoolConfig, load_config
+from kvstore.config import CacheConfig, EventsConfig, PoolConfig
 from kvstore.errors import ConfigError, EventDecodeError, InvalidRequestError, KVStoreError
 from kvstore.events import (
     AllBlocksCleared,
@@ -31,7 +32,6 @@ __all__ = [
     "BlockStored",
     "CacheConfig",
     "CacheRequest",
-    "Config",
     "ConfigError",
     "EventBatch",
     "EventDecodeError",
@@ -51,6 +51,5 @@ __all__ = [
     "ProducerStream",
     "Snapshot",
     "ZmqEventPublisher",
-    "load_config",
     "to_external",
 ]

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.protocol import ApiError, decode_request, prompt_token_ids, validate
-from router.service import RouterService, medium_dict
+from kvstore.openai.protocol import ApiError, decode_request, prompt_token_ids, validate
+from kvstore.router.service import RouterService, medium_dict
 
 _OPEN_PATHS = frozenset({"/healthz"})
 

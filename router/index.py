@@ -47,7 +47,7 @@ block) are counted in ``source.dups`` and undone first by removals. Every
 bit belongs to exactly one source, so a removal clears exactly its own bit,
 and coverage changes (a replica joining a node) never touch blocks.
 
-Foreign producers (``rekey=True``) are re-keyed by :mod:`router.rekey` from
+Foreign producers (``rekey=True``) are re-keyed by :mod:`kvstore.router.rekey` from
 the token ids in their events.
 
 Invariants (checked by :meth:`PrefixIndex.check_invariants`)
@@ -83,7 +83,7 @@ from kvstore.events import (
     EventBatch,
 )
 from kvstore.hashing import BlockHasher
-from router.rekey import RekeyedStore, Rekeyer
+from kvstore.router.rekey import RekeyedStore, Rekeyer
 
 ProducerKind = Literal["gpu", "tier"]
 PRODUCER_KINDS: tuple[ProducerKind, ...] = ("gpu", "tier")

@@ -12,7 +12,7 @@ Cost of sending a prompt of ``n`` blocks to replica ``r`` (all weights from
                + kv_usage_weight * kv_usage(r)
 
 ``gpu(r)``, ``cpu(r)``, ``storage(r)`` are the leading blocks the replica
-holds, each counted from its best medium (:meth:`router.index.PrefixIndex.lookup`).
+holds, each counted from its best medium (:meth:`kvstore.router.index.PrefixIndex.lookup`).
 With the default weights (prefill and outstanding work both 1) the cost is
 the work the replica must finish before this request's first token: the
 request goes where queue + own prefill is smallest.
@@ -33,8 +33,8 @@ import random
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from kvstore.config import RouterConfig
-from router.index import NO_MATCH, MediumCounts
+from kvstore.router.config import RouterConfig
+from kvstore.router.index import NO_MATCH, MediumCounts
 
 _TIE = 1e-9
 

@@ -34,11 +34,11 @@ from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvstore.config import Config
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.metrics import EventStreamCollector
-from kvstore.subscriber import EventListener
-from router.backends import (
+from kvstore.openai.protocol import ApiError, ModelLimits, ParsedPrompt
+from kvstore.openai.tokenizer import Tokenizer
+from kvstore.router.backends import (
     ReplicaBackend,
     ReplicaLoad,
     ReplicaPoll,
@@ -46,12 +46,12 @@ from router.backends import (
     ReplicaResult,
     ReplicaUnavailable,
 )
-from router.fleet_metrics import MergedPagesCollector
-from router.index import MediumCounts, PrefixIndex
-from router.load import PrefillLoad
-from router.protocol import ApiError, ModelLimits, ParsedPrompt
-from router.scoring import Decision, ReplicaState, Scorer, least_loaded
-from router.tokenizer import Tokenizer
+from kvstore.router.config import RouterSettings
+from kvstore.router.fleet_metrics import MergedPagesCollector
+from kvstore.router.index import MediumCounts, PrefixIndex
+from kvstore.router.load import PrefillLoad
+from kvstore.router.scoring import Decision, ReplicaState, Scorer, least_loaded
+from kvstore.subscriber import EventListener
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class RouterService:
 
     def __init__(
         self,
-        config: Config,
+        config: RouterSettings,
         tokenizer: Tokenizer,
         limits: ModelLimits,
         *,

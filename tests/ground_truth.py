@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvstore.config import config_from_dict
-from workers.api import GenerateRequest
-from workers.worker import KVWorker
+from kvstore.deploy.config import config_from_dict
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.worker import KVWorker
 
 
 def reference_outputs(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

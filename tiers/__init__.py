@@ -19,11 +19,11 @@ module                        what it holds
 Imports point one way: tiers uses kvstore, never workers, router or deploy.
 """
 
-from tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit
-from tiers.identity import CacheIdentity
-from tiers.shared_memory import ArenaInfo, SharedSlots
-from tiers.stats import TierStats
-from tiers.store import EventEndpoints, TierStore
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit
+from kvstore.tiers.identity import CacheIdentity
+from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
+from kvstore.tiers.stats import TierStats
+from kvstore.tiers.store import EventEndpoints, TierStore
 
 __all__ = [
     "ArenaInfo",

@@ -1,6 +1,6 @@
 """TierActor: one node's TierStore as a Ray actor, one per node and cache identity.
 
-Thin on purpose: every method delegates to :class:`~tiers.store.TierStore`
+Thin on purpose: every method delegates to :class:`~kvstore.tiers.store.TierStore`
 (the logic, tested without Ray). The actor is async, so its methods run on
 one event loop -- the store's single-owner contract.
 
@@ -13,7 +13,7 @@ workers hold. Its arena is named after the identity and the node, so a
 restarted actor reclaims its predecessor's shared memory.
 
 Workers on the node map the arena named by :meth:`TierActor.arena_info`
-(see :class:`tiers.link.TierLink`).
+(see :class:`kvstore.tiers.link.TierLink`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ import torch
 from prometheus_client import CollectorRegistry
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvstore.config import EventsConfig, TierConfig
+from kvstore.config import EventsConfig
 from kvstore.metrics import render
-from tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit
-from tiers.identity import CacheIdentity
-from tiers.metrics import TierCollector
-from tiers.shared_memory import ArenaInfo
-from tiers.stats import TierStats
-from tiers.store import EventEndpoints, TierStore, default_arena_name
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit
+from kvstore.tiers.config import TierConfig
+from kvstore.tiers.identity import CacheIdentity
+from kvstore.tiers.metrics import TierCollector
+from kvstore.tiers.shared_memory import ArenaInfo
+from kvstore.tiers.stats import TierStats
+from kvstore.tiers.store import EventEndpoints, TierStore, default_arena_name
 
 TIER_NAMESPACE = "kvstore"
 

@@ -16,7 +16,7 @@ import torch
 
 from kvstore.block_pool import KVCacheBlock
 from kvstore.hashing import BlockHash, ExternalBlockHash, to_external
-from tiers.errors import InvalidBlockError
+from kvstore.tiers.errors import InvalidBlockError
 
 
 class BlockMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):

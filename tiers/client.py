@@ -1,13 +1,13 @@
 """Synchronous clients of a node's tier, for code that runs on a worker's step-loop thread.
 
 Both clients have the same methods (:class:`TierClient`): one reaches the
-node's :class:`~tiers.actor.TierActor` through Ray, the other runs a
-:class:`~tiers.store.TierStore` in this process on its own event-loop
+node's :class:`~kvstore.tiers.actor.TierActor` through Ray, the other runs a
+:class:`~kvstore.tiers.store.TierStore` in this process on its own event-loop
 thread (tests, single-process deployments). Every call blocks until the
 store answers, at most ``timeout_s``. A tier that cannot answer -- a
-timeout (:class:`~tiers.errors.TierTimeoutError`, also a ``TimeoutError``),
+timeout (:class:`~kvstore.tiers.errors.TierTimeoutError`, also a ``TimeoutError``),
 a dead or unreachable actor, a closed store -- raises
-:class:`~tiers.errors.TierUnavailableError`; callers' mistakes raise the
+:class:`~kvstore.tiers.errors.TierUnavailableError`; callers' mistakes raise the
 store's own typed errors.
 """
 
@@ -20,13 +20,14 @@ from typing import Any, Protocol, TypeVar
 
 import ray
 
-from kvstore.config import EventsConfig, TierConfig
-from tiers.blocks import BlockMeta, SlotGrant, TierHit
-from tiers.errors import TierError, TierTimeoutError, TierUnavailableError
-from tiers.identity import CacheIdentity
-from tiers.shared_memory import ArenaInfo
-from tiers.stats import TierStats
-from tiers.store import EventEndpoints, TierStore
+from kvstore.config import EventsConfig
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit
+from kvstore.tiers.config import TierConfig
+from kvstore.tiers.errors import TierError, TierTimeoutError, TierUnavailableError
+from kvstore.tiers.identity import CacheIdentity
+from kvstore.tiers.shared_memory import ArenaInfo
+from kvstore.tiers.stats import TierStats
+from kvstore.tiers.store import EventEndpoints, TierStore
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from tiers.errors import InvalidBlockError, TierError
+from kvstore.tiers.errors import InvalidBlockError, TierError
 
 _INLINE_BYTES = 1 << 20  # up to this a batch is copied on the caller's thread (a hand-off costs more)
 _MIN_SPLIT_BYTES = 4 << 20  # below this a batch is one task: splitting it costs more than it saves

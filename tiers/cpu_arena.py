@@ -2,7 +2,7 @@
 
 Data structures
 ---------------
-- ``slots``: a :class:`~tiers.shared_memory.SharedSlots` arena, one block per slot.
+- ``slots``: a :class:`~kvstore.tiers.shared_memory.SharedSlots` arena, one block per slot.
 - ``_index``: external block hash -> slot, an ``OrderedDict`` in LRU order
   (least recently used first), so a hit moves a block to the tail in O(1)
   and eviction pops from the head.
@@ -43,10 +43,10 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 
 from kvstore.events import MEDIUM_CPU, BlockStored, KVEvent
-from tiers.blocks import BlockMeta
-from tiers.errors import LeaseError
-from tiers.shared_memory import SharedSlots
-from tiers.tier_events import block_removed, block_stored
+from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.errors import LeaseError
+from kvstore.tiers.shared_memory import SharedSlots
+from kvstore.tiers.tier_events import block_removed, block_stored
 
 
 class LeaseKind(enum.Enum):

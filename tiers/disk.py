@@ -1,7 +1,7 @@
 """The disk tier: one content-addressed file per block, an LRU index bounded in bytes.
 
 Layout: ``<root>/<identity digest>/<top byte of hash>/<hash:016x>.kvb``
-(format in :mod:`tiers.disk_format`). Files are written to a temporary
+(format in :mod:`kvstore.tiers.disk_format`). Files are written to a temporary
 name in the same directory and renamed into place, so a reader never sees
 a half-written file under a block's name; a crash leaves only temporaries,
 which the start-up scan removes.
@@ -79,8 +79,8 @@ from typing import NamedTuple
 import aiofiles.os
 
 from kvstore.events import MEDIUM_STORAGE, BlockStored, KVEvent
-from tiers.blocks import BlockMeta
-from tiers.disk_format import (
+from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.disk_format import (
     ALIGN,
     SUFFIX,
     TEMP_SUFFIX,
@@ -92,9 +92,9 @@ from tiers.disk_format import (
     shard_name,
     verify,
 )
-from tiers.errors import InvalidBlockError
-from tiers.identity import CacheIdentity
-from tiers.tier_events import block_removed, block_stored
+from kvstore.tiers.errors import InvalidBlockError
+from kvstore.tiers.identity import CacheIdentity
+from kvstore.tiers.tier_events import block_removed, block_stored
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from typing import NamedTuple
 import xxhash
 
 from kvstore.hashing import ExternalBlockHash
-from tiers.blocks import BlockMeta
-from tiers.errors import TierError
+from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.errors import TierError
 
 MAGIC = b"KVSTBLK\0"
 FORMAT_VERSION = 1

@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import torch
 
-from tiers.blocks import BlockMeta, TierHit
-from tiers.client import TierClient
-from tiers.copy_engine import CopyEngine
-from tiers.identity import CacheIdentity
-from tiers.shared_memory import SharedSlots
+from kvstore.tiers.blocks import BlockMeta, TierHit
+from kvstore.tiers.client import TierClient
+from kvstore.tiers.copy_engine import CopyEngine
+from kvstore.tiers.identity import CacheIdentity
+from kvstore.tiers.shared_memory import SharedSlots
 
 
 class Promoted(NamedTuple):

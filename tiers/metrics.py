@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tiers.stats import DIRECTIONS, TierStats
+from kvstore.tiers.stats import DIRECTIONS, TierStats
 
 
 class TierCollector(Collector):

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from tiers.errors import ArenaError
+from kvstore.tiers.errors import ArenaError
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Policy
   With ``write_through`` every committed block is also written to disk at
   once.
 - **Admission**: a block takes a CPU slot on its ``admit_after_spills``-th
-  spill (:class:`~tiers.admission.AdmissionFilter`).
+  spill (:class:`~kvstore.tiers.admission.AdmissionFilter`).
 - **Lookup / promote**: :meth:`lookup` counts the consecutive blocks held in
   CPU or on disk; :meth:`acquire` leases them in CPU -- reading disk hits
   into CPU slots first -- so the caller can copy them into its pool, then
@@ -43,19 +43,20 @@ from typing import NamedTuple
 
 import torch
 
-from kvstore.config import EventsConfig, TierConfig
+from kvstore.config import EventsConfig
 from kvstore.errors import ConfigError
 from kvstore.events import MEDIUM_CPU, MEDIUM_STORAGE
 from kvstore.publisher import NullEventPublisher, Snapshot, ZmqEventPublisher
-from tiers.admission import AdmissionFilter
-from tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit, check_blocks
-from tiers.copy_engine import CopyEngine, block_rows
-from tiers.cpu_arena import CpuArena, Lease, LeaseKind
-from tiers.disk import DiskTier, Settled
-from tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
-from tiers.identity import CacheIdentity
-from tiers.shared_memory import ArenaInfo, SharedSlots
-from tiers.stats import DISK_READ, DISK_WRITE, PROMOTE, SPILL, StoreCounters, TierStats
+from kvstore.tiers.admission import AdmissionFilter
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit, check_blocks
+from kvstore.tiers.config import TierConfig
+from kvstore.tiers.copy_engine import CopyEngine, block_rows
+from kvstore.tiers.cpu_arena import CpuArena, Lease, LeaseKind
+from kvstore.tiers.disk import DiskTier, Settled
+from kvstore.tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
+from kvstore.tiers.identity import CacheIdentity
+from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
+from kvstore.tiers.stats import DISK_READ, DISK_WRITE, PROMOTE, SPILL, StoreCounters, TierStats
 
 _CHUNK_BYTES = 64 * 1024 * 1024  # measured: smaller chunks cost more in hand-offs than overlap saves
 
@@ -285,7 +286,7 @@ class TierStore:
         """Write leases on CPU slots for ``blocks``, in order; None for a block not taken.
 
         ``arena``: the incarnation of the arena the caller mapped (``ArenaInfo.incarnation``);
-        another one raises :class:`~tiers.errors.ArenaMovedError` before any lease is granted.
+        another one raises :class:`~kvstore.tiers.errors.ArenaMovedError` before any lease is granted.
 
         None means: held already (or being written), not admitted yet, or no
         slot could be freed (all leased, or the disk was too slow to drain
@@ -416,7 +417,7 @@ class TierStore:
         if out is None:
             if rows is not None:
                 raise InvalidBlockError("rows need an out tensor to index")
-            out = torch.empty((len(blocks), *self.identity.block_shape), dtype=self.identity.torch_dtype)
+            out = torch.empty((len(blocks), *self.identity.layout.block_shape), dtype=self.identity.torch_dtype)
         if not blocks:
             return TierGet(0, (), out if rows is not None else out[:0])
         target = block_rows(out, self.identity.block_bytes)

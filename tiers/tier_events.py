@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvstore.events import BlockRemoved, BlockStored
-from tiers.blocks import BlockMeta
+from kvstore.tiers.blocks import BlockMeta
 
 
 def block_stored(meta: BlockMeta, block_size: int, medium: str) -> BlockStored:

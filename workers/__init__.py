@@ -13,7 +13,7 @@ Modules, one concern each:
 - ``actor`` -- the thin Ray wrapper (imports Ray; not imported here).
 """
 
-from workers.api import (
+from kvstore.worker_api import (
     EventEndpoints,
     GenerateRequest,
     GenerateResult,
@@ -21,15 +21,14 @@ from workers.api import (
     WorkerLoad,
     WorkerShutdownError,
 )
-from workers.kv_tensor_pool import KVShape, KVTensorPool
-from workers.offload import NoOffload, OffloadConnector, Promotion
-from workers.worker import KVWorker
+from kvstore.workers.kv_tensor_pool import KVTensorPool
+from kvstore.workers.offload import NoOffload, OffloadConnector, Promotion
+from kvstore.workers.worker import KVWorker
 
 __all__ = [
     "EventEndpoints",
     "GenerateRequest",
     "GenerateResult",
-    "KVShape",
     "KVTensorPool",
     "KVWorker",
     "ModelInfo",

@@ -1,4 +1,4 @@
-"""The KV worker as a Ray actor: a thin async wrapper around :class:`workers.worker.KVWorker`.
+"""The KV worker as a Ray actor: a thin async wrapper around :class:`kvstore.workers.worker.KVWorker`.
 
 Many requests run at once on one actor: it is an async actor, and
 ``generate`` awaits the worker's future (``asyncio.wrap_future``), so the
@@ -25,19 +25,20 @@ import msgspec
 import ray
 from ray.util import get_node_ip_address
 
-from kvstore.config import Config
-from tiers.actor import TIER_NAMESPACE, tier_actor_name
-from tiers.client import RayTierClient
-from tiers.identity import CacheIdentity
-from tiers.link import TierLink
-from workers.api import EventEndpoints, GenerateRequest, GenerateResult, ModelInfo, WorkerLoad
-from workers.tier_offload import TierOffload
-from workers.worker import KVWorker
+from kvstore.tiers.actor import TIER_NAMESPACE, tier_actor_name
+from kvstore.tiers.client import RayTierClient
+from kvstore.tiers.link import TierLink
+from kvstore.worker_api import EventEndpoints, GenerateRequest, GenerateResult, ModelInfo, WorkerLoad
+from kvstore.workers.config import WorkerSettings, cache_identity, replace_sections
+from kvstore.workers.tier_offload import TierOffload
+from kvstore.workers.worker import KVWorker
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
 
 
-def worker_actor_options(config: Config, *, cluster_gpus: float | None = None, num_cpus: float = 1.0) -> dict[str, Any]:
+def worker_actor_options(
+    config: WorkerSettings, *, cluster_gpus: float | None = None, num_cpus: float = 1.0
+) -> dict[str, Any]:
     """Ray ``.options(...)`` for one worker actor.
 
     ``cluster_gpus`` defaults to the connected cluster's GPU count
@@ -67,19 +68,19 @@ def routable_endpoint(endpoint: str, node_ip: str) -> str:
 class KVWorkerActor:
     """One KV worker replica on a Ray node; the same methods as :class:`KVWorker`."""
 
-    def __init__(self, name: str, config: Config, tier: Any | None = None) -> None:
+    def __init__(self, name: str, config: WorkerSettings, tier: Any | None = None) -> None:
         """``tier``: this node's TierActor handle; when given, evicted blocks spill to it and hits promote from it.
 
         If the tier actor dies, the worker goes on without it (spills dropped and counted) and
         reconnects to the actor named ``kvstore-tier-<node id>`` once one runs again.
         """
         if config.worker.device == "auto" and not ray.get_gpu_ids():
-            config = msgspec.structs.replace(config, worker=msgspec.structs.replace(config.worker, device="cpu"))
+            config = replace_sections(config, worker=msgspec.structs.replace(config.worker, device="cpu"))
         self._node_ip = get_node_ip_address()
         self._node_id = ray.get_runtime_context().get_node_id()
         self._offload: TierOffload | None = None
         if tier is not None:
-            identity = CacheIdentity.from_config(config)
+            identity = cache_identity(config)
             timeout_s = 2 * config.tiers.io_deadline_s
             tier_name = tier_actor_name(self._node_id)
 

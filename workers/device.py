@@ -7,14 +7,9 @@ from typing import Literal
 import torch
 
 from kvstore.errors import ConfigError
+from kvstore.kv_layout import DTYPE_BYTES
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 
 def resolve_device(choice: DeviceChoice) -> torch.device:
@@ -29,7 +24,8 @@ def resolve_device(choice: DeviceChoice) -> torch.device:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"worker.dtype {name!r} is not one of {sorted(_DTYPES)}") from None
+    """The torch dtype of a :data:`~kvstore.kv_layout.KVDtype` name; ConfigError for any other name."""
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"worker.dtype {name!r} is not one of {sorted(DTYPE_BYTES)}")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype

@@ -1,6 +1,6 @@
 """The worker's paged KV memory: one tensor, allocated once, block-major.
 
-Layout::
+Layout (one row per block, each row a :class:`~kvstore.kv_layout.KVLayout` block)::
 
     kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         block_id ─┘      layer ─┘  └─ 0 = K, 1 = V
@@ -30,33 +30,10 @@ Contracts
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
-
-class KVShape(NamedTuple):
-    """The shape of one block of KV, for every layer."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        """``(num_layers, 2, block_size, num_kv_heads, head_dim)``."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def bytes_per_block(self) -> int:
-        """2 (K and V) x block_size x kv_heads x head_dim x dtype bytes x layers."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize * self.num_layers
-
-    def blocks_for_budget(self, budget_bytes: int) -> int:
-        """How many whole blocks fit in ``budget_bytes``."""
-        return budget_bytes // self.bytes_per_block
+from kvstore.kv_layout import KVLayout
 
 
 class KVTensorPool:
@@ -66,25 +43,28 @@ class KVTensorPool:
     for one block). After :meth:`close` every accessor raises RuntimeError.
     """
 
-    def __init__(self, shape: KVShape, num_blocks: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu") -> None:
         if num_blocks < 1:
             raise ValueError(f"a KV tensor pool needs at least one block, got {num_blocks}")
-        self.shape = shape
+        self.layout = layout
+        self.dtype: torch.dtype = getattr(torch, layout.dtype)
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         self._kv: torch.Tensor | None = torch.zeros(
-            (num_blocks, *shape.block_shape), dtype=shape.dtype, device=self.device
+            (num_blocks, *layout.block_shape), dtype=self.dtype, device=self.device
         )
 
     @classmethod
-    def from_memory_budget(cls, shape: KVShape, budget_bytes: int, device: torch.device | str = "cpu") -> KVTensorPool:
-        """As many blocks as fit in ``budget_bytes`` (see :attr:`KVShape.bytes_per_block`)."""
-        num_blocks = shape.blocks_for_budget(budget_bytes)
+    def from_memory_budget(
+        cls, layout: KVLayout, budget_bytes: int, device: torch.device | str = "cpu"
+    ) -> KVTensorPool:
+        """As many blocks as fit in ``budget_bytes`` (see :attr:`KVLayout.bytes_per_block`)."""
+        num_blocks = layout.blocks_for_budget(budget_bytes)
         if num_blocks < 1:
             raise ValueError(
-                f"a budget of {budget_bytes} bytes holds no block of {shape.bytes_per_block} bytes; raise the budget"
+                f"a budget of {budget_bytes} bytes holds no block of {layout.bytes_per_block} bytes; raise the budget"
             )
-        return cls(shape, num_blocks, device)
+        return cls(layout, num_blocks, device)
 
     # ---------------------------------------------------------------- access
 
@@ -97,7 +77,7 @@ class KVTensorPool:
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.shape.bytes_per_block
+        return self.num_blocks * self.layout.bytes_per_block
 
     def layer(self, layer: int) -> torch.Tensor:
         """Zero-copy strided view ``[num_blocks, 2, block_size, kv_heads, head_dim]`` of one layer."""
@@ -117,9 +97,9 @@ class KVTensorPool:
         index = self._index(block_ids)
         if out is None:
             return self.kv.index_select(0, index)
-        expected = (len(block_ids), *self.shape.block_shape)
-        if tuple(out.shape) != expected or out.dtype != self.shape.dtype:
-            raise ValueError(f"out must be {expected} {self.shape.dtype}, got {tuple(out.shape)} {out.dtype}")
+        expected = (len(block_ids), *self.layout.block_shape)
+        if tuple(out.shape) != expected or out.dtype != self.dtype:
+            raise ValueError(f"out must be {expected} {self.dtype}, got {tuple(out.shape)} {out.dtype}")
         if out.device == self.device:
             torch.index_select(self.kv, 0, index, out=out)
         else:
@@ -128,10 +108,10 @@ class KVTensorPool:
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Copy whole blocks in; ``data`` is ``[len(block_ids), layers, 2, ...]`` on any device."""
-        expected = (len(block_ids), *self.shape.block_shape)
+        expected = (len(block_ids), *self.layout.block_shape)
         if tuple(data.shape) != expected:
             raise ValueError(f"data must have shape {expected}, got {tuple(data.shape)}")
-        self.kv.index_copy_(0, self._index(block_ids), data.to(device=self.device, dtype=self.shape.dtype))
+        self.kv.index_copy_(0, self._index(block_ids), data.to(device=self.device, dtype=self.dtype))
 
     def close(self) -> None:
         """Release the memory. Idempotent."""
@@ -150,4 +130,4 @@ class KVTensorPool:
 
     def __repr__(self) -> str:
         state = "closed" if self._kv is None else f"{self.nbytes / 2**20:.1f} MiB on {self.device}"
-        return f"KVTensorPool(num_blocks={self.num_blocks}, {self.shape}, {state})"
+        return f"KVTensorPool(num_blocks={self.num_blocks}, {self.layout}, {state})"

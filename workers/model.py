@@ -3,7 +3,7 @@
 Llama-shaped: token embedding, then per layer ``x += attn(rmsnorm(x))``,
 ``x += mlp(rmsnorm(x))`` (SwiGLU, width 4 x hidden), a final RMSNorm and an
 untied LM head. Attention uses rotary positions and grouped-query heads,
-and reads and writes K/V only through the pool (:mod:`workers.attention`).
+and reads and writes K/V only through the pool (:mod:`kvstore.workers.attention`).
 
 It exists so that cached, spilled and promoted KV can be proven correct:
 the weights are drawn from a ``torch.Generator`` seeded with
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstore.config import WorkerConfig
-from workers.attention import AttentionMetadata, paged_attention
-from workers.kv_tensor_pool import KVShape, KVTensorPool
+from kvstore.workers.attention import AttentionMetadata, paged_attention
+from kvstore.workers.config import WorkerConfig
+from kvstore.workers.kv_tensor_pool import KVTensorPool
 
 MLP_RATIO = 4
 _ROPE_THETA = 10_000.0
@@ -107,11 +107,6 @@ class DecoderModel(nn.Module):
         self.rotary.to(device=device, dtype=torch.float32)
         self.requires_grad_(False)
         self.eval()
-
-    def kv_shape(self, block_size: int) -> KVShape:
-        """The KV block shape this model writes."""
-        c = self.config
-        return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, block_size, self.embed.weight.dtype)
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVTensorPool) -> torch.Tensor:
         """``token_ids`` is the step's flattened ``[T]`` tokens; returns float32 ``[S, vocab]`` logits."""

@@ -2,7 +2,7 @@
 
 The runner owns the model and the KV tensor pool it reads and writes. It
 knows nothing of requests or scheduling: it takes the step's slices
-(:class:`workers.attention.SequenceSlice`), writes their K/V into the pool
+(:class:`kvstore.workers.attention.SequenceSlice`), writes their K/V into the pool
 and returns, per slice, the greedy (argmax) token after its last position.
 The caller decides whether that token is real (the slice reached the end
 of its sequence) or is discarded (a prefill chunk that did not).
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.config import WorkerConfig
-from workers.attention import SequenceSlice, build_metadata
-from workers.kv_tensor_pool import KVTensorPool
-from workers.model import DecoderModel
+from kvstore.workers.attention import SequenceSlice, build_metadata
+from kvstore.workers.config import WorkerConfig
+from kvstore.workers.kv_tensor_pool import KVTensorPool
+from kvstore.workers.model import DecoderModel
 
 
 class ModelRunner:
@@ -29,7 +29,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.model = DecoderModel(config, device=device, dtype=dtype)
-        self.kv_pool = KVTensorPool(self.model.kv_shape(block_size), num_blocks, device)
+        self.kv_pool = KVTensorPool(config.kv_layout(block_size), num_blocks, device)
 
     @torch.inference_mode()
     def execute(self, slices: Sequence[SequenceSlice]) -> list[int]:

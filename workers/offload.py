@@ -2,7 +2,7 @@
 
 The worker calls an :class:`OffloadConnector` at exactly two points, both
 on its step-loop thread while it holds its lock, and wires it in exactly
-one place (:meth:`workers.worker.KVWorker.attach_offload`):
+one place (:meth:`kvstore.workers.worker.KVWorker.attach_offload`):
 
 1. **Spill** -- the block pool's eviction hook. ``on_evict(blocks, kv_pool)``
    receives cached blocks about to be reused, hashes and tokens still set;
@@ -35,8 +35,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 from kvstore.block_pool import BlockPool, KVCacheBlock
 from kvstore.kv_cache_manager import CacheRequest, PrefixHit
-from workers.kv_tensor_pool import KVTensorPool
-from workers.metrics import TierLinkCounters
+from kvstore.workers.kv_tensor_pool import KVTensorPool
+from kvstore.workers.metrics import TierLinkCounters
 
 
 class Promotion(NamedTuple):

@@ -16,7 +16,7 @@ the prompt after the prefix-cache hit.
    the reservation fits -- or the request preempts itself.
 2. Then, unless someone was preempted this step, waiting requests in
    arrival order while the budget, ``max_num_seqs`` and the pool allow:
-   prefix lookup, then the promotion seam (:mod:`workers.offload`), then
+   prefix lookup, then the promotion seam (:mod:`kvstore.workers.offload`), then
    ``allocate_slots``; a None (no room) stops admission for this step, so
    the queue stays first come first served.
 
@@ -42,9 +42,9 @@ from typing import NamedTuple
 
 from kvstore.events import MEDIA, MEDIUM_GPU
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
-from workers.api import GenerateRequest
-from workers.attention import SequenceSlice
-from workers.offload import Promotion
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.attention import SequenceSlice
+from kvstore.workers.offload import Promotion
 
 Promoter = Callable[[CacheRequest, PrefixHit], Promotion]
 

@@ -2,7 +2,7 @@
 
 ``kvstore simulate`` takes its replicas' default prefill throughput and
 decode rate from here, so its TTFTs are those of the model ``kvstore
-serve`` would run, on this machine. One :class:`~workers.worker.KVWorker`
+serve`` would run, on this machine. One :class:`~kvstore.workers.worker.KVWorker`
 (no Ray) runs a warm-up, then a prompt of ``prompt_tokens`` with one output
 token (TTFT = prefill, nothing cached) and a short generation (decode rate =
 tokens after the first / time after the first). Each is the best of
@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import msgspec
 
-from kvstore.config import Config
-from workers.api import GenerateRequest
-from workers.worker import KVWorker
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.config import WorkerSettings, replace_sections
+from kvstore.workers.worker import KVWorker
 
 
 class ModelRates(NamedTuple):
@@ -29,13 +29,13 @@ class ModelRates(NamedTuple):
 
 
 def measure_model_rates(
-    config: Config, prompt_tokens: int = 1024, decode_tokens: int = 32, repeats: int = 2, seed: int = 0
+    config: WorkerSettings, prompt_tokens: int = 1024, decode_tokens: int = 32, repeats: int = 2, seed: int = 0
 ) -> ModelRates:
     """Measure the configured worker model (module docstring); prompts shorter than its context."""
     model = config.worker
     prompt_tokens = max(16, min(prompt_tokens, model.max_context - decode_tokens - 1))
     blocks = 2 * (-(-(prompt_tokens + decode_tokens) // config.cache.block_size)) + 8
-    sized = msgspec.structs.replace(
+    sized = replace_sections(
         config,
         worker=msgspec.structs.replace(model, max_num_batched_tokens=max(model.max_num_batched_tokens, prompt_tokens)),
         pool=msgspec.structs.replace(config.pool, num_blocks=max(config.pool.num_blocks, blocks)),

@@ -36,12 +36,12 @@ from collections.abc import Callable, Sequence
 from kvstore.block_pool import BlockPool, KVCacheBlock
 from kvstore.events import MEDIUM_CPU, MEDIUM_STORAGE
 from kvstore.kv_cache_manager import CacheRequest, PrefixHit
-from tiers.blocks import BlockMeta
-from tiers.errors import TierUnavailableError
-from tiers.link import TierLink
-from workers.kv_tensor_pool import KVTensorPool
-from workers.metrics import TierLinkCounters
-from workers.offload import Promotion
+from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.errors import TierUnavailableError
+from kvstore.tiers.link import TierLink
+from kvstore.workers.kv_tensor_pool import KVTensorPool
+from kvstore.workers.metrics import TierLinkCounters
+from kvstore.workers.offload import Promotion
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from kvstore.errors import InvalidRequestError
-from workers.api import GenerateRequest
+from kvstore.worker_api import GenerateRequest
 
 
 class RequestLimits(NamedTuple):

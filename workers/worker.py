@@ -1,10 +1,10 @@
 """The KV worker: a paged KV pool, a model that fills it, and a continuous-batching request loop.
 
 :class:`KVWorker` is a plain, thread-safe class (the Ray actor in
-:mod:`workers.actor` is a thin wrapper). Callers on any thread
+:mod:`kvstore.workers.actor` is a thin wrapper). Callers on any thread
 :meth:`~KVWorker.submit` requests and get futures; one step-loop thread
-runs the scheduler (:mod:`workers.scheduler`), the model runner
-(:mod:`workers.model_runner`) and the event publisher.
+runs the scheduler (:mod:`kvstore.workers.scheduler`), the model runner
+(:mod:`kvstore.workers.model_runner`) and the event publisher.
 
 Each step::
 
@@ -31,7 +31,7 @@ the running requests fail with the error, and the whole prefix cache is
 dropped (blocks registered for that step were never filled, so nothing
 may hit them); the worker keeps serving. After :meth:`KVWorker.shutdown`
 (or if the loop itself dies) every unfinished request fails with
-:class:`~workers.api.WorkerShutdownError`.
+:class:`~kvstore.worker_api.WorkerShutdownError`.
 """
 
 from __future__ import annotations
@@ -46,21 +46,28 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kvstore.block_pool import BlockPool
-from kvstore.config import Config
 from kvstore.errors import ConfigError, InvalidRequestError
 from kvstore.events import MEDIUM_GPU
 from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
 from kvstore.metrics import CacheCollector, render
 from kvstore.publisher import NullEventPublisher, Snapshot, ZmqEventPublisher
-from workers.api import EventEndpoints, GenerateRequest, GenerateResult, ModelInfo, WorkerLoad, WorkerShutdownError
-from workers.device import resolve_device, resolve_dtype
-from workers.kv_tensor_pool import KVTensorPool
-from workers.metrics import LoopGauges, TierLinkCollector, TierLinkState, WorkerCollector, WorkerCounters
-from workers.model_runner import ModelRunner
-from workers.offload import LinkedOffload, NoOffload, OffloadConnector, Promotion
-from workers.scheduler import RequestState, Scheduler, SchedulerOutput
-from workers.validation import RequestLimits, validate_request
+from kvstore.worker_api import (
+    EventEndpoints,
+    GenerateRequest,
+    GenerateResult,
+    ModelInfo,
+    WorkerLoad,
+    WorkerShutdownError,
+)
+from kvstore.workers.config import WorkerSettings
+from kvstore.workers.device import resolve_device, resolve_dtype
+from kvstore.workers.kv_tensor_pool import KVTensorPool
+from kvstore.workers.metrics import LoopGauges, TierLinkCollector, TierLinkState, WorkerCollector, WorkerCounters
+from kvstore.workers.model_runner import ModelRunner
+from kvstore.workers.offload import LinkedOffload, NoOffload, OffloadConnector, Promotion
+from kvstore.workers.scheduler import RequestState, Scheduler, SchedulerOutput
+from kvstore.workers.validation import RequestLimits, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +82,7 @@ class KVWorker:
     :meth:`shutdown` to stop it and release the sockets and KV memory.
     """
 
-    def __init__(self, name: str, config: Config, *, offload: OffloadConnector | None = None) -> None:
+    def __init__(self, name: str, config: WorkerSettings, *, offload: OffloadConnector | None = None) -> None:
         self.name = name
         self.config = config
         model = config.worker
@@ -126,7 +133,7 @@ class KVWorker:
 
         ``connector.on_evict`` becomes the block pool's eviction hook (spill
         before reuse) and ``connector.promote`` runs at admission right after
-        the GPU prefix lookup (see :mod:`workers.offload` for both
+        the GPU prefix lookup (see :mod:`kvstore.workers.offload` for both
         contracts). Both run on the step-loop thread under the worker's lock.
         Replaces any connector attached before; takes effect from the next step.
         """

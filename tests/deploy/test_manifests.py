@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvstore.config import Config, load_config
+from kvstore.deploy.config import Config, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "deploy" / "assets"

@@ -42,7 +42,7 @@ def test_serve_embedded_then_sigint_leaves_nothing_behind(tmp_path: Path) -> Non
     shm_before = shm_entries()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     command = [
-        sys.executable, "-m", "deploy.cli", "serve", "--workers", "2", "--port", "0",
+        sys.executable, "-m", "kvstore", "serve", "--workers", "2", "--port", "0",
         "--set", "pool.num_blocks=256", "--set", "worker.device=cpu",
         "--set", f"tiers.disk_dir={tmp_path / 'disk'}", "--set", "tiers.cpu_capacity_bytes=33554432",
     ]  # fmt: skip

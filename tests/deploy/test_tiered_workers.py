@@ -14,18 +14,18 @@ from typing import Any
 import pytest
 import ray
 
-from deploy.launcher import place_tiers, place_workers
-from kvstore.config import Config, config_from_dict
+from kvstore.deploy.config import Config, config_from_dict
+from kvstore.deploy.launcher import place_tiers, place_workers
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.config import cache_identity
 from tests.ground_truth import reference_outputs
-from tiers.identity import CacheIdentity
-from workers.api import GenerateRequest
 
 BLOCK = 16
 
 
 def tiered_config(tmp_path: Path, *, cpu_slots: int) -> Config:
     base = config_from_dict({"cache": {"block_size": BLOCK}, "worker": {"device": "cpu"}})
-    block_bytes = CacheIdentity.from_config(base).block_bytes
+    block_bytes = cache_identity(base).block_bytes
     return config_from_dict(
         {
             "cache": {"block_size": BLOCK},

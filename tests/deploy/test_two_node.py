@@ -73,7 +73,7 @@ def test_serve_on_a_two_node_cluster_places_a_tier_per_node() -> None:
                   "--ray-client-server-port", str(free_port()), "--resources", '{"head_node": 1}')  # fmt: skip
         ray_start(temp_dir, env, "--address", f"127.0.0.1:{gcs}", "--resources", '{"second_node": 1}')
         serve = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", "--address", f"127.0.0.1:{gcs}", "--workers", "2",
+            [sys.executable, "-m", "kvstore", "serve", "--address", f"127.0.0.1:{gcs}", "--workers", "2",
              "--port", "0", "--set", "worker.device=cpu", "--set", "pool.num_blocks=128",
              "--set", "tiers.cpu_capacity_bytes=16777216"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,

@@ -25,18 +25,18 @@ from typing import Any
 import httpx
 import zmq
 
-from deploy.worker_http import create_worker_app
-from kvstore.config import Config, config_from_dict
+from kvstore.deploy.config import Config, config_from_dict
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from router.app import create_app
-from router.backends import HttpBackend
-from router.index import PrefixIndex
-from router.protocol import ModelLimits
-from router.service import ProducerSpec, ReplicaSpec, RouterService
-from router.tokenizer import load_tokenizer
+from kvstore.openai.protocol import ModelLimits
+from kvstore.openai.tokenizer import load_tokenizer
+from kvstore.router.app import create_app
+from kvstore.router.backends import HttpBackend
+from kvstore.router.index import PrefixIndex
+from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.http import create_worker_app
+from kvstore.workers.worker import KVWorker
 from tests.http_servers import ServerThread
-from workers.api import GenerateRequest
-from workers.worker import KVWorker
 
 BLOCK = 16
 VOCAB = 512

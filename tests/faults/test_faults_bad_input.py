@@ -32,10 +32,10 @@ import psutil
 import pytest
 from faults_helpers import VOCAB, tokens, wait_for
 
-from deploy.worker_http import create_worker_app
-from kvstore.config import config_from_dict
+from kvstore.deploy.config import config_from_dict
+from kvstore.workers.http import create_worker_app
+from kvstore.workers.worker import KVWorker
 from tests.http_servers import ServerThread
-from workers.worker import KVWorker
 
 BAD_REQUESTS = 10_000
 VALID_EVERY = 50  # one valid request after every 49 bad ones
@@ -164,7 +164,7 @@ def router_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterP
     toml.write_text("\n".join(lines) + "\n")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "router", "--config", str(toml), "--port", str(port)],
+        [sys.executable, "-m", "kvstore", "router", "--config", str(toml), "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

@@ -21,12 +21,12 @@ import ray
 import zmq
 from faults_helpers import BLOCK, tokens, wait_for
 
-from deploy.cli import main
-from deploy.launcher import build_service, place_workers
-from kvstore.config import config_from_dict, load_config
+from kvstore.cli import main
+from kvstore.deploy.config import config_from_dict, load_config
+from kvstore.deploy.launcher import build_service, place_workers
+from kvstore.deploy.router_cli import build_router
 from kvstore.errors import ConfigError
-from router.app import create_app
-from router.cli import build_router
+from kvstore.router.app import create_app
 from tests.http_servers import ServerThread
 
 

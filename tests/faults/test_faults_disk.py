@@ -30,19 +30,19 @@ from faults_helpers import tokens
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-import tiers.disk as disk_module
-from kvstore.config import Config, config_from_dict
+import kvstore.tiers.disk as disk_module
+from kvstore.deploy.config import Config, config_from_dict
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.metrics import render
+from kvstore.tiers.client import LocalTierClient
+from kvstore.tiers.disk_format import header_len
+from kvstore.tiers.link import TierLink
+from kvstore.tiers.metrics import TierCollector
+from kvstore.worker_api import GenerateRequest, GenerateResult
+from kvstore.workers.config import cache_identity
+from kvstore.workers.tier_offload import TierOffload
+from kvstore.workers.worker import KVWorker
 from tests.ground_truth import reference_outputs
-from tiers.client import LocalTierClient
-from tiers.disk_format import header_len
-from tiers.identity import CacheIdentity
-from tiers.link import TierLink
-from tiers.metrics import TierCollector
-from workers.api import GenerateRequest, GenerateResult
-from workers.tier_offload import TierOffload
-from workers.worker import KVWorker
 
 BLOCK = 4  # small blocks: 8 KiB of KV for the toy model, so a block file is 12 KiB
 DOC_BLOCKS = 24
@@ -68,13 +68,13 @@ def disk_config(tmp_path: Path, *, disk_files: int | None = None) -> Config:
 
 
 def block_bytes() -> int:
-    return CacheIdentity.from_config(config_from_dict({"cache": {"block_size": BLOCK}})).block_bytes
+    return cache_identity(config_from_dict({"cache": {"block_size": BLOCK}})).block_bytes
 
 
 @contextmanager
 def tiered_workers(config: Config, names: list[str]) -> Iterator[tuple[LocalTierClient, list[KVWorker]]]:
     """A tier store and workers linked to it (each maps the arena), all shut down afterwards."""
-    identity = CacheIdentity.from_config(config)
+    identity = cache_identity(config)
     client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
     workers: list[KVWorker] = []
     try:

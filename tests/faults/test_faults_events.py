@@ -23,12 +23,13 @@ import pytest
 import zmq
 from faults_helpers import LossyProxy, Traffic, fault_config, held, pool_state, wait_for
 
-from kvstore.config import CacheConfig, Config, EventsConfig
+from kvstore.config import CacheConfig, EventsConfig
+from kvstore.deploy.config import Config
 from kvstore.publisher import ZmqEventPublisher
+from kvstore.router.index import PrefixIndex
 from kvstore.subscriber import EventListener
-from router.index import PrefixIndex
+from kvstore.workers.worker import KVWorker
 from tests.router.router_helpers import BLOCK_SIZE, WorkloadProducer
-from workers.worker import KVWorker
 
 LOSS = 0.01
 T = TypeVar("T")

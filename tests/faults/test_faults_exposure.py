@@ -21,8 +21,9 @@ import pytest
 import zmq
 from faults_helpers import BLOCK, HttpFleet, PoolView, fault_config, pool_state, tokens, wait_for
 
-from deploy.cli import build_parser
-from kvstore.config import EventsConfig, load_config
+from kvstore.cli import build_parser
+from kvstore.config import EventsConfig
+from kvstore.deploy.config import load_config
 from kvstore.errors import ConfigError
 from kvstore.hashing import to_external
 from kvstore.publisher import SNAPSHOT_REQUEST, ZmqEventPublisher
@@ -112,7 +113,7 @@ def test_every_socket_binds_loopback_by_default() -> None:
     # A real `kvstore worker` process with no host flags: every socket it listens on is loopback.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "worker", "--name", "exposed", "--port", "0",
+        [sys.executable, "-m", "kvstore", "worker", "--name", "exposed", "--port", "0",
          "--set", "worker.device=\"cpu\""],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True,
     )  # fmt: skip

@@ -23,7 +23,7 @@ from typing import Any
 from faults_helpers import BLOCK, HttpFleet, fault_config, tokens, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from workers.worker import KVWorker
+from kvstore.workers.worker import KVWorker
 
 CLIENTS = 200
 DURATION_S = 8.0

@@ -25,12 +25,12 @@ import ray
 from faults_helpers import BLOCK, tokens, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.launcher import PlacedTier, PlacedWorker, place_tiers, place_workers
-from kvstore.config import Config, config_from_dict
+from kvstore.deploy.config import Config, config_from_dict
+from kvstore.deploy.launcher import PlacedTier, PlacedWorker, place_tiers, place_workers
 from kvstore.hashing import BlockHasher, to_external
+from kvstore.worker_api import GenerateRequest, GenerateResult
+from kvstore.workers.config import cache_identity
 from tests.ground_truth import reference_outputs
-from tiers.identity import CacheIdentity
-from workers.api import GenerateRequest, GenerateResult
 
 MAX_TOKENS = 4
 PROMPT_BLOCKS = 12  # full blocks of a prompt (+ 3 tokens: all 12 can be a hit, the last token is beyond them)
@@ -39,7 +39,7 @@ PROMPT_BLOCKS = 12  # full blocks of a prompt (+ 3 tokens: all 12 can be a hit, 
 def tier_config(tmp_path: Path) -> Config:
     """The toy model on the CPU; a 40-block pool, a 4-slot CPU arena: evicted blocks reach the disk fast."""
     base = config_from_dict({"cache": {"block_size": BLOCK}, "worker": {"device": "cpu"}})
-    block_bytes = CacheIdentity.from_config(base).block_bytes
+    block_bytes = cache_identity(base).block_bytes
     return config_from_dict(
         {
             "cache": {"block_size": BLOCK},

@@ -24,11 +24,11 @@ import ray
 from faults_helpers import BLOCK, tokens, wait_for
 from test_faults_tier_death import MAX_TOKENS, PROMPT_BLOCKS, stop, tier_config
 
-from deploy.launcher import build_service, place_tiers, place_workers
-from router.app import create_app
+from kvstore.deploy.launcher import build_service, place_tiers, place_workers
+from kvstore.router.app import create_app
+from kvstore.tiers.actor import TIER_NAMESPACE, tier_actor_name
 from tests.ground_truth import reference_outputs
 from tests.http_servers import ServerThread
-from tiers.actor import TIER_NAMESPACE, tier_actor_name
 
 
 @pytest.mark.ray

@@ -22,10 +22,10 @@ import pytest
 import ray
 from faults_helpers import BLOCK, HttpFleet, Traffic, fault_config, held, pool_state, tokens, wait_for
 
-from deploy.launcher import build_service, place_workers, replica_spec
-from deploy.worker_http import create_worker_app
+from kvstore.deploy.launcher import build_service, place_workers, replica_spec
 from kvstore.hashing import to_external
-from router.app import create_app
+from kvstore.router.app import create_app
+from kvstore.workers.http import create_worker_app
 from tests.http_servers import ServerThread
 
 CONCURRENT = 40

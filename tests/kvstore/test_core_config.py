@@ -7,7 +7,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvstore.config import CacheConfig, Config, EventsConfig, PoolConfig, load_config
+from kvstore.config import CacheConfig, EventsConfig, PoolConfig
+from kvstore.deploy.config import Config, load_config
 from kvstore.errors import ConfigError
 
 

@@ -20,7 +20,7 @@ from kvstore.events import KVEvent
 from kvstore.hashing import BlockHash, BlockHasher, to_external
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager
 from kvstore.publisher import Snapshot, ZmqEventPublisher
-from router.index import PrefixIndex
+from kvstore.router.index import PrefixIndex
 
 BLOCK_SIZE = 4
 

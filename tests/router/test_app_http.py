@@ -17,14 +17,15 @@ import httpx
 import msgspec
 import pytest
 
-from deploy.worker_http import create_worker_app
-from kvstore.config import Config, ExternalReplica, config_from_dict
+from kvstore.deploy.config import Config, config_from_dict
+from kvstore.deploy.router_cli import build_router
 from kvstore.hashing import to_external
-from router.app import create_app
-from router.cli import build_router
+from kvstore.router.app import create_app
+from kvstore.router.config import ExternalReplica
+from kvstore.workers.http import create_worker_app
+from kvstore.workers.worker import KVWorker
 from tests.http_servers import ServerThread
 from tests.router.router_helpers import wait_for
-from workers.worker import KVWorker
 
 BLOCK = 16
 

@@ -11,7 +11,7 @@ from router_helpers import BLOCK_SIZE, WorkloadProducer, held
 from kvstore.config import CacheConfig
 from kvstore.events import EventBatch, EventDecoder, EventEncoder
 from kvstore.hashing import BlockHasher, to_external
-from router.index import MediumCounts, PrefixIndex
+from kvstore.router.index import MediumCounts, PrefixIndex
 
 CACHE = CacheConfig(block_size=BLOCK_SIZE)
 

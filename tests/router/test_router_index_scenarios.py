@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.config import CacheConfig
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from router.index import NO_MATCH, MediumCounts, PrefixIndex
+from kvstore.router.index import NO_MATCH, MediumCounts, PrefixIndex
 
 
 def stored(hashes: list[int], parent: int | None = None, medium: str | None = "GPU") -> BlockStored:

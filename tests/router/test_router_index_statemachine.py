@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from router.index import MediumCounts, PrefixIndex
+from kvstore.router.index import MediumCounts, PrefixIndex
 
 # producer -> (kind, media it may publish, replicas it serves per medium)
 GPU_PRODUCERS = {"w0": ("r0", "a"), "w1": ("r1", "a"), "w2": ("r2", "b")}

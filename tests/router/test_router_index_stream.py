@@ -20,8 +20,8 @@ from router_helpers import BLOCK_SIZE, WorkloadProducer, held
 
 from kvstore.config import CacheConfig, EventsConfig
 from kvstore.publisher import ZmqEventPublisher
+from kvstore.router.index import PrefixIndex
 from kvstore.subscriber import EventListener
-from router.index import PrefixIndex
 
 LOOPBACK = "tcp://127.0.0.1:*"
 

@@ -8,13 +8,14 @@ from collections import Counter
 
 import pytest
 
-from kvstore.config import CacheConfig, RouterConfig
+from kvstore.benchmarks.simulate.replica import BlockCache, Publish
+from kvstore.config import CacheConfig
 from kvstore.events import EventBatch, KVEvent
 from kvstore.hashing import BlockHasher, to_external
-from router.index import MediumCounts, PrefixIndex
-from router.load import PrefillLoad
-from router.scoring import ReplicaState, Scorer
-from router.sim_replica import BlockCache, Publish
+from kvstore.router.config import RouterConfig
+from kvstore.router.index import MediumCounts, PrefixIndex
+from kvstore.router.load import PrefillLoad
+from kvstore.router.scoring import ReplicaState, Scorer
 
 IDLE = ReplicaState()
 

@@ -9,7 +9,7 @@ import msgspec
 import zmq
 
 from kvstore.events import BlockStored, EventBatch, EventEncoder
-from router.service import ProducerSpec
+from kvstore.router.service import ProducerSpec
 from tests.router.test_app_http import Fleet, complete, wait_for
 
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import ray
 
-from deploy.launcher import build_service, place_workers
-from kvstore.config import config_from_dict
-from router.app import create_app
+from kvstore.deploy.config import config_from_dict
+from kvstore.deploy.launcher import build_service, place_workers
+from kvstore.router.app import create_app
 from tests.http_servers import ServerThread
 from tests.router.router_helpers import wait_for
 

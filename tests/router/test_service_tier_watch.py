@@ -13,12 +13,12 @@ import time
 from collections import Counter
 from typing import Any
 
-from kvstore.config import config_from_dict
+from kvstore.deploy.config import config_from_dict
 from kvstore.events import BlockStored
+from kvstore.openai.protocol import ModelLimits
+from kvstore.openai.tokenizer import ByteTokenizer
 from kvstore.publisher import Snapshot, ZmqEventPublisher
-from router.protocol import ModelLimits
-from router.service import ProducerSpec, RouterService
-from router.tokenizer import ByteTokenizer
+from kvstore.router.service import ProducerSpec, RouterService
 from tests.router.router_helpers import held, wait_for
 
 BLOCK = 16

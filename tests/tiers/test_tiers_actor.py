@@ -12,9 +12,9 @@ from tiers_helpers import IDENTITY, LOOPBACK, all_events, hashes, make_blocks, t
 
 from kvstore.config import EventsConfig
 from kvstore.events import BlockStored
-from tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
-from tiers.client import RayTierClient
-from tiers.link import TierLink
+from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
+from kvstore.tiers.client import RayTierClient
+from kvstore.tiers.link import TierLink
 
 pytestmark = pytest.mark.ray
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiers_helpers import IDENTITY, arena_name
 
-from tiers.copy_engine import CopyEngine, Run, block_rows, coalesce, split_runs
-from tiers.errors import InvalidBlockError
-from tiers.shared_memory import SharedSlots
+from kvstore.tiers.copy_engine import CopyEngine, Run, block_rows, coalesce, split_runs
+from kvstore.tiers.errors import InvalidBlockError
+from kvstore.tiers.shared_memory import SharedSlots
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def test_coalesce_and_split() -> None:
 
 
 def test_block_rows_views_without_copying() -> None:
-    pool = torch.zeros((3, *IDENTITY.block_shape), dtype=IDENTITY.torch_dtype)
+    pool = torch.zeros((3, *IDENTITY.layout.block_shape), dtype=IDENTITY.torch_dtype)
     rows = block_rows(pool, IDENTITY.block_bytes)
     assert rows.shape == (3, 4096) and rows.data_ptr() == pool.data_ptr()
     with pytest.raises(InvalidBlockError, match="4096"):
@@ -43,7 +43,7 @@ def test_block_rows_views_without_copying() -> None:
 def test_spill_and_promote_scattered_batches(slots: SharedSlots) -> None:
     engine = CopyEngine(slots.tensor, num_threads=3, pin=False)
     try:
-        pool = torch.randn((400, *IDENTITY.block_shape)).to(IDENTITY.torch_dtype)  # > 1 MiB: split over threads
+        pool = torch.randn((400, *IDENTITY.layout.block_shape)).to(IDENTITY.torch_dtype)  # > 1 MiB: split over threads
         generator = torch.Generator().manual_seed(1)
         blocks = torch.randperm(400, generator=generator)[:64].tolist()
         arena_slots = torch.randperm(64, generator=generator).tolist()
@@ -60,7 +60,7 @@ def test_spill_and_promote_scattered_batches(slots: SharedSlots) -> None:
 
 def test_bad_batches_raise_before_copying(slots: SharedSlots) -> None:
     engine = CopyEngine(slots.tensor, num_threads=1, pin=False)
-    pool = torch.zeros((4, *IDENTITY.block_shape), dtype=IDENTITY.torch_dtype)
+    pool = torch.zeros((4, *IDENTITY.layout.block_shape), dtype=IDENTITY.torch_dtype)
     try:
         with pytest.raises(InvalidBlockError, match="destination row 64"):
             engine.spill(pool, [0], [64])
@@ -78,7 +78,7 @@ def test_cuda_spill_and_promote_through_pinned_arena(slots: SharedSlots) -> None
     engine = CopyEngine(slots.tensor, num_threads=1, pin=True)
     try:
         assert engine.pinned and slots.tensor.is_pinned()
-        pool = torch.randn((32, *IDENTITY.block_shape), device="cuda").to(IDENTITY.torch_dtype)
+        pool = torch.randn((32, *IDENTITY.layout.block_shape), device="cuda").to(IDENTITY.torch_dtype)
         engine.spill(pool, [5, 6, 7, 30], [0, 1, 2, 3]).result(timeout=10)
         back = torch.zeros_like(pool)
         engine.promote([3, 0], back, [0, 1]).result(timeout=10)

@@ -11,10 +11,10 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from tiers_helpers import arena_name, make_blocks
 
 from kvstore.events import BlockRemoved, BlockStored
-from tiers.blocks import BlockMeta
-from tiers.cpu_arena import CpuArena, Lease, LeaseKind
-from tiers.errors import LeaseError
-from tiers.shared_memory import SharedSlots
+from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.cpu_arena import CpuArena, Lease, LeaseKind
+from kvstore.tiers.errors import LeaseError
+from kvstore.tiers.shared_memory import SharedSlots
 
 SLOT_BYTES = 4096
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 from tiers_helpers import IDENTITY, ODD_IDENTITY, make_blocks
 
-import tiers.disk as disk_module
+import kvstore.tiers.disk as disk_module
 from kvstore.events import BlockRemoved, BlockStored
-from tiers.blocks import BlockMeta
-from tiers.disk import DiskTier
-from tiers.disk_format import FORMAT_VERSION, file_name, header_len, shard_name
-from tiers.errors import InvalidBlockError
-from tiers.identity import CacheIdentity
+from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_format import FORMAT_VERSION, file_name, header_len, shard_name
+from kvstore.tiers.errors import InvalidBlockError
+from kvstore.tiers.identity import CacheIdentity
 
 FILE_BYTES = header_len(IDENTITY.block_size) + IDENTITY.block_bytes
 

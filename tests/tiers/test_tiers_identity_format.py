@@ -10,10 +10,11 @@ import pytest
 import torch
 from tiers_helpers import IDENTITY, make_blocks
 
-from kvstore.config import load_config
+from kvstore.deploy.config import load_config
 from kvstore.errors import ConfigError
-from tiers.blocks import BlockMeta
-from tiers.disk_format import (
+from kvstore.kv_layout import KVLayout
+from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.disk_format import (
     FORMAT_VERSION,
     IntegrityError,
     decode_header,
@@ -23,7 +24,8 @@ from tiers.disk_format import (
     shard_name,
     verify,
 )
-from tiers.identity import CacheIdentity
+from kvstore.tiers.identity import CacheIdentity
+from kvstore.workers.config import cache_identity
 
 DIGEST = bytes.fromhex(IDENTITY.digest())
 
@@ -37,34 +39,32 @@ def test_digest_is_stable_and_covers_every_field() -> None:
     assert (
         IDENTITY.digest() == hashlib.sha256(canonical.encode()).hexdigest()[:32] == "fdf596e4c73a685468525006e003fbde"
     )
-    changed = {
-        "model": "other",
-        "num_layers": 3,
-        "num_kv_heads": 4,
-        "head_dim": 32,
-        "dtype": "bfloat16",
-        "block_size": 8,
-        "hash_algo": "xxh3_128",
-        "hash_seed": "vllm",
-    }
+    changed = {"model": "other", "hash_algo": "xxh3_128", "hash_seed": "vllm"}
+    layout_changed = {"num_layers": 3, "num_kv_heads": 4, "head_dim": 32, "dtype": "bfloat16", "block_size": 8}
     digests = {msgspec.structs.replace(IDENTITY, **{k: v}).digest() for k, v in changed.items()}
-    assert len(digests) == len(changed) and IDENTITY.digest() not in digests
+    digests |= {
+        msgspec.structs.replace(IDENTITY, layout=msgspec.structs.replace(IDENTITY.layout, **{k: v})).digest()
+        for k, v in layout_changed.items()
+    }
+    assert len(digests) == len(changed) + len(layout_changed) and IDENTITY.digest() not in digests
 
 
 def test_block_bytes_and_shape() -> None:
-    llama = msgspec.structs.replace(IDENTITY, num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
-    assert llama.block_bytes == 2 * 1024 * 1024  # the 2 MiB Llama-3-8B block of DESIGN §6
-    assert IDENTITY.block_shape == (2, 2, 4, 2, 64) and IDENTITY.block_bytes == 4096
+    llama = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16")
+    assert llama.bytes_per_block == 2 * 1024 * 1024  # a Llama-3-8B block at block size 16 in fp16
+    assert IDENTITY.layout.block_shape == (2, 2, 4, 2, 64) and IDENTITY.block_bytes == 4096
 
 
 def test_identity_from_config_and_validation() -> None:
     config = load_config(overrides=["cache.block_size=8", "worker.seed=3"])
-    identity = CacheIdentity.from_config(config)
+    identity = cache_identity(config)
     assert identity.block_size == 8 and identity.hash_algo == config.cache.hash_algo
     assert "seed=3" in identity.model
-    assert CacheIdentity.from_config(config, model="llama").model == "llama"
+    assert cache_identity(config, model="llama").model == "llama"
     with pytest.raises(ValueError, match="num_layers"):
-        msgspec.structs.replace(IDENTITY, num_layers=0)
+        msgspec.structs.replace(IDENTITY.layout, num_layers=0)
+    with pytest.raises(ValueError, match="block_size"):
+        CacheIdentity.from_layout(IDENTITY.layout, config.cache, model="m")  # layout 4, cache 8
     with pytest.raises(ValueError, match="model"):
         msgspec.structs.replace(IDENTITY, model="")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from tiers_helpers import IDENTITY, arena_name, hashes, make_blocks, tier_config
 
-from tiers.client import LocalTierClient
-from tiers.link import Promoted, TierLink
+from kvstore.tiers.client import LocalTierClient
+from kvstore.tiers.link import Promoted, TierLink
 
 
 def test_spill_then_promote_into_other_pool_blocks(tmp_path: Path) -> None:
@@ -18,7 +18,7 @@ def test_spill_then_promote_into_other_pool_blocks(tmp_path: Path) -> None:
     link = TierLink(client, IDENTITY)
     try:
         metas, data = make_blocks(5)
-        pool = torch.zeros((10, *IDENTITY.block_shape), dtype=IDENTITY.torch_dtype)
+        pool = torch.zeros((10, *IDENTITY.layout.block_shape), dtype=IDENTITY.torch_dtype)
         pool[[6, 2, 8, 0, 4]] = data
         assert link.spill(metas, pool, [6, 2, 8, 0, 4]) == 5
         assert link.lookup(hashes(metas)) == (5, ("STORAGE", "STORAGE", "CPU", "CPU", "CPU"))

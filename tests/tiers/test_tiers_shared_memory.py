@@ -12,8 +12,8 @@ import pytest
 import torch
 from tiers_helpers import arena_name, child_read_slot
 
-from tiers.errors import ArenaError
-from tiers.shared_memory import HEADER_BYTES, SharedSlots, reclaim_dead_arenas
+from kvstore.tiers.errors import ArenaError
+from kvstore.tiers.shared_memory import HEADER_BYTES, SharedSlots, reclaim_dead_arenas
 
 SHM = "/dev/shm"
 

@@ -23,18 +23,18 @@ from tiers_helpers import (
     tier_config,
 )
 
-import tiers.copy_engine as copy_module
-import tiers.disk as disk_module
+import kvstore.tiers.copy_engine as copy_module
+import kvstore.tiers.disk as disk_module
 from kvstore.config import EventsConfig
 from kvstore.errors import ConfigError
 from kvstore.events import BlockRemoved, BlockStored
 from kvstore.metrics import render
-from tiers.blocks import BlockMeta
-from tiers.copy_engine import CopyEngine
-from tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
-from tiers.metrics import TierCollector
-from tiers.shared_memory import SharedSlots
-from tiers.store import TierStore
+from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.copy_engine import CopyEngine
+from kvstore.tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
+from kvstore.tiers.metrics import TierCollector
+from kvstore.tiers.shared_memory import SharedSlots
+from kvstore.tiers.store import TierStore
 
 
 def test_spill_to_cpu_evict_to_disk_and_read_back_byte_identical(tmp_path: Path) -> None:
@@ -69,7 +69,7 @@ def test_worker_flow_through_the_arena_mapped_by_name(tmp_path: Path) -> None:
             arena = SharedSlots.attach(info.name, shm_dir=info.shm_dir, expect_tag=IDENTITY.digest())
             engine = CopyEngine(arena.tensor, num_threads=2, pin=False)
             metas, data = make_blocks(6)
-            pool = torch.zeros((16, *IDENTITY.block_shape), dtype=IDENTITY.torch_dtype)
+            pool = torch.zeros((16, *IDENTITY.layout.block_shape), dtype=IDENTITY.torch_dtype)
             pool[[3, 9, 4, 12, 0, 7]] = data
             # spill pool blocks 3, 9, 4, 12, 0, 7 (metas 0..5)
             grants = await store.reserve(metas)
@@ -125,7 +125,7 @@ def test_put_and_get_at_scattered_pool_rows_in_pipelined_chunks(tmp_path: Path) 
     async def scenario() -> None:
         async with new_store(tier_config(tmp_path, cpu_blocks=6, disk_blocks=64)) as store:
             metas, data = make_blocks(10)
-            pool = torch.zeros((20, *IDENTITY.block_shape), dtype=IDENTITY.torch_dtype)
+            pool = torch.zeros((20, *IDENTITY.layout.block_shape), dtype=IDENTITY.torch_dtype)
             evicted = [17, 3, 11, 0, 19, 8, 5, 14, 2, 9]
             pool[evicted] = data
             assert await store.put(metas, pool, evicted) == 10  # chunks of 3, two in flight

@@ -16,26 +16,24 @@ import msgspec
 import torch
 import zmq
 
-from kvstore.config import EventsConfig, TierConfig
+from kvstore.config import EventsConfig
 from kvstore.events import EventBatch, EventDecoder, KVEvent
 from kvstore.hashing import BlockHasher
+from kvstore.kv_layout import KVLayout
 from kvstore.publisher import END_SEQ
-from tiers.blocks import BlockMeta
-from tiers.disk_format import header_len
-from tiers.identity import CacheIdentity
-from tiers.store import TierStore
+from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.config import TierConfig
+from kvstore.tiers.disk_format import header_len
+from kvstore.tiers.identity import CacheIdentity
+from kvstore.tiers.store import TierStore
 
 IDENTITY = CacheIdentity(
     model="test-model",
-    num_layers=2,
-    num_kv_heads=2,
-    head_dim=64,
-    dtype="float16",
-    block_size=4,
+    layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=4),
     hash_algo="sha256_cbor",
     hash_seed="kvstore",
 )
-ODD_IDENTITY = msgspec.structs.replace(IDENTITY, head_dim=16)
+ODD_IDENTITY = msgspec.structs.replace(IDENTITY, layout=msgspec.structs.replace(IDENTITY.layout, head_dim=16))
 LOOPBACK = "tcp://127.0.0.1:*"
 
 
@@ -51,7 +49,7 @@ def make_blocks(
     tokens = list(range(first_token, first_token + num_blocks * identity.block_size))
     metas = BlockMeta.chain(hasher.hash_blocks(tokens), tokens, identity.block_size)
     generator = torch.Generator().manual_seed(seed)
-    data = torch.randn((num_blocks, *identity.block_shape), generator=generator).to(identity.torch_dtype)
+    data = torch.randn((num_blocks, *identity.layout.block_shape), generator=generator).to(identity.torch_dtype)
     return metas, data
 
 
@@ -104,7 +102,7 @@ def all_events(endpoint: str) -> list[KVEvent]:
 
 def child_read_slot(name: str, shm_dir: str, slot: int, write_back: bytes) -> bytes:
     """Run in a spawned process: map the arena by name, return slot ``slot``, then overwrite slot 0."""
-    from tiers.shared_memory import SharedSlots
+    from kvstore.tiers.shared_memory import SharedSlots
 
     slots = SharedSlots.attach(name, shm_dir=shm_dir)
     try:

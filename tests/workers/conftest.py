@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from workers_testlib import Reference, WorkerFactory, make_config
 
-from workers.api import GenerateRequest
-from workers.worker import KVWorker
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.worker import KVWorker
 
 
 @pytest.fixture

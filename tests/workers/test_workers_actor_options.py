@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from workers_testlib import make_config
 
-from workers.actor import routable_endpoint, worker_actor_options
+from kvstore.workers.actor import routable_endpoint, worker_actor_options
 
 
 @pytest.mark.parametrize(

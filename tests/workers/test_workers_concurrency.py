@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from workers_testlib import Reference, WorkerFactory, random_tokens, shared_prefix_requests
 
-from workers.api import GenerateRequest
-from workers.worker import KVWorker
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.worker import KVWorker
 
 
 def assert_all_blocks_free_or_cached(worker: KVWorker) -> None:

@@ -7,8 +7,8 @@ import random
 import pytest
 from workers_testlib import Reference, WorkerFactory, random_tokens, shared_prefix_requests
 
-from workers.api import GenerateRequest
-from workers.worker import KVWorker
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.worker import KVWorker
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -21,8 +21,8 @@ from workers_testlib import make_config, shared_prefix_requests
 from kvstore.errors import InvalidRequestError
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvstore.subscriber import EventListener
-from workers.api import GenerateRequest, GenerateResult, WorkerLoad
-from workers.worker import KVWorker
+from kvstore.worker_api import GenerateRequest, GenerateResult, WorkerLoad
+from kvstore.workers.worker import KVWorker
 
 
 class PoolView:
@@ -120,7 +120,7 @@ def test_two_ray_actors_subscriber_view_equals_pool_contents(
 ) -> None:
     import ray
 
-    from workers.actor import KVWorkerActor, worker_actor_options
+    from kvstore.workers.actor import KVWorkerActor, worker_actor_options
 
     listener, view = listener_view
     config = make_config(num_blocks=48, events=True)  # small: the workload evicts, so BlockRemoved flows too

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
-from workers.kv_tensor_pool import KVShape, KVTensorPool
+from kvstore.kv_layout import KVLayout
+from kvstore.workers.kv_tensor_pool import KVTensorPool
 
-SMALL = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+SMALL = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 MiB = 2**20
 
 
 def test_bytes_per_block_matches_llama3_8b() -> None:
-    llama = KVShape(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)
+    llama = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16")
     assert llama.bytes_per_block == 2 * MiB
     assert llama.blocks_for_budget(10 * 1024 * MiB) == 5120
 
@@ -73,7 +75,7 @@ def test_read_is_a_copy_and_out_buffers_are_filled() -> None:
 
 
 def test_writes_convert_dtype_and_reject_bad_shapes_and_ids() -> None:
-    half = KVTensorPool(SMALL._replace(dtype=torch.float16), 2)
+    half = KVTensorPool(msgspec.structs.replace(SMALL, dtype="float16"), 2)
     half.write_blocks([1], torch.full((1, *SMALL.block_shape), 0.5, dtype=torch.float64))
     assert half.block_view(1).dtype == torch.float16 and torch.all(half.block_view(1) == 0.5)
     with pytest.raises(ValueError, match="shape"):

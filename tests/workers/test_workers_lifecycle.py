@@ -8,8 +8,8 @@ import pytest
 from workers_testlib import Reference, WorkerFactory, random_tokens
 
 from kvstore.errors import ConfigError
-from workers.api import GenerateRequest, ModelInfo, WorkerShutdownError
-from workers.attention import SequenceSlice
+from kvstore.worker_api import GenerateRequest, ModelInfo, WorkerShutdownError
+from kvstore.workers.attention import SequenceSlice
 
 
 def test_shutdown_fails_unfinished_requests_and_refuses_new_ones(make_worker: WorkerFactory) -> None:

@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstore.config import WorkerConfig
-from workers.attention import SequenceSlice, build_metadata, paged_attention
-from workers.kv_tensor_pool import KVShape, KVTensorPool
-from workers.model import DecoderModel
-from workers.model_runner import ModelRunner
+from kvstore.kv_layout import KVLayout
+from kvstore.workers.attention import SequenceSlice, build_metadata, paged_attention
+from kvstore.workers.config import WorkerConfig
+from kvstore.workers.kv_tensor_pool import KVTensorPool
+from kvstore.workers.model import DecoderModel
+from kvstore.workers.model_runner import ModelRunner
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -31,7 +32,9 @@ def test_paged_attention_equals_dense_attention_across_chunks_and_scattered_bloc
     lengths = [13, 1, 9]  # a sequence split in steps: 13 tokens (prefill), then 1 (decode), then 9 (a chunk)
     total = sum(lengths)
     q, k, v = torch.randn(total, HEADS, DIM), torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
-    pool = KVTensorPool(KVShape(1, KV_HEADS, DIM, BLOCK, torch.float32), 16)
+    pool = KVTensorPool(
+        KVLayout(num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BLOCK, dtype="float32"), 16
+    )
     table = [11, 3, 14, 0, 7, 9]  # deliberately out of order
     out = torch.empty(total, HEADS, DIM)
     start = 0
@@ -46,7 +49,9 @@ def test_paged_attention_equals_dense_attention_across_chunks_and_scattered_bloc
 
 def test_batched_decode_equals_each_sequence_alone() -> None:
     torch.manual_seed(1)
-    pool = KVTensorPool(KVShape(1, KV_HEADS, DIM, BLOCK, torch.float32), 32)
+    pool = KVTensorPool(
+        KVLayout(num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BLOCK, dtype="float32"), 32
+    )
     lengths = [5, 12, 1, 8]
     tables = [[0, 1], [2, 3, 4, 5], [6], [7, 8, 9]]
     # Fill each sequence's context, then decode one token for all of them in one batch.

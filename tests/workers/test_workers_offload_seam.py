@@ -19,10 +19,10 @@ from kvstore.block_pool import BlockPool, KVCacheBlock
 from kvstore.events import MEDIUM_CPU
 from kvstore.hashing import BlockHash
 from kvstore.kv_cache_manager import CacheRequest, PrefixHit
-from workers.api import GenerateRequest
-from workers.kv_tensor_pool import KVTensorPool
-from workers.offload import Promotion
-from workers.worker import KVWorker
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.kv_tensor_pool import KVTensorPool
+from kvstore.workers.offload import Promotion
+from kvstore.workers.worker import KVWorker
 
 
 class DictTier:

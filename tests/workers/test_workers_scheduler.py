@@ -10,8 +10,8 @@ from kvstore.block_pool import BlockPool
 from kvstore.events import BlockRemoved
 from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import KVCacheManager
-from workers.api import GenerateRequest
-from workers.scheduler import RequestState, Scheduler, SchedulerOutput
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.scheduler import RequestState, Scheduler, SchedulerOutput
 
 
 def make(num_blocks: int, block_size: int, *, budget: int, max_num_seqs: int = 8) -> Scheduler:

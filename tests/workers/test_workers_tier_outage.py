@@ -18,15 +18,15 @@ from pathlib import Path
 
 from workers_testlib import Reference, random_tokens
 
-from kvstore.config import Config, config_from_dict
+from kvstore.deploy.config import Config, config_from_dict
 from kvstore.hashing import BlockHasher, to_external
-from tiers.client import LocalTierClient
-from tiers.errors import TierUnavailableError
-from tiers.identity import CacheIdentity
-from tiers.link import TierLink
-from workers.api import GenerateRequest
-from workers.tier_offload import TierOffload
-from workers.worker import KVWorker
+from kvstore.tiers.client import LocalTierClient
+from kvstore.tiers.errors import TierUnavailableError
+from kvstore.tiers.link import TierLink
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.config import cache_identity
+from kvstore.workers.tier_offload import TierOffload
+from kvstore.workers.worker import KVWorker
 
 
 def outage_config(tmp_path: Path) -> Config:
@@ -47,7 +47,7 @@ class Tier:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.identity = CacheIdentity.from_config(config)
+        self.identity = cache_identity(config)
         self.client: LocalTierClient | None = None
         self.attempts: list[float] = []
         self.hang = threading.Event()  # set: a reconnect attempt blocks until it is cleared (a stuck tier)

@@ -8,7 +8,7 @@ import pytest
 from workers_testlib import WorkerFactory
 
 from kvstore.errors import InvalidRequestError
-from workers.api import GenerateRequest
+from kvstore.worker_api import GenerateRequest
 
 BAD_REQUESTS: list[tuple[Any, str]] = [
     (GenerateRequest([], 4), "must not be empty"),

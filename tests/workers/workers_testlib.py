@@ -6,9 +6,9 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.config import Config, config_from_dict
-from workers.api import GenerateRequest
-from workers.worker import KVWorker
+from kvstore.deploy.config import Config, config_from_dict
+from kvstore.worker_api import GenerateRequest
+from kvstore.workers.worker import KVWorker
 
 VOCAB = 512
 WorkerFactory = Callable[..., KVWorker]

@@ -1,8 +1,8 @@
-"""``kvstore simulate``: the command line over :mod:`router.simulate`.
+"""``kvstore simulate``: the command line over :mod:`kvstore.benchmarks.simulate.engine`.
 
 It lives in ``deploy`` because its defaults come from both sides: the
 replicas' prefill throughput and decode rate are measured on the worker
-model (:func:`workers.throughput.measure_model_rates`), the routing is the
+model (:func:`kvstore.workers.throughput.measure_model_rates`), the routing is the
 router's. ``--prefill-tps`` / ``--decode-tps`` skip the measurement.
 """
 
@@ -17,13 +17,10 @@ from typing import Any
 
 import msgspec
 
-from deploy.figures import pyplot, save_figure
-from deploy.replay import write_output
-from kvstore.config import load_config
-from kvstore.errors import ConfigError
-from kvstore.hashing import BlockHasher
-from router.mooncake import DEFAULT_TRACE, HASH_MODES, MOONCAKE_BLOCK_TOKENS, TraceExpander, read_trace
-from router.simulate import (
+from kvstore.benchmarks.figures import pyplot, save_figure
+from kvstore.benchmarks.mooncake import DEFAULT_TRACE, HASH_MODES, MOONCAKE_BLOCK_TOKENS, TraceExpander, read_trace
+from kvstore.benchmarks.replay.cli import write_output
+from kvstore.benchmarks.simulate.engine import (
     DEFAULT_CAPACITY_TOKENS,
     DEFAULT_UTILIZATION,
     DEFAULT_WINDOW_S,
@@ -34,6 +31,9 @@ from router.simulate import (
     simulate_policy,
     speedup_for_utilization,
 )
+from kvstore.deploy.config import load_config
+from kvstore.errors import ConfigError
+from kvstore.hashing import BlockHasher
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"trace {args.trace} holds no requests")
     prefill_tps, decode_tps, rates_from = args.prefill_tps, args.decode_tps, "flags"
     if prefill_tps is None or decode_tps is None:
-        from workers.throughput import measure_model_rates  # torch: only when measuring
+        from kvstore.workers.throughput import measure_model_rates  # torch: only when measuring
 
         rates = measure_model_rates(config)
         rates_from = f"measured on the worker model ({rates.device}, {rates.prompt_tokens}-token prompt)"

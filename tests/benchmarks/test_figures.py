@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.figures import pyplot, save_figure
+from kvstore.benchmarks.figures import pyplot, save_figure
 from kvstore.errors import ConfigError
 
 

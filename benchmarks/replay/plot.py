@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from deploy.figures import pyplot, save_figure
-from deploy.replay_report import ReplayReport
+from kvstore.benchmarks.figures import pyplot, save_figure
+from kvstore.benchmarks.replay.report import ReplayReport
 
 
 def write_plot(reports: Mapping[str, ReplayReport], path: str | Path, *, title: str) -> None:

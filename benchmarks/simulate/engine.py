@@ -6,9 +6,9 @@ Requests arrive at their trace timestamps divided by ``speedup``. Each of
 ``replicas`` simulated replicas has
 
 - a finite LRU block cache: a real :class:`~kvstore.block_pool.BlockPool`
-  of ``capacity_tokens`` (:class:`~router.sim_replica.BlockCache`). A
+  of ``capacity_tokens`` (:class:`~kvstore.benchmarks.simulate.replica.BlockCache`). A
   request's blocks are looked up and entered when it is routed there;
-- a prefill server (:class:`~router.sim_replica.PrefillServer`): the
+- a prefill server (:class:`~kvstore.benchmarks.simulate.replica.PrefillServer`): the
   uncached prompt tokens are computed in arrival order, in steps of at most
   ``step_tokens`` tokens, at ``prefill_tps`` tokens/s -- an approximation of
   continuous batching with chunked prefill (a request joins at the next step
@@ -22,13 +22,13 @@ request's own uncached prefill, rounded up to step boundaries.
 
 What the policies see
 ---------------------
-Only what a router can know (:mod:`router.sim_policies`): its own dispatch
-records (:class:`~router.load.PrefillLoad` per replica: prefill tokens sent
+Only what a router can know (:mod:`kvstore.benchmarks.simulate.policies`): its own dispatch
+records (:class:`~kvstore.router.load.PrefillLoad` per replica: prefill tokens sent
 there, drained at ``prefill_tps`` -- the router's ``router.prefill_tps`` --
 and released when the response returns after the last output token) and,
-for ``kvstore`` and ``dynamo``, a real :class:`~router.index.PrefixIndex`
+for ``kvstore`` and ``dynamo``, a real :class:`~kvstore.router.index.PrefixIndex`
 fed with each cache's real ``BlockStored``/``BlockRemoved`` events. The
-``kvstore`` policy is :meth:`router.scoring.Scorer.choose` fed exactly as
+``kvstore`` policy is :meth:`kvstore.router.scoring.Scorer.choose` fed exactly as
 the router service feeds it. ``global_cache`` is the hit-rate upper bound:
 one LRU of the replicas' total capacity that every replica reads, placement
 by least load. The index's predicted prefix is checked against each cache's
@@ -62,14 +62,23 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from kvstore.config import CacheConfig, RouterConfig
+from kvstore.benchmarks.mooncake import MOONCAKE_BLOCK_TOKENS, MooncakeRequest, TraceExpander
+from kvstore.benchmarks.simulate.policies import (
+    CacheAware,
+    DynamoStyle,
+    FleetView,
+    LeastLoaded,
+    Policy,
+    RandomChoice,
+    RoundRobin,
+)
+from kvstore.benchmarks.simulate.replica import BlockCache, PrefillServer
+from kvstore.config import CacheConfig
 from kvstore.errors import ConfigError
 from kvstore.events import EventBatch, KVEvent
-from router.index import PrefixIndex
-from router.mooncake import MOONCAKE_BLOCK_TOKENS, MooncakeRequest, TraceExpander
-from router.scoring import Scorer
-from router.sim_policies import CacheAware, DynamoStyle, FleetView, LeastLoaded, Policy, RandomChoice, RoundRobin
-from router.sim_replica import BlockCache, PrefillServer
+from kvstore.router.config import RouterConfig
+from kvstore.router.index import PrefixIndex
+from kvstore.router.scoring import Scorer
 
 POLICIES = ("kvstore", "dynamo", "round_robin", "random", "least_loaded", "global_cache")
 DEFAULT_CAPACITY_TOKENS = 1_000_000

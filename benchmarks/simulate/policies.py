@@ -6,16 +6,16 @@ dispatch records (:class:`FleetView`) and, for the cache-aware ones, the
 prefix index fed by the replicas' KV events. None of them reads a replica's
 true queue: the simulator keeps that to itself.
 
-- ``kvstore`` (:class:`CacheAware`): :meth:`router.scoring.Scorer.choose`,
-  with :class:`~router.scoring.ReplicaState` built from
-  :class:`~router.load.PrefillLoad` exactly as the router service builds it.
+- ``kvstore`` (:class:`CacheAware`): :meth:`kvstore.router.scoring.Scorer.choose`,
+  with :class:`~kvstore.router.scoring.ReplicaState` built from
+  :class:`~kvstore.router.load.PrefillLoad` exactly as the router service builds it.
 - ``dynamo`` (:class:`DynamoStyle`): modelled on the cost NVIDIA Dynamo's KV
   router publishes, ``overlap_weight * prefill blocks + decode blocks``:
   prefill blocks are the prompt's blocks not cached on the replica's GPU,
   decode blocks the KV blocks of the requests in flight there (a prefix
   block shared by several of them counted once) -- a load signal in memory
   held, not in work queued.
-- ``least_loaded``: :func:`router.scoring.least_loaded`, as the router's
+- ``least_loaded``: :func:`kvstore.router.scoring.least_loaded`, as the router's
   baseline policy calls it.
 - ``round_robin``, ``random``: blind.
 
@@ -31,10 +31,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from router.index import PrefixIndex
-from router.load import PrefillLoad
-from router.mooncake import MooncakeRequest
-from router.scoring import ReplicaState, Scorer, least_loaded
+from kvstore.benchmarks.mooncake import MooncakeRequest
+from kvstore.router.index import PrefixIndex
+from kvstore.router.load import PrefillLoad
+from kvstore.router.scoring import ReplicaState, Scorer, least_loaded
 
 DYNAMO_OVERLAP_WEIGHT = 1.0
 """Dynamo's default ``--kv-overlap-score-weight``."""

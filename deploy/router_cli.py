@@ -13,13 +13,13 @@ import sys
 
 import uvicorn
 
-from kvstore.config import Config, load_config
+from kvstore.deploy.config import Config, load_config
 from kvstore.errors import ConfigError
-from router.app import create_app
-from router.backends import HttpBackend
-from router.protocol import ModelLimits
-from router.service import ProducerSpec, ReplicaSpec, RouterService
-from router.tokenizer import load_tokenizer
+from kvstore.openai.protocol import ModelLimits
+from kvstore.openai.tokenizer import load_tokenizer
+from kvstore.router.app import create_app
+from kvstore.router.backends import HttpBackend
+from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
 
 
 def build_router(config: Config) -> RouterService:

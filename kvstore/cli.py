@@ -1,46 +1,39 @@
-"""The ``kvstore`` command line.
+"""The ``kvstore`` command line: the one module above every layer.
 
-Each subcommand lives with the code it drives; a module listed in
-COMMAND_MODULES provides ``add_cli(subparsers)``, which adds its parser and
-sets ``func`` (taking the parsed args, returning an exit code). Errors a user
-can fix (bad config, bad flags, unreadable files) print one line and exit 2.
+Each subcommand lives with the code it drives and provides
+``add_cli(subparsers)``, which adds its parser and sets ``func`` (taking the
+parsed args, returning an exit code). This module only assembles them, with
+plain imports so the layering check sees every edge. Errors a user can fix
+(bad config, bad flags, unreadable files) print one line and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
 
+from kvstore.benchmarks import chaos_bench, offload_bench, pool_bench, router_bench, ttft_bench
+from kvstore.benchmarks.replay import cli as replay_cli
+from kvstore.benchmarks.simulate import cli as simulate_cli
+from kvstore.deploy import events_cli, router_cli, serve_cli, worker_cli
 from kvstore.errors import KVStoreError
 
-COMMAND_MODULES: tuple[str, ...] = (
-    "deploy.events_cli",
-    "deploy.worker_http",
-    "router.cli",
-    "deploy.simulate_cli",
-    "deploy.serve_cli",
-    "deploy.replay",
-    "benchmarks.pool_bench",
-    "benchmarks.router_bench",
-    "benchmarks.offload_bench",
-    "benchmarks.ttft_bench",
-    "benchmarks.chaos_bench",
-)
+COMMANDS = (events_cli, worker_cli, router_cli, simulate_cli, serve_cli, replay_cli)
+BENCHMARKS = (pool_bench, router_bench, offload_bench, ttft_bench, chaos_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Distributed multi-tier KV cache for LLM serving.")
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_cli(sub)
     bench = sub.add_parser("bench", help="benchmarks: each prints a table and writes JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    parser.set_defaults(_bench_subparsers=bench_sub)
-    for name in COMMAND_MODULES:
-        module = importlib.import_module(name)
-        module.add_cli(bench_sub if getattr(module, "IS_BENCHMARK", False) else sub)
+    for benchmark in BENCHMARKS:
+        benchmark.add_cli(bench_sub)
     return parser
 
 
@@ -55,7 +48,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``kvstore worker``: one KV worker behind an OpenAI-compatible HTTP front, no Ray.
+"""One KV worker behind an OpenAI-compatible HTTP front, no Ray (``kvstore worker`` serves it).
 
 This is a replica exactly as a vLLM server is one: ``POST /v1/completions``
 (prompt as text or token ids), ``GET /health``, ``GET /metrics`` (503 once
@@ -10,25 +10,19 @@ end without Ray.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvstore.config import load_config
 from kvstore.errors import InvalidRequestError
-from router.protocol import ApiError, ModelLimits, decode_request, prompt_token_ids, validate
-from router.tokenizer import ByteTokenizer
-from workers.api import GenerateRequest, WorkerShutdownError
-from workers.worker import KVWorker
+from kvstore.openai.protocol import ApiError, ModelLimits, decode_request, prompt_token_ids, validate
+from kvstore.openai.tokenizer import ByteTokenizer
+from kvstore.worker_api import GenerateRequest, WorkerShutdownError
+from kvstore.workers.worker import KVWorker
 
 
 def create_worker_app(worker: KVWorker, *, max_body_bytes: int = 4 << 20) -> FastAPI:
@@ -111,33 +105,3 @@ def create_worker_app(worker: KVWorker, *, max_body_bytes: int = 4 << 20) -> Fas
         return Response(worker.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, overrides=args.set)
-    worker = KVWorker(args.name, config)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            worker.shutdown()
-
-    app = create_worker_app(worker)
-    app.router.lifespan_context = lifespan
-    endpoints = worker.event_endpoints()
-    print(f"kvstore worker {args.name}: http://{args.host}:{args.port}", file=sys.stderr)
-    print(f"  events: {endpoints.endpoint}  replay: {endpoints.replay_endpoint}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
-
-
-def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("worker", help="one KV worker with an OpenAI-compatible HTTP front (no Ray)")
-    p.add_argument("--name", default="worker-0")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--config", default=None, help="TOML config file")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
-    p.set_defaults(func=run)

@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 import httpx
 from tqdm import tqdm
 
-from deploy.replay_workload import ReplayRequest, Workload
+from kvstore.benchmarks.replay.workload import ReplayRequest, Workload
 from kvstore.errors import ConfigError
 
 ScheduleMode = Literal["trace", "rate", "concurrency"]

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from deploy.replay_client import RunResult
+from kvstore.benchmarks.replay.client import RunResult
 from kvstore.events import MEDIA
 
 

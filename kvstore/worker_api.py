@@ -20,7 +20,7 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     need not be unique. ``cache_salt`` and ``lora_name`` feed the block
     hashes' extra keys (a salted request shares no cache with an unsalted
     one). Validated by the worker before queuing: see
-    :func:`workers.validation.validate_request`.
+    :func:`kvstore.workers.validation.validate_request`.
     """
 
     token_ids: list[int]

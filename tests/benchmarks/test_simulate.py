@@ -7,16 +7,22 @@ from pathlib import Path
 
 import pytest
 
-import router.service
-import router.sim_policies
-from deploy.cli import main
-from kvstore.config import RouterConfig
+from kvstore.benchmarks.mooncake import DEFAULT_TRACE, TraceExpander, read_trace
+from kvstore.benchmarks.simulate import policies as sim_policies
+from kvstore.benchmarks.simulate.engine import (
+    POLICIES,
+    SimulationSettings,
+    percentile,
+    simulate_policy,
+    speedup_for_utilization,
+)
+from kvstore.benchmarks.simulate.replica import PrefillServer
+from kvstore.cli import main
 from kvstore.hashing import BlockHasher
-from router.load import PrefillLoad
-from router.mooncake import DEFAULT_TRACE, TraceExpander, read_trace
-from router.scoring import Decision, ReplicaState, Scorer
-from router.sim_replica import PrefillServer
-from router.simulate import POLICIES, SimulationSettings, percentile, simulate_policy, speedup_for_utilization
+from kvstore.router import service as router_service
+from kvstore.router.config import RouterConfig
+from kvstore.router.load import PrefillLoad
+from kvstore.router.scoring import Decision, ReplicaState, Scorer
 
 FAST = ["--prefill-tps", "20000", "--decode-tps", "1000"]  # skip measuring the worker model
 
@@ -81,9 +87,9 @@ def test_percentile_interpolates_and_speedup_targets_the_offered_load() -> None:
 
 def test_the_simulated_router_decides_with_the_production_scoring_code(monkeypatch: pytest.MonkeyPatch) -> None:
     """One Scorer, one least_loaded, one PrefillLoad: the simulator and the router service cannot drift apart."""
-    assert router.sim_policies.Scorer is router.service.Scorer
-    assert router.sim_policies.least_loaded is router.service.least_loaded
-    assert router.sim_policies.PrefillLoad is router.service.PrefillLoad
+    assert sim_policies.Scorer is router_service.Scorer
+    assert sim_policies.least_loaded is router_service.least_loaded
+    assert sim_policies.PrefillLoad is router_service.PrefillLoad
     calls: list[tuple[dict[str, ReplicaState], Decision]] = []
     production_choose = Scorer.choose
 

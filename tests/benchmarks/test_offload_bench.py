@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import offload_bench
+from kvstore.benchmarks import offload_bench
 from kvstore.errors import ConfigError
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import router_bench
+from kvstore.benchmarks import router_bench
+from kvstore.benchmarks.mooncake import DEFAULT_TRACE
 from kvstore.errors import ConfigError
-from router.mooncake import DEFAULT_TRACE
 
 # 200 requests: enough for a few conversations to have a second turn (those the spread puts on several replicas).
 TINY = ["--limit", "200", "--lookup-limit", "200", "--blocks", "100000", "--queries", "30", "--repeat", "1"]

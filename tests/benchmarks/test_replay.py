@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 import ray
 
-from deploy.cli import main
-from deploy.launcher import build_service, place_workers
-from deploy.replay_client import Outcome, RunResult, check_url, make_schedule
-from deploy.replay_report import format_table, max_over_mean, percentile, summarize
-from deploy.replay_workload import (
+from kvstore.benchmarks.mooncake import DEFAULT_TRACE, MooncakeRequest
+from kvstore.benchmarks.replay.client import Outcome, RunResult, check_url, make_schedule
+from kvstore.benchmarks.replay.report import format_table, max_over_mean, percentile, summarize
+from kvstore.benchmarks.replay.workload import (
     ModelShape,
     expand_mooncake,
     hash_id_tokens,
@@ -25,10 +24,11 @@ from deploy.replay_workload import (
     scaled_length,
     synthetic_workload,
 )
-from kvstore.config import config_from_dict
+from kvstore.cli import main
+from kvstore.deploy.config import config_from_dict
+from kvstore.deploy.launcher import build_service, place_workers
 from kvstore.errors import ConfigError
-from router.app import create_app
-from router.mooncake import DEFAULT_TRACE, MooncakeRequest
+from kvstore.router.app import create_app
 from tests.http_servers import ServerThread
 
 SHAPE = ModelShape(vocab_size=512, max_context=2048)

@@ -4,7 +4,7 @@
 :class:`~kvstore.block_pool.BlockPool`, driven as a worker's KV cache manager
 drives it -- that hands every store and eviction, as the pool's own
 ``BlockStored``/``BlockRemoved`` events, to a publish callback (the
-simulator applies them to a real :class:`~router.index.PrefixIndex`).
+simulator applies them to a real :class:`~kvstore.router.index.PrefixIndex`).
 Requests are not kept running in the cache: a prompt's blocks are looked up,
 allocated, cached and freed at once, so the pool is a pure LRU of prompts
 with vLLM's eviction order (a request's tail before its shared prefix).

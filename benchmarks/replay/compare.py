@@ -10,9 +10,9 @@ Runs, in order, each on fresh workers (cold caches) and its own router:
   with nothing cached it balances load only.
 
 Ray is started once (embedded, unless the caller already initialised it)
-and kept up across the three runs: :func:`deploy.launcher.launch` then
+and kept up across the three runs: :func:`kvstore.deploy.launcher.launch` then
 leaves Ray alone, and :meth:`Deployment.stop` only kills the run's actors.
-Each router is the real app (:func:`router.app.create_app`) under uvicorn
+Each router is the real app (:func:`kvstore.router.app.create_app`) under uvicorn
 on ``127.0.0.1`` with a free port, in a thread of this process.
 """
 
@@ -32,13 +32,13 @@ import httpx
 import ray
 import uvicorn
 
-from deploy.launcher import NAMESPACE, Deployment, launch
-from deploy.replay_client import RunResult, Schedule, run_replay
-from deploy.replay_workload import Workload
-from kvstore.config import Config, load_config
+from kvstore.benchmarks.replay.client import RunResult, Schedule, run_replay
+from kvstore.benchmarks.replay.workload import Workload
+from kvstore.deploy.config import Config, load_config
+from kvstore.deploy.launcher import NAMESPACE, Deployment, launch
 from kvstore.errors import ConfigError
-from router.app import create_app
-from workers.api import GenerateRequest
+from kvstore.router.app import create_app
+from kvstore.worker_api import GenerateRequest
 
 logger = logging.getLogger(__name__)
 

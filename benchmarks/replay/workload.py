@@ -1,6 +1,6 @@
 """The requests ``kvstore replay`` sends: a Mooncake trace expanded into token ids, or a synthetic workload.
 
-Mooncake (:mod:`router.mooncake` parses the file): each 512-token hash id of
+Mooncake (:mod:`kvstore.benchmarks.mooncake` parses the file): each 512-token hash id of
 a prompt becomes ``block_tokens`` tokens, so a trace prompt of ``L`` tokens
 becomes about ``L * block_tokens / 512`` tokens and keeps its whole prefix
 structure -- equal hash ids give equal tokens, so two requests share exactly
@@ -9,7 +9,7 @@ the cache's ``block_size`` (16 by default) one hash id is one KV block.
 
 The tokens of hash id ``k`` are deterministic: ``shake_128(k)`` read as
 ``block_tokens`` 32-bit words, each modulo the model's vocabulary. This is
-:class:`~router.mooncake.TraceExpander`'s scheme (token ``j`` of id ``k``
+:class:`~kvstore.benchmarks.mooncake.TraceExpander`'s scheme (token ``j`` of id ``k``
 is ``k * 512 + j``) folded into a small vocabulary: plain ``k * T + j``
 modulo 512 would repeat every ``512 / T`` ids and turn distinct blocks into
 false prefix hits; a hash does not (two ids collide with probability
@@ -32,8 +32,8 @@ import random
 from pathlib import Path
 from typing import NamedTuple
 
+from kvstore.benchmarks.mooncake import MOONCAKE_BLOCK_TOKENS, MooncakeRequest, iter_trace
 from kvstore.errors import ConfigError
-from router.mooncake import MOONCAKE_BLOCK_TOKENS, MooncakeRequest, iter_trace
 
 
 class ReplayRequest(NamedTuple):
@@ -75,7 +75,7 @@ def expand_mooncake(request: MooncakeRequest, block_tokens: int, vocab_size: int
     """The prompt of one trace request: its hash ids' tokens, cut at its scaled input length.
 
     A prompt covers at most ``len(hash_ids) * 512`` trace tokens, as in
-    :class:`~router.mooncake.TraceExpander`; every prompt has at least one token.
+    :class:`~kvstore.benchmarks.mooncake.TraceExpander`; every prompt has at least one token.
     """
     covered = min(request.input_length, len(request.hash_ids) * MOONCAKE_BLOCK_TOKENS)
     length = max(1, scaled_length(covered, block_tokens))

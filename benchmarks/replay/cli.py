@@ -4,13 +4,13 @@ Two modes:
 
 - ``--url URL``: load a running router (``kvstore serve``, ``kvstore
   router``) with a Mooncake trace slice or a synthetic shared-prefix
-  workload (:mod:`deploy.replay_workload`), on the trace's timestamps, a
-  fixed rate, or a fixed concurrency (:mod:`deploy.replay_client`);
+  workload (:mod:`kvstore.benchmarks.replay.workload`), on the trace's timestamps, a
+  fixed rate, or a fixed concurrency (:mod:`kvstore.benchmarks.replay.client`);
 - ``--compare``: start the service in this process three times and replay
   the same workload against cache-aware routing, round robin, and caching
-  off (:mod:`deploy.replay_compare`).
+  off (:mod:`kvstore.benchmarks.replay.compare`).
 
-Either way it prints a table (:mod:`deploy.replay_report` defines every
+Either way it prints a table (:mod:`kvstore.benchmarks.replay.report` defines every
 number), and optionally writes JSON (``--json``) and a PNG (``--plot``).
 Every mistake a user can fix -- flags, URL, trace file, an unwritable
 output path -- raises :class:`~kvstore.errors.ConfigError` before any
@@ -25,14 +25,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from deploy.replay_client import RunResult, Schedule, check_url, make_schedule, run_replay
-from deploy.replay_compare import BASE_OVERRIDES, RUNS, run_comparison, run_config
-from deploy.replay_plot import write_plot
-from deploy.replay_report import ReplayReport, format_table, summarize
-from deploy.replay_workload import ModelShape, Workload, mooncake_workload, synthetic_workload, trace_span_s
-from kvstore.config import WorkerConfig
+from kvstore.benchmarks.mooncake import DEFAULT_TRACE
+from kvstore.benchmarks.replay.client import RunResult, Schedule, check_url, make_schedule, run_replay
+from kvstore.benchmarks.replay.compare import BASE_OVERRIDES, RUNS, run_comparison, run_config
+from kvstore.benchmarks.replay.plot import write_plot
+from kvstore.benchmarks.replay.report import ReplayReport, format_table, summarize
+from kvstore.benchmarks.replay.workload import ModelShape, Workload, mooncake_workload, synthetic_workload, trace_span_s
 from kvstore.errors import ConfigError
-from router.mooncake import DEFAULT_TRACE
+from kvstore.workers.config import WorkerConfig
 
 FORMATS = ("mooncake", "synthetic")
 DEFAULT_BLOCK_TOKENS = 16

@@ -1,0 +1,45 @@
+"""``kvstore worker``: one KV worker behind its OpenAI-compatible HTTP front, no Ray."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+
+from kvstore.deploy.config import load_config
+from kvstore.workers.http import create_worker_app
+from kvstore.workers.worker import KVWorker
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, overrides=args.set)
+    worker = KVWorker(args.name, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            worker.shutdown()
+
+    app = create_worker_app(worker)
+    app.router.lifespan_context = lifespan
+    endpoints = worker.event_endpoints()
+    print(f"kvstore worker {args.name}: http://{args.host}:{args.port}", file=sys.stderr)
+    print(f"  events: {endpoints.endpoint}  replay: {endpoints.replay_endpoint}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("worker", help="one KV worker with an OpenAI-compatible HTTP front (no Ray)")
+    p.add_argument("--name", default="worker-0")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--config", default=None, help="TOML config file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
+    p.set_defaults(func=run)

@@ -1,0 +1,107 @@
+"""The ``router`` section of the configuration, and what the router reads of the whole tree."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Protocol
+
+import msgspec
+from msgspec import Meta
+
+from kvstore.config import CacheConfig, Fraction, NonNegativeInt, PositiveInt, is_z85_key
+
+
+class ExternalReplica(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One replica the router does not manage: a vLLM server or ``kvstore worker``."""
+
+    name: str
+    url: str
+    """Base URL of its OpenAI-compatible API, e.g. ``http://10.0.0.5:8000``."""
+    events: str
+    """Its KV events PUB endpoint, e.g. ``tcp://10.0.0.5:5557``."""
+    replay: str | None = None
+    """Its replay ROUTER endpoint (gap recovery); None = no recovery beyond the live stream."""
+    node: str | None = None
+    """Node it runs on (tier streams of that node count for it)."""
+    rekey: bool = False
+    """True when it hashes differently (another algorithm or seed): re-key from token ids."""
+    model: str | None = None
+    """``model`` to send it; None = forward the client's."""
+    curve_server_key: str | None = None
+    """Its event publisher's CURVE public key (Z85, 40 characters) when it runs with CURVE; None = plain."""
+
+    def __post_init__(self) -> None:
+        key = self.curve_server_key
+        if key is not None and not is_z85_key(key):
+            raise ValueError("curve_server_key must be a 40-character Z85 public key (zmq.curve_keypair()), or unset")
+
+
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The cache-aware router (owned by the router package).
+
+    Scoring (router/scoring.py): the replica with the lowest cost wins, where
+    cost = prefill_weight * tokens still to prefill after hit credits
+         + outstanding_weight * outstanding work (token equivalents)
+         + running_weight * running requests + waiting_weight * waiting requests
+         + kv_usage_weight * KV usage (0..1).
+    """
+
+    host: str = "127.0.0.1"
+    port: NonNegativeInt = 8000
+    gpu_hit_credit: Fraction = 1.0
+    """Share of a block's prefill saved when the replica holds it on GPU."""
+    cpu_hit_credit: Fraction = 0.8
+    """Share saved by a CPU-tier hit (the block must still be copied to the GPU)."""
+    storage_hit_credit: Fraction = 0.5
+    """Share saved by a disk-tier hit (read from disk, then copied to the GPU)."""
+    prefill_weight: Annotated[float, Meta(ge=0.0)] = 1.0
+    """Cost per token the chosen replica would have to prefill."""
+    outstanding_weight: Annotated[float, Meta(ge=0.0)] = 0.5
+    """Cost per token of work already queued or running on the replica. Below 1 a replica
+    holding the prefix keeps a request even if that costs it some queueing: measured with
+    ``kvstore simulate`` on the Mooncake conversation trace (docs/router.md)."""
+    running_weight: Annotated[float, Meta(ge=0.0)] = 0.0
+    """Cost per running request, in tokens."""
+    waiting_weight: Annotated[float, Meta(ge=0.0)] = 0.0
+    """Cost per waiting (admitted but not yet scheduled) request, in tokens."""
+    kv_usage_weight: Annotated[float, Meta(ge=0.0)] = 0.0
+    """Cost of a full KV pool (usage 1.0), in tokens; scales linearly with usage."""
+    prefill_tps: Annotated[float, Meta(ge=0.0)] = 0.0
+    """Each replica's prefill throughput (tokens/s), at which the router's estimate of its queued prefill
+    drains (router/load.py); 0 = learn it from the timings responses report."""
+    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
+    """0 picks the lowest cost (ties at random); > 0 samples a softmax over normalised costs."""
+    policy: Literal["kvstore", "round_robin", "random", "least_loaded"] = "kvstore"
+    """Routing policy: ``kvstore`` (cached prefix vs load, the Scorer); the others are baselines
+    that ignore the cache (used by ``kvstore replay --compare``)."""
+    model_name: str = "kvstore-toy"
+    """Reported as ``model`` in completions when the request names none."""
+    tokenizer: str = ""
+    """Path to a ``tokenizer.json`` for text prompts; empty = byte-level (our workers' model)."""
+    vocab_size: NonNegativeInt = 0
+    """Token ids must be below this; 0 = ask the replicas (Ray workers) or no check beyond >= 0."""
+    max_context: NonNegativeInt = 0
+    """Prompt + max_tokens limit; 0 = ask the replicas (Ray workers)."""
+    api_key: str = ""
+    """When set, every route but /healthz needs ``Authorization: Bearer <api_key>``."""
+    max_body_bytes: PositiveInt = 4 << 20
+    """Larger request bodies get 413."""
+    health_interval_s: Annotated[float, Meta(gt=0.0)] = 1.0
+    """How often each replica's load/health is polled."""
+    unhealthy_after: PositiveInt = 2
+    """Consecutive failed polls before a replica stops being routed to (a failed request is enough)."""
+    sync_timeout_s: Annotated[float, Meta(gt=0.0)] = 2.0
+    """Deadline of one replay or snapshot request to a producer."""
+    request_timeout_s: Annotated[float, Meta(gt=0.0)] = 300.0
+    """Deadline of one completion on a replica."""
+    replicas: list[ExternalReplica] = msgspec.field(default_factory=list)
+    """External OpenAI-compatible replicas (``kvstore router``); ``kvstore serve`` places its own."""
+
+
+class RouterSettings(Protocol):
+    """The sections of the configuration tree the router reads (the whole tree satisfies it)."""
+
+    @property
+    def cache(self) -> CacheConfig: ...
+
+    @property
+    def router(self) -> RouterConfig: ...

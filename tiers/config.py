@@ -1,0 +1,46 @@
+"""The ``tiers`` section of the configuration: each node's CPU arena and disk tier."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+
+class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """CPU arena and disk tier of each node (owned by the tiers package).
+
+    Sizes that depend on the model (slots = capacity // block bytes) are
+    checked when the tier store starts, where the block size is known.
+    """
+
+    enabled: bool = True
+    """Start a tier actor on each node; off, evicted GPU blocks are simply dropped."""
+    cpu_capacity_bytes: Annotated[int, Meta(ge=1)] = 2 * 1024**3
+    """Bytes of the shared-memory CPU arena per node, one slot per block (at least one block:
+    disk reads and writes are staged through it)."""
+    shm_dir: str = "/dev/shm"
+    """Directory of the POSIX shared-memory arena file; must be a tmpfs with room for the arena."""
+    cpu_prefault: bool = True
+    """Reserve and touch every arena page at start: a too-small /dev/shm fails then, not with SIGBUS later."""
+    copy_threads: Annotated[int, Meta(ge=1)] = 2
+    """Threads of the copy engine (host copies; one waits on CUDA events when there is a GPU)."""
+    disk_dir: str | None = None
+    """Root of the disk tier (one subdirectory per cache identity); None turns the disk tier off."""
+    disk_capacity_bytes: Annotated[int, Meta(ge=0)] = 64 * 1024**3
+    """Bytes of block files (headers included) kept under the identity's directory; LRU beyond that."""
+    disk_direct_io: bool = True
+    """Use O_DIRECT where the file system and the block size allow it; else buffered I/O."""
+    disk_fsync: bool = False
+    """fsync each file before its rename (survives power loss; the checksum already turns torn files into misses)."""
+    io_deadline_s: Annotated[float, Meta(gt=0.0)] = 5.0
+    """Deadline of every disk I/O (queueing included); a late I/O is a miss or "not stored"."""
+    max_concurrent_io: Annotated[int, Meta(ge=1)] = 16
+    """Disk I/Os in flight at once (also the size of their thread pool)."""
+    write_through: bool = False
+    """Also write every spilled block to disk at once; the default writes back on CPU eviction."""
+    admit_after_spills: Annotated[int, Meta(ge=1)] = 1
+    """Admit a block on its N-th spill (1 admits every block; 2 keeps one-off blocks out)."""
+    admission_window_blocks: Annotated[int, Meta(ge=1)] = 65_536
+    """Hashes remembered by the admission filter (LRU) while they wait for their N-th spill."""
