@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from kvstore.benchmarks.ttft_bench import BENCH_MODEL
 from kvstore.deploy.config import Config, load_config
+from kvstore.events import Medium
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.link import TierLink
@@ -76,11 +77,11 @@ def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def _tiered_hit(length: int, cpu_slots: int, medium: str, rng: random.Random) -> tuple[float, float, float]:
+def _tiered_hit(length: int, cpu_slots: int, medium: Medium, rng: random.Random) -> tuple[float, float, float]:
     """(recompute, GPU hit, tier hit) TTFT in ms for one fresh worker whose tier serves ``medium``."""
     with tempfile.TemporaryDirectory(prefix="kvstore-ttft-") as tmp:
         # The CPU case has no disk: its arena holds every block spilled, so nothing is written back.
-        config = _config(length, cpu_slots=cpu_slots, disk_dir=Path(tmp) if medium == "STORAGE" else None)
+        config = _config(length, cpu_slots=cpu_slots, disk_dir=Path(tmp) if medium == Medium.STORAGE else None)
         client = LocalTierClient(config.tiers, cache_identity(config))
         offload = TierOffload(TierLink(client, cache_identity(config)))
         worker = KVWorker("bench", config, offload=offload)
@@ -93,11 +94,11 @@ def _tiered_hit(length: int, cpu_slots: int, medium: str, rng: random.Random) ->
 
             recompute = run(prompt)
             gpu = run([*prompt[:-BLOCK], *(t ^ 1 for t in prompt[-BLOCK:])])
-            assert gpu.cached_tokens_by_medium["GPU"] >= length - 2 * BLOCK, gpu.cached_tokens_by_medium
+            assert gpu.cached_tokens_by_medium[Medium.GPU] >= length - 2 * BLOCK, gpu.cached_tokens_by_medium
             for other in others:  # evict (spill) every block of the prompt: the pool holds one prompt
                 run(other)
             hashes = [to_external(h) for h in BlockHasher.from_config(config.cache).hash_blocks(prompt)]
-            want = len(hashes) - 1 if medium == "CPU" else len(hashes) - 1 - cpu_slots
+            want = len(hashes) - 1 if medium == Medium.CPU else len(hashes) - 1 - cpu_slots
 
             def settled() -> bool:
                 hit = client.lookup(hashes[: len(hashes) - 1])
@@ -106,7 +107,7 @@ def _tiered_hit(length: int, cpu_slots: int, medium: str, rng: random.Random) ->
             _wait(settled)
             tier = run([*prompt[:-BLOCK], *(t ^ 2 for t in prompt[-BLOCK:])])
             assert tier.cached_tokens_by_medium[medium] > 0, tier.cached_tokens_by_medium
-            assert tier.cached_tokens_by_medium["GPU"] == 0, tier.cached_tokens_by_medium
+            assert tier.cached_tokens_by_medium[Medium.GPU] == 0, tier.cached_tokens_by_medium
             return recompute.ttft_s * 1e3, gpu.ttft_s * 1e3, tier.ttft_s * 1e3
         finally:
             worker.shutdown()
@@ -120,7 +121,7 @@ def measure_ttft(lengths: list[int], *, seed: int = 0) -> list[TTFTRow]:
     rows = []
     for length in lengths:
         arena = 4 * (-(-length // BLOCK) + 1) + 8  # the prompt, its variant and the two evicting prompts
-        recompute, gpu, cpu = _tiered_hit(length, cpu_slots=arena, medium="CPU", rng=rng)
-        _, _, disk = _tiered_hit(length, cpu_slots=2, medium="STORAGE", rng=rng)
+        recompute, gpu, cpu = _tiered_hit(length, cpu_slots=arena, medium=Medium.CPU, rng=rng)
+        _, _, disk = _tiered_hit(length, cpu_slots=2, medium=Medium.STORAGE, rng=rng)
         rows.append(TTFTRow(length, recompute, gpu, cpu, disk))
     return rows

@@ -228,6 +228,8 @@ def _tier_locator(tier: PlacedTier) -> Callable[[], Awaitable[tuple[str, str | N
     async def locate() -> tuple[str, str | None]:
         handle = await _tier_actor(tier.node)
         endpoints = await asyncio.wait_for(handle.event_endpoints.remote(), _TIER_CALL_S)
+        if endpoints is None:
+            raise RuntimeError(f"the tier of node {tier.node} publishes no KV events")
         return (
             routable_endpoint(endpoints.endpoint, tier.ip),
             routable_endpoint(endpoints.replay_endpoint, tier.ip),

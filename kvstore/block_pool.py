@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from kvstore.hashing import BlockHash, ExternalBlockHash, to_external
 
 
@@ -88,7 +88,7 @@ class BlockPool:
         *,
         block_size: int,
         enable_caching: bool = True,
-        medium: str = "GPU",
+        medium: Medium = Medium.GPU,
         on_evict: EvictionHook | None = None,
     ) -> None:
         if num_blocks < 1:

@@ -20,16 +20,24 @@ The decoder is strict where it must be and lenient where vLLM has been:
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
 from kvstore.errors import EventDecodeError
 
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
-MEDIUM_STORAGE = "STORAGE"
-MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
+
+class Medium(StrEnum):
+    """Where a block lives: the ``medium`` field of vLLM's events. Its values are the wire strings."""
+
+    GPU = "GPU"
+    CPU = "CPU"
+    STORAGE = "STORAGE"
+
+
+MEDIA: tuple[Medium, ...] = tuple(Medium)
+"""Every medium, fastest first."""
 
 _LOW_64 = (1 << 64) - 1
 

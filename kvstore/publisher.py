@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
+import msgspec
 import zmq
 
 from kvstore.config import EventsConfig
@@ -56,6 +57,13 @@ SnapshotSource = Callable[[], Snapshot]
 Called on the publisher thread: the owner must make it safe against its own
 mutations (e.g. take the lock it holds while mutating and publishing).
 """
+
+
+class EventEndpoints(msgspec.Struct, frozen=True):
+    """Where a producer's KV events are published (PUB) and replayed or snapshotted (ROUTER), as bound."""
+
+    endpoint: str
+    replay_endpoint: str
 
 
 class PublisherStats(NamedTuple):
@@ -84,6 +92,10 @@ class NullEventPublisher:
         with self._lock:
             self._seq += 1
             return self._seq
+
+    @property
+    def endpoints(self) -> EventEndpoints | None:
+        return None
 
     def close(self) -> None:
         return None
@@ -138,6 +150,11 @@ class ZmqEventPublisher:
             raise
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
+
+    @property
+    def endpoints(self) -> EventEndpoints:
+        """The bound PUB and ROUTER endpoints (a ``*`` port resolved to the real one)."""
+        return EventEndpoints(self.endpoint, self.replay_endpoint)
 
     @property
     def last_seq(self) -> int:

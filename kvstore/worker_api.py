@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from kvstore.errors import KVStoreError
+from kvstore.events import Medium
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):
@@ -46,7 +47,7 @@ class GenerateResult(msgspec.Struct, frozen=True):
     prompt_tokens: int
     output_token_ids: list[int]
     cached_tokens: int
-    cached_tokens_by_medium: dict[str, int]
+    cached_tokens_by_medium: dict[Medium, int]
     queue_s: float
     ttft_s: float
     total_s: float
@@ -70,13 +71,6 @@ class ModelInfo(msgspec.Struct, frozen=True):
     block_size: int
     hash_algo: str
     hash_seed: str
-
-
-class EventEndpoints(msgspec.Struct, frozen=True):
-    """Where the worker's KV events are published (PUB) and replayed/snapshotted (ROUTER)."""
-
-    endpoint: str
-    replay_endpoint: str
 
 
 class WorkerShutdownError(KVStoreError, RuntimeError):

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.events import MEDIA, MEDIUM_GPU
+from kvstore.events import MEDIA, Medium
 
 
 class ReplicaUnavailable(Exception):
@@ -51,7 +51,7 @@ class ReplicaResult(NamedTuple):
     output_token_ids: list[int] | None  # None when the replica returns text only
     text: str | None  # None when the router should detokenise output_token_ids
     prompt_tokens: int
-    cached_tokens_by_medium: dict[str, int]
+    cached_tokens_by_medium: dict[Medium, int]
     queue_s: float | None
     ttft_s: float | None
     total_s: float
@@ -202,7 +202,7 @@ class HttpBackend:
             if isinstance(ours.get("cached_tokens"), dict):
                 by_medium.update({m: int(ours["cached_tokens"].get(m, 0)) for m in MEDIA})
             else:
-                by_medium[MEDIUM_GPU] = int(details.get("cached_tokens") or 0)
+                by_medium[Medium.GPU] = int(details.get("cached_tokens") or 0)
             return ReplicaResult(
                 output_token_ids=choice.get("token_ids"),
                 text=str(choice.get("text", "")),

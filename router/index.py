@@ -73,15 +73,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from kvstore.config import CacheConfig
-from kvstore.events import (
-    MEDIUM_CPU,
-    MEDIUM_GPU,
-    MEDIUM_STORAGE,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-)
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Medium
 from kvstore.hashing import BlockHasher
 from kvstore.router.rekey import RekeyedStore, Rekeyer
 
@@ -90,8 +82,8 @@ PRODUCER_KINDS: tuple[ProducerKind, ...] = ("gpu", "tier")
 
 # Positions in a node tuple; a medium's slot is its position.
 _PARENT, GPU, CPU, STORAGE, _CHILDREN = 0, 1, 2, 3, 4
-_MEDIUM_NAMES = {GPU: MEDIUM_GPU, CPU: MEDIUM_CPU, STORAGE: MEDIUM_STORAGE}
-_MEDIUM_SLOT = {name: slot for slot, name in _MEDIUM_NAMES.items()}
+_MEDIUM_NAMES = {GPU: Medium.GPU, CPU: Medium.CPU, STORAGE: Medium.STORAGE}
+_MEDIUM_SLOT: dict[str, int] = {name.value: slot for slot, name in _MEDIUM_NAMES.items()}
 _MEMO_LIMIT = 65_536
 
 Node = tuple[Any, int, int, int, Any]

@@ -19,11 +19,12 @@ module                        what it holds
 Imports point one way: tiers uses kvstore, never workers, router or deploy.
 """
 
+from kvstore.publisher import EventEndpoints
 from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
 from kvstore.tiers.stats import TierStats
-from kvstore.tiers.store import EventEndpoints, TierStore
+from kvstore.tiers.store import TierStore
 
 __all__ = [
     "ArenaInfo",

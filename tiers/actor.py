@@ -27,13 +27,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstore.config import EventsConfig
 from kvstore.metrics import render
+from kvstore.publisher import EventEndpoints
 from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.metrics import TierCollector
 from kvstore.tiers.shared_memory import ArenaInfo
 from kvstore.tiers.stats import TierStats
-from kvstore.tiers.store import EventEndpoints, TierStore, default_arena_name
+from kvstore.tiers.store import TierStore, default_arena_name
 
 TIER_NAMESPACE = "kvstore"
 
@@ -85,7 +86,7 @@ class TierActor:
         registry.register(TierCollector(self._store.stats))
         return render(registry)
 
-    async def event_endpoints(self) -> EventEndpoints:
+    async def event_endpoints(self) -> EventEndpoints | None:
         return self._store.event_endpoints
 
     async def flush_events(self, timeout_s: float = 5.0) -> bool:

@@ -15,6 +15,7 @@ import msgspec
 import torch
 
 from kvstore.block_pool import KVCacheBlock
+from kvstore.events import Medium
 from kvstore.hashing import BlockHash, ExternalBlockHash, to_external
 from kvstore.tiers.errors import InvalidBlockError
 
@@ -70,7 +71,7 @@ class TierHit(NamedTuple):
     """What :meth:`TierStore.lookup` found."""
 
     num_blocks: int  # consecutive blocks found, counting from the lookup's ``start``
-    media: tuple[str, ...]  # the medium holding each of them: "CPU" or "STORAGE"
+    media: tuple[Medium, ...]  # the medium holding each of them: CPU or STORAGE
 
 
 class SlotGrant(NamedTuple):
@@ -84,12 +85,12 @@ class SlotGrant(NamedTuple):
     lease_id: int
     slot: int  # row of the arena tensor
     block_hash: ExternalBlockHash
-    medium: str  # where the block was found: "CPU", or "STORAGE" (promoted into the slot); "CPU" for writes
+    medium: Medium  # where the block was found: CPU, or STORAGE (promoted into the slot); CPU for writes
 
 
 class TierGet(NamedTuple):
     """Blocks read back by :meth:`TierStore.get`."""
 
     num_blocks: int  # consecutive blocks found (a prefix of those asked for)
-    media: tuple[str, ...]  # where each was found: "CPU" or "STORAGE" (then promoted into CPU)
+    media: tuple[Medium, ...]  # where each was found: CPU or STORAGE (then promoted into CPU)
     data: torch.Tensor  # [num_blocks, *block_shape] of the identity's dtype

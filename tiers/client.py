@@ -21,13 +21,14 @@ from typing import Any, Protocol, TypeVar
 import ray
 
 from kvstore.config import EventsConfig
+from kvstore.publisher import EventEndpoints
 from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.errors import TierError, TierTimeoutError, TierUnavailableError
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.shared_memory import ArenaInfo
 from kvstore.tiers.stats import TierStats
-from kvstore.tiers.store import EventEndpoints, TierStore
+from kvstore.tiers.store import TierStore
 
 T = TypeVar("T")
 
@@ -110,7 +111,7 @@ class LocalTierClient:
     def arena_info(self) -> ArenaInfo:
         return self._call(lambda: self.store.arena_info)
 
-    def event_endpoints(self) -> EventEndpoints:
+    def event_endpoints(self) -> EventEndpoints | None:
         return self._call(lambda: self.store.event_endpoints)
 
     def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit:

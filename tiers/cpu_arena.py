@@ -42,7 +42,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 
-from kvstore.events import MEDIUM_CPU, BlockStored, KVEvent
+from kvstore.events import BlockStored, KVEvent, Medium
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.errors import LeaseError
 from kvstore.tiers.shared_memory import SharedSlots
@@ -179,7 +179,7 @@ class CpuArena:
         del self._writing[lease.meta.block_hash]
         with self._lock:
             self._index[lease.meta.block_hash] = lease.slot
-        self._events.append(block_stored(lease.meta, self.block_size, MEDIUM_CPU))
+        self._events.append(block_stored(lease.meta, self.block_size, Medium.CPU))
 
     def acquire(self, meta: BlockMeta) -> Lease | None:
         """A read lease on the cached block ``meta`` (now most recently used), or None on a miss.
@@ -252,7 +252,7 @@ class CpuArena:
         with self._lock:
             # A cached slot's meta only changes after its index entry is popped (under the lock).
             metas = [self._meta[slot] for slot in self._index.values()]
-        return [block_stored(meta, self.block_size, MEDIUM_CPU) for meta in metas if meta is not None]
+        return [block_stored(meta, self.block_size, Medium.CPU) for meta in metas if meta is not None]
 
     def entries(self) -> Iterator[BlockMeta]:
         """Cached blocks, least recently used first."""
@@ -288,7 +288,7 @@ class CpuArena:
             slot = self._index.pop(block_hash)
         meta = self._meta[slot]
         assert meta is not None
-        self._events.append(block_removed(meta, MEDIUM_CPU))
+        self._events.append(block_removed(meta, Medium.CPU))
         return self._grant(slot, meta, LeaseKind.READ)
 
     def _free_slot(self, slot: int) -> None:

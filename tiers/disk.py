@@ -78,7 +78,7 @@ from typing import NamedTuple
 
 import aiofiles.os
 
-from kvstore.events import MEDIUM_STORAGE, BlockStored, KVEvent
+from kvstore.events import BlockStored, KVEvent, Medium
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.disk_format import (
     ALIGN,
@@ -266,7 +266,7 @@ class DiskTier:
         """Every stored block as a BlockStored (medium STORAGE). Safe from another thread."""
         with self._lock:
             metas = [entry.meta for entry in self._index.values()]
-        return [block_stored(meta, self.identity.block_size, MEDIUM_STORAGE) for meta in metas]
+        return [block_stored(meta, self.identity.block_size, Medium.STORAGE) for meta in metas]
 
     # ---------------------------------------------------------------------- io
 
@@ -493,7 +493,7 @@ class DiskTier:
         self._generation += 1
         with self._lock:
             self._index[meta.block_hash] = _Entry(meta, self._generation)
-        self._events.append(block_stored(meta, self.identity.block_size, MEDIUM_STORAGE))
+        self._events.append(block_stored(meta, self.identity.block_size, Medium.STORAGE))
 
     def _touch(self, block_hash: int) -> None:
         with self._lock:
@@ -508,7 +508,7 @@ class DiskTier:
             del self._index[block_hash]
         if unlink:
             _remove(self.path_of(block_hash))
-        self._events.append(block_removed(entry.meta, MEDIUM_STORAGE))
+        self._events.append(block_removed(entry.meta, Medium.STORAGE))
 
     def _choose_io_mode(self, wanted: bool) -> tuple[bool, str]:
         if not wanted:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvstore.events import Medium
 from kvstore.tiers.blocks import BlockMeta, TierHit
 from kvstore.tiers.client import TierClient
 from kvstore.tiers.copy_engine import CopyEngine
@@ -31,7 +32,7 @@ from kvstore.tiers.shared_memory import SharedSlots
 
 class Promoted(NamedTuple):
     block_ids: tuple[int, ...]  # pool blocks now holding the promoted KV, in prefix order
-    media: tuple[str, ...]  # where each block came from: "CPU" or "STORAGE"
+    media: tuple[Medium, ...]  # where each block came from: CPU or STORAGE
 
 
 class TierLink:
@@ -95,7 +96,7 @@ class TierLink:
         Returns after the copies.
         """
         block_ids: list[int] = []
-        media: list[str] = []
+        media: list[Medium] = []
         while len(media) < len(blocks):
             grants = self.client.acquire(blocks[len(media) :], self.slots.incarnation)
             if not grants:

@@ -11,6 +11,8 @@ from collections import Counter
 
 import msgspec
 
+from kvstore.events import Medium
+
 OFFLOAD_SECONDS_BOUNDS: tuple[float, ...] = (
     0.0001,
     0.00025,
@@ -63,7 +65,7 @@ class StoreCounters:
     """What the store counts itself (the disk tier and arena keep their own)."""
 
     def __init__(self) -> None:
-        self.hits: Counter[str] = Counter()  # medium -> blocks served to a worker
+        self.hits: Counter[Medium] = Counter()  # medium -> blocks served to a worker
         self.lookups = 0  # lookup() calls
         self.lookup_blocks = 0  # block hashes asked about
         self.offload_bytes: Counter[str] = Counter()  # direction -> bytes moved
@@ -75,18 +77,18 @@ class StoreCounters:
 class TierStats(msgspec.Struct, frozen=True, kw_only=True):
     """A consistent copy of a tier store's state and counters."""
 
-    usage_bytes: dict[str, int]  # medium -> bytes held
-    capacity_bytes: dict[str, int]  # medium -> capacity in force
-    blocks: dict[str, int]  # medium -> blocks held
-    hits: dict[str, int]  # medium -> blocks served
+    usage_bytes: dict[Medium, int]  # medium -> bytes held
+    capacity_bytes: dict[Medium, int]  # medium -> capacity in force
+    blocks: dict[Medium, int]  # medium -> blocks held
+    hits: dict[Medium, int]  # medium -> blocks served
     lookups: int
     lookup_blocks: int
     offload_bytes: dict[str, int]  # direction -> bytes
     offload_seconds: dict[str, HistogramSnapshot]  # direction -> latency of one batch
-    not_stored: dict[str, dict[str, int]]  # medium -> reason -> blocks
+    not_stored: dict[Medium, dict[str, int]]  # medium -> reason -> blocks
     duplicates: int
-    evictions: dict[str, int]  # medium -> blocks evicted
-    collisions: dict[str, int]  # medium -> lookups whose hash matched other tokens
+    evictions: dict[Medium, int]  # medium -> blocks evicted
+    collisions: dict[Medium, int]  # medium -> lookups whose hash matched other tokens
     disk_errors: dict[str, int]  # errno name, or "deadline_<op>" -> I/Os
     integrity_failures: dict[str, int]  # reason -> files refused and removed
     scan_removed: dict[str, int]  # reason -> files removed by the start-up scan

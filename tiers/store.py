@@ -45,8 +45,8 @@ import torch
 
 from kvstore.config import EventsConfig
 from kvstore.errors import ConfigError
-from kvstore.events import MEDIUM_CPU, MEDIUM_STORAGE
-from kvstore.publisher import NullEventPublisher, Snapshot, ZmqEventPublisher
+from kvstore.events import Medium
+from kvstore.publisher import EventEndpoints, NullEventPublisher, Snapshot, ZmqEventPublisher
 from kvstore.tiers.admission import AdmissionFilter
 from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit, check_blocks
 from kvstore.tiers.config import TierConfig
@@ -78,11 +78,6 @@ def _rows(rows: Sequence[int] | None, count: int, limit: int) -> Sequence[int]:
 class _Copy(NamedTuple):
     future: Future[None]  # the copy engine's batch
     lease_ids: list[int]  # the leases it copies into (spill) or out of (promote)
-
-
-class EventEndpoints(NamedTuple):
-    endpoint: str | None  # PUB socket (None when events are off)
-    replay_endpoint: str | None  # ROUTER socket for replay and snapshots
 
 
 def default_arena_name(identity: CacheIdentity, owner: str | None = None) -> str:
@@ -157,8 +152,9 @@ class TierStore:
         return self._cpu.slots.info
 
     @property
-    def event_endpoints(self) -> EventEndpoints:
-        return EventEndpoints(self._publisher.endpoint, self._publisher.replay_endpoint)
+    def event_endpoints(self) -> EventEndpoints | None:
+        """Where this store's events are published; None when events are off."""
+        return self._publisher.endpoints
 
     @property
     def cpu(self) -> CpuArena:
@@ -177,12 +173,12 @@ class TierStore:
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
         disk = self._disk
-        media: list[str] = []
+        media: list[Medium] = []
         for block_hash in block_hashes[start:]:
             if block_hash in self._cpu:
-                media.append(MEDIUM_CPU)
+                media.append(Medium.CPU)
             elif disk is not None and block_hash in disk:
-                media.append(MEDIUM_STORAGE)
+                media.append(Medium.STORAGE)
             else:
                 break
         self._counters.lookups += 1
@@ -197,23 +193,23 @@ class TierStore:
 
     def stats(self) -> TierStats:
         cpu, disk, counters = self._cpu, self._disk, self._counters
-        usage = {MEDIUM_CPU: cpu.used_bytes}
-        capacity = {MEDIUM_CPU: cpu.capacity_bytes}
-        blocks = {MEDIUM_CPU: cpu.num_blocks}
-        not_stored = {MEDIUM_CPU: dict(counters.not_stored)}
-        evictions = {MEDIUM_CPU: cpu.num_evictions}
-        collisions = {MEDIUM_CPU: cpu.num_collisions}
+        usage = {Medium.CPU: cpu.used_bytes}
+        capacity = {Medium.CPU: cpu.capacity_bytes}
+        blocks = {Medium.CPU: cpu.num_blocks}
+        not_stored = {Medium.CPU: dict(counters.not_stored)}
+        evictions = {Medium.CPU: cpu.num_evictions}
+        collisions = {Medium.CPU: cpu.num_collisions}
         disk_errors: dict[str, int] = {}
         integrity: dict[str, int] = {}
         scan_removed: dict[str, int] = {}
         io_mode = "off"
         if disk is not None:
-            usage[MEDIUM_STORAGE] = disk.used_bytes
-            capacity[MEDIUM_STORAGE] = disk.limit_bytes
-            blocks[MEDIUM_STORAGE] = disk.num_blocks
-            not_stored[MEDIUM_STORAGE] = dict(disk.counters.not_stored)
-            evictions[MEDIUM_STORAGE] = disk.counters.evictions
-            collisions[MEDIUM_STORAGE] = disk.counters.collisions
+            usage[Medium.STORAGE] = disk.used_bytes
+            capacity[Medium.STORAGE] = disk.limit_bytes
+            blocks[Medium.STORAGE] = disk.num_blocks
+            not_stored[Medium.STORAGE] = dict(disk.counters.not_stored)
+            evictions[Medium.STORAGE] = disk.counters.evictions
+            collisions[Medium.STORAGE] = disk.counters.collisions
             disk_errors = dict(disk.counters.io_errors)
             disk_errors.update({f"deadline_{op}": n for op, n in disk.counters.deadline_expired.items()})
             integrity = dict(disk.counters.integrity_failures)
@@ -319,7 +315,7 @@ class TierStore:
                 self._counters.not_stored["no_free_slot"] += 1
                 continue
             self._lease_started[lease.lease_id] = now
-            grants[index] = SlotGrant(lease.lease_id, lease.slot, meta.block_hash, MEDIUM_CPU)
+            grants[index] = SlotGrant(lease.lease_id, lease.slot, meta.block_hash, Medium.CPU)
         self._publish()
         return grants
 
@@ -376,7 +372,7 @@ class TierStore:
                     if isinstance(rest, Lease):
                         rest.release()
                 break
-            medium = MEDIUM_CPU if isinstance(item, Lease) else MEDIUM_STORAGE
+            medium = Medium.CPU if isinstance(item, Lease) else Medium.STORAGE
             self._counters.hits[medium] += 1
             self._lease_started[lease.lease_id] = now
             grants.append(SlotGrant(lease.lease_id, lease.slot, lease.meta.block_hash, medium))
@@ -423,7 +419,7 @@ class TierStore:
         target = block_rows(out, self.identity.block_bytes)
         explicit_rows = rows is not None
         rows = _rows(rows, len(blocks), target.shape[0])
-        media: list[str] = []
+        media: list[Medium] = []
         inflight: list[_Copy] = []  # at most two: the one finishing, the one just started
         try:
             while len(media) < len(blocks):

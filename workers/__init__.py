@@ -13,8 +13,8 @@ Modules, one concern each:
 - ``actor`` -- the thin Ray wrapper (imports Ray; not imported here).
 """
 
+from kvstore.publisher import EventEndpoints
 from kvstore.worker_api import (
-    EventEndpoints,
     GenerateRequest,
     GenerateResult,
     ModelInfo,

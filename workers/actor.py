@@ -25,10 +25,11 @@ import msgspec
 import ray
 from ray.util import get_node_ip_address
 
+from kvstore.publisher import EventEndpoints
 from kvstore.tiers.actor import TIER_NAMESPACE, tier_actor_name
 from kvstore.tiers.client import RayTierClient
 from kvstore.tiers.link import TierLink
-from kvstore.worker_api import EventEndpoints, GenerateRequest, GenerateResult, ModelInfo, WorkerLoad
+from kvstore.worker_api import GenerateRequest, GenerateResult, ModelInfo, WorkerLoad
 from kvstore.workers.config import WorkerSettings, cache_identity, replace_sections
 from kvstore.workers.tier_offload import TierOffload
 from kvstore.workers.worker import KVWorker

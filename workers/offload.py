@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from kvstore.block_pool import BlockPool, KVCacheBlock
+from kvstore.events import Medium
 from kvstore.kv_cache_manager import CacheRequest, PrefixHit
 from kvstore.workers.kv_tensor_pool import KVTensorPool
 from kvstore.workers.metrics import TierLinkCounters
@@ -41,7 +42,7 @@ from kvstore.workers.metrics import TierLinkCounters
 
 class Promotion(NamedTuple):
     hit: PrefixHit  # the GPU hit extended by the promoted blocks (all now cached in the pool)
-    promoted_tokens: Mapping[str, int]  # tokens promoted, by source medium ("CPU", "STORAGE")
+    promoted_tokens: Mapping[Medium, int]  # tokens promoted, by source medium (CPU, STORAGE)
 
 
 class OffloadConnector(Protocol):

@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from kvstore.events import MEDIA, MEDIUM_GPU
+from kvstore.events import MEDIA, Medium
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
 from kvstore.worker_api import GenerateRequest
 from kvstore.workers.attention import SequenceSlice
@@ -89,7 +89,7 @@ class RequestState:
         self.arrival = arrival
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
-        self.cached_tokens_by_medium: dict[str, int] | None = None  # set at first admission
+        self.cached_tokens_by_medium: dict[Medium, int] | None = None  # set at first admission
 
     @property
     def key(self) -> str:
@@ -185,7 +185,7 @@ class Scheduler:
             state.num_computed_tokens = hit.num_tokens
             if state.cached_tokens_by_medium is None:
                 by_medium = dict.fromkeys(MEDIA, 0)
-                by_medium[MEDIUM_GPU] = gpu_hit.num_tokens
+                by_medium[Medium.GPU] = gpu_hit.num_tokens
                 for medium, tokens in promotion.promoted_tokens.items():
                     by_medium[medium] += tokens
                 state.cached_tokens_by_medium = by_medium

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvstore.block_pool import BlockPool, KVCacheBlock
-from kvstore.events import MEDIUM_CPU, MEDIUM_STORAGE
+from kvstore.events import Medium
 from kvstore.kv_cache_manager import CacheRequest, PrefixHit
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.errors import TierUnavailableError
@@ -165,7 +165,7 @@ class TierOffload:
         block_pool.free_blocks([*unfilled, *reversed(filled), *reversed(gpu_hit.blocks)])
         if not filled or promoted is None:
             return Promotion(gpu_hit, {})
-        by_medium = {MEDIUM_CPU: 0, MEDIUM_STORAGE: 0}
+        by_medium = {Medium.CPU: 0, Medium.STORAGE: 0}
         for medium in promoted.media:
             by_medium[medium] = by_medium.get(medium, 0) + size
         return Promotion(PrefixHit(tuple(blocks), len(blocks) * size), by_medium)

@@ -47,13 +47,12 @@ from prometheus_client import CollectorRegistry
 
 from kvstore.block_pool import BlockPool
 from kvstore.errors import ConfigError, InvalidRequestError
-from kvstore.events import MEDIUM_GPU
+from kvstore.events import Medium
 from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
 from kvstore.metrics import CacheCollector, render
-from kvstore.publisher import NullEventPublisher, Snapshot, ZmqEventPublisher
+from kvstore.publisher import EventEndpoints, NullEventPublisher, Snapshot, ZmqEventPublisher
 from kvstore.worker_api import (
-    EventEndpoints,
     GenerateRequest,
     GenerateResult,
     ModelInfo,
@@ -94,7 +93,7 @@ class KVWorker:
         )
         self.kv_pool: KVTensorPool = self._runner.kv_pool
         self.block_pool = BlockPool(
-            num_blocks, block_size=block_size, enable_caching=config.cache.enable_prefix_caching, medium=MEDIUM_GPU
+            num_blocks, block_size=block_size, enable_caching=config.cache.enable_prefix_caching, medium=Medium.GPU
         )
         hasher = BlockHasher.from_config(config.cache)
         self._manager = KVCacheManager(self.block_pool, hasher, watermark=config.pool.watermark)
@@ -198,10 +197,10 @@ class KVWorker:
 
     def event_endpoints(self) -> EventEndpoints:
         """The resolved PUB and ROUTER endpoints; ConfigError when events are disabled."""
-        endpoint, replay = self._publisher.endpoint, self._publisher.replay_endpoint
-        if endpoint is None or replay is None:
+        endpoints = self._publisher.endpoints
+        if endpoints is None:
             raise ConfigError(f"worker {self.name} publishes no KV events (events.enabled is false)")
-        return EventEndpoints(endpoint=endpoint, replay_endpoint=replay)
+        return endpoints
 
     def health(self) -> dict[str, Any]:
         with self._lock:

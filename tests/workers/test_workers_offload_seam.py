@@ -16,7 +16,7 @@ import torch
 from workers_testlib import Reference, make_config, random_tokens
 
 from kvstore.block_pool import BlockPool, KVCacheBlock
-from kvstore.events import MEDIUM_CPU
+from kvstore.events import Medium
 from kvstore.hashing import BlockHash
 from kvstore.kv_cache_manager import CacheRequest, PrefixHit
 from kvstore.worker_api import GenerateRequest
@@ -64,7 +64,7 @@ class DictTier:
                                      lora_name=request.lora_name)  # fmt: skip
         block_pool.free_blocks([*reversed(new_blocks), *reversed(gpu_hit.blocks)])
         self.promoted += len(found)
-        return Promotion(PrefixHit(tuple(blocks), len(blocks) * size), {MEDIUM_CPU: len(found) * size})
+        return Promotion(PrefixHit(tuple(blocks), len(blocks) * size), {Medium.CPU: len(found) * size})
 
 
 def test_spilled_blocks_promoted_back_give_the_uncached_output(reference: Reference) -> None:
