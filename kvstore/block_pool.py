@@ -239,9 +239,9 @@ class BlockPool:
             block = blocks[index]
             assert block.block_hash is None, f"block {block.block_id} is cached already"
             block_hash = block_hashes[index]
-            ext = int.from_bytes(block_hash, "big") & 0xFFFFFFFFFFFFFFFF
+            ext = to_external(block_hash)
             block.block_hash = block_hash
-            block.external_hash = ExternalBlockHash(ext)
+            block.external_hash = ext
             block.parent_hash = parent
             block.token_ids = tuple(token_ids[index * size : (index + 1) * size])
             block.lora_name = lora_name
