@@ -78,7 +78,7 @@ def test_golden_wire_bytes() -> None:
     assert EventEncoder().encode(golden_batch()) == GOLDEN
     assert decode(GOLDEN) == DecodedBatch(golden_batch(), 0)
 
-    # Decoded with no schema at all: [ts, [event maps tagged "type"], dp_rank], as DESIGN §5 says.
+    # Decoded with no schema at all: [ts, [event maps tagged "type"], dp_rank], vLLM's wire form.
     raw = msgspec.msgpack.decode(GOLDEN)
     assert isinstance(raw, list) and len(raw) == 3
     ts, events, dp_rank = raw
