@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import uvicorn
 import zmq
 
+from kvstore.benchmarks.lossy_proxy import LossyProxy
 from kvstore.deploy.config import Config, load_config
 from kvstore.errors import ConfigError
 from kvstore.openai.protocol import ModelLimits
@@ -59,7 +60,6 @@ BENCH_DEFAULTS = (
     "router.health_interval_s=0.25",
     "router.unhealthy_after=2",
 )
-_LOOPBACK = "tcp://127.0.0.1:*"
 
 
 class _Server:
@@ -88,49 +88,11 @@ class _Server:
         self._thread.join(timeout=30)
 
 
-class _LossyProxy:
-    """SUB from a worker's PUB, PUB to the router, dropping a seeded-random share of the frames."""
-
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], upstream: str, seed: int) -> None:
-        self.loss = 0.0
-        self.forwarded = 0
-        self.dropped = 0
-        self._rng = random.Random(seed)
-        self._sub = ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.connect(upstream)
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(_LOOPBACK)
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sub.poll(10):
-                continue
-            frames = self._sub.recv_multipart()
-            if self._rng.random() < self.loss:
-                self.dropped += 1
-            else:
-                self._pub.send_multipart(frames)
-                self.forwarded += 1
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sub.close(linger=0)
-        self._pub.close(linger=0)
-
-
 class _Replica(NamedTuple):
     name: str
     worker: KVWorker
     server: _Server
-    proxy: _LossyProxy
+    proxy: LossyProxy
 
 
 class _Answer(NamedTuple):
@@ -179,8 +141,8 @@ class ChaosRun:
         worker = KVWorker(name, self.config)
         server = _Server(create_worker_app(worker))
         ep = worker.event_endpoints()
-        proxy = _LossyProxy(self.ctx, ep.endpoint, seed=self.args.seed * 1000 + self._next_index)
-        proxy.loss = self.args.loss if self.phase == "chaos" else 0.0
+        loss = self.args.loss if self.phase == "chaos" else 0.0
+        proxy = LossyProxy(self.ctx, ep.endpoint, loss=loss, seed=self.args.seed * 1000 + self._next_index)
         backend = HttpBackend(name, f"http://127.0.0.1:{server.port}", timeout_s=self.config.router.request_timeout_s)
         spec = ReplicaSpec(name, None, backend, ProducerSpec(f"{name}/events", proxy.endpoint, ep.replay_endpoint))
         self.router.call(self.service.add_replica, spec)  # on the router's loop: it owns the registry

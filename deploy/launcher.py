@@ -259,14 +259,3 @@ def replica_spec(worker: PlacedWorker, *, curve_server_key: str | None = None) -
         f"{worker.name}/gpu", worker.endpoint, worker.replay_endpoint, curve_server_key=curve_server_key
     )
     return ReplicaSpec(worker.name, worker.node, backend, producer)
-
-
-async def wait_until_subscribed(service: RouterService, timeout_s: float = 10.0) -> bool:
-    """True once every producer has applied at least its first sync (or nothing was published yet)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        health = service.listener.health()
-        if health and all(h.syncing is None for h in health):
-            return True
-        await asyncio.sleep(0.05)
-    return False

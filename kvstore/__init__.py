@@ -18,8 +18,9 @@ from kvstore.events import (
 )
 from kvstore.hashing import BlockHash, BlockHasher, ExternalBlockHash, to_external
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
+from kvstore.producer_stream import ProducerStream, SyncState
 from kvstore.publisher import NullEventPublisher, Snapshot, ZmqEventPublisher
-from kvstore.subscriber import EventListener, ProducerStream
+from kvstore.subscriber import EventListener
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "PrefixHit",
     "ProducerStream",
     "Snapshot",
+    "SyncState",
     "ZmqEventPublisher",
     "to_external",
 ]

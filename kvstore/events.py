@@ -26,6 +26,7 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 
 from kvstore.errors import EventDecodeError
+from kvstore.hashing import to_external
 
 
 class Medium(StrEnum):
@@ -38,8 +39,6 @@ class Medium(StrEnum):
 
 MEDIA: tuple[Medium, ...] = tuple(Medium)
 """Every medium, fastest first."""
-
-_LOW_64 = (1 << 64) - 1
 
 WireHash = Annotated[int, msgspec.Meta(ge=0)]
 """A block hash on the wire: an unsigned 64-bit int. msgpack cannot carry more than 2**64 - 1,
@@ -217,7 +216,7 @@ def _decode_event(item: Any) -> KVEvent | None:
 def _normalise_hash(value: Any) -> Any:
     # Some vLLM versions published the raw digest; the wire key is its low 64 bits.
     if isinstance(value, bytes):
-        return int.from_bytes(value, "big") & _LOW_64
+        return to_external(value)
     return value
 
 

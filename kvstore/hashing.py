@@ -40,7 +40,11 @@ _HASH_FUNCTIONS: dict[str, Callable[[bytes], bytes]] = {
 
 
 def to_external(block_hash: bytes) -> ExternalBlockHash:
-    """The 64-bit wire form of a digest (vLLM: ``int.from_bytes(d, "big") & 2**64-1``)."""
+    """The 64-bit wire form of a digest, as vLLM reduces it (``int.from_bytes(d, "big") & 2**64-1``).
+
+    The one place the reduction is written: the pool keys its events with it and the event decoder
+    applies it to producers that send raw digests, so both land on the same key.
+    """
     return ExternalBlockHash(int.from_bytes(block_hash, "big") & _LOW_64)
 
 

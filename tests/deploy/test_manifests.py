@@ -27,7 +27,7 @@ CONFIG_PATH = "/etc/kvstore/kvstore.toml"
 SERVE_COMMAND = f"kvstore serve --address auto --config {CONFIG_PATH}"
 RAY_SERVICE_DISCOVERY_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
 
-# Prometheus names (as scraped) and their labels: DESIGN §10 plus the router's.
+# Prometheus names (as scraped) and the labels a query may use: the workers' and tiers' plus the router's.
 METRIC_LABELS: dict[str, frozenset[str]] = {
     "kvstore_gpu_cache_usage_perc": frozenset({"replica"}),
     "kvstore_prefix_cache_queries_total": frozenset({"replica"}),

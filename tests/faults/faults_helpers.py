@@ -5,10 +5,8 @@
   :class:`RouterService` over them behind the router app -- every socket on
   127.0.0.1, free ports. The service is built here rather than from a
   ``[[router.replicas]]`` config so a test can give a replica's stream a
-  CURVE key or point it at a lossy proxy.
-- :class:`LossyProxy`: SUB from a publisher, PUB to the router, dropping
-  frames with a seeded RNG; the router's replay requests go to the real
-  publisher, as they would across a lossy network.
+  CURVE key or point it at a lossy proxy
+  (:class:`kvstore.benchmarks.lossy_proxy.LossyProxy`).
 - :class:`PoolView`: an independent event subscriber's sink (what
   ``kvstore events tail`` sees), to check the events themselves.
 """
@@ -23,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import zmq
 
 from kvstore.deploy.config import Config, config_from_dict
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -40,7 +37,6 @@ from tests.http_servers import ServerThread
 
 BLOCK = 16
 VOCAB = 512
-LOOPBACK = "tcp://127.0.0.1:*"
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.02) -> bool:
@@ -113,51 +109,6 @@ class HttpFleet:
         for name, server in self.servers.items():
             server.stop()
             self.workers[name].shutdown()
-
-
-class LossyProxy:
-    """SUB from ``upstream``, PUB on 127.0.0.1, dropping each message with probability ``loss``.
-
-    The RNG is seeded, so the drop pattern is a function of the message
-    order. ``loss`` may be changed while it runs.
-    """
-
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], upstream: str, loss: float, seed: int) -> None:
-        self.loss = loss
-        self.forwarded = 0
-        self.dropped = 0
-        self._rng = random.Random(seed)
-        self._sub = ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.RCVHWM, 0)
-        self._sub.connect(upstream)
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, 0)
-        self._pub.bind(LOOPBACK)
-        endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT)
-        self.endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lossy-proxy", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sub.poll(10):
-                continue
-            frames = self._sub.recv_multipart()
-            if self._rng.random() < self.loss:
-                self.dropped += 1
-                continue
-            self._pub.send_multipart(frames)
-            self.forwarded += 1
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sub.close(linger=0)
-        self._pub.close(linger=0)
 
 
 class PoolView:

@@ -21,8 +21,9 @@ from typing import TypeVar
 
 import pytest
 import zmq
-from faults_helpers import LossyProxy, Traffic, fault_config, held, pool_state, wait_for
+from faults_helpers import Traffic, fault_config, held, pool_state, wait_for
 
+from kvstore.benchmarks.lossy_proxy import LossyProxy
 from kvstore.config import CacheConfig, EventsConfig
 from kvstore.deploy.config import Config
 from kvstore.publisher import ZmqEventPublisher

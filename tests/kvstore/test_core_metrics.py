@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 from prometheus_client import CollectorRegistry
 
 from kvstore.block_pool import BlockPool
 from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager
 from kvstore.metrics import CacheCollector, EventStreamCollector, render
+from kvstore.producer_stream import SyncState
 from kvstore.subscriber import ProducerHealth
 
 
@@ -76,3 +79,13 @@ def test_event_stream_collector_renders_listener_health() -> None:
     assert get("kvstore_router_resyncs_total", {"producer": "w0", "kind": "replay"}) == 4
     assert get("kvstore_router_resyncs_total", {"producer": "w0", "kind": "snapshot"}) == 5
     assert get("kvstore_router_event_lag_seconds", {"producer": "w0"}) == 0.5
+
+
+def test_producer_health_reports_the_sync_state_as_its_plain_string() -> None:
+    health = ProducerHealth(
+        producer="w0", endpoint="tcp://127.0.0.1:1", connected_since=0.0, last_batch_at=None, lag_s=None,
+        next_seq=3, batches=3, events=3, skipped_events=0, decode_errors=0, gaps=1, replays=1,
+        snapshots=0, restarts=0, stale=0, lossy=0, syncing=SyncState.REPLAY,
+    )  # fmt: skip
+    assert json.loads(health.as_json())["syncing"] == "replay"
+    assert json.loads(health._replace(syncing=None).as_json())["syncing"] is None

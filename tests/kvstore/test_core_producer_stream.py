@@ -1,9 +1,13 @@
 """ProducerStream, the subscriber's pure ordering state machine: one test per row of its recovery table,
-then the replay-miss -> snapshot, stale, timeout and lossy paths."""
+then the replay-miss -> snapshot, stale, timeout, lossy and disconnect paths, and its invariants."""
 
 from __future__ import annotations
 
-from kvstore.subscriber import Apply, ProducerStream, RequestReplay, RequestSnapshot, Reset
+import random
+
+import pytest
+
+from kvstore.producer_stream import Apply, ProducerStream, RequestReplay, RequestSnapshot, Reset, SyncState
 
 
 def p(seq: int) -> bytes:
@@ -38,7 +42,7 @@ def test_row_live_seq_equal_next_applies() -> None:
 def test_row_gap_buffers_and_replays_from_next() -> None:
     s = streaming_at(3)
     assert s.on_live(6, p(6)) == [RequestReplay(3)]
-    assert s.syncing == "replay" and s.gaps == 1 and s.replays == 1
+    assert s.syncing is SyncState.REPLAY and s.gaps == 1 and s.replays == 1
     assert s.on_live(7, p(7)) == []  # buffered while syncing
     assert s.on_sync_item(2, b"old") == []  # already applied: ignored
     assert s.on_sync_item(3, b"r3") == [Apply(3, b"r3")]
@@ -53,7 +57,7 @@ def test_row_gap_buffers_and_replays_from_next() -> None:
 def test_row_seq_went_backwards_is_a_restart_replayed_from_zero() -> None:
     s = streaming_at(10)
     assert s.on_live(3, p(3)) == [Reset(), RequestReplay(0)]
-    assert s.restarts == 1 and s.next_seq == 0 and s.syncing == "replay"
+    assert s.restarts == 1 and s.next_seq == 0 and s.syncing is SyncState.REPLAY
     assert s.on_sync_item(0, b"n0") == [Apply(0, b"n0")]
     assert s.on_sync_item(1, b"n1") == [Apply(1, b"n1")]
     assert s.on_sync_item(2, b"n2") == [Apply(2, b"n2")]
@@ -85,6 +89,42 @@ def test_row_first_message_late_buffers_and_replays_from_zero() -> None:
     assert s.next_seq == 5
 
 
+def test_row_after_a_disconnect_a_seq_ahead_takes_a_snapshot() -> None:
+    s = streaming_at(3)
+    s.on_disconnect()
+    assert s.on_live(7, p(7)) == [RequestSnapshot()]  # maybe a new incarnation that outran seq 3
+    assert s.syncing is SyncState.SNAPSHOT
+    assert s.on_sync_item(9, b"snap") == [Reset(), Apply(9, b"snap")]
+    assert s.on_sync_end() == []  # the buffered 7 is covered by the snapshot of 9
+    assert s.next_seq == 10 and s.syncing is None
+    assert counters(s) == {**ZERO, "gaps": 1, "snapshots": 1}
+
+
+def test_after_a_disconnect_seq_next_continues_and_seq_below_next_is_a_restart() -> None:
+    s = streaming_at(3)
+    s.on_disconnect()
+    assert s.on_live(3, p(3)) == [Apply(3, p(3))]
+    assert s.next_seq == 4 and counters(s) == ZERO
+    t = streaming_at(3)
+    t.on_disconnect()
+    assert t.on_live(0, p(0)) == [Reset(), Apply(0, p(0))]
+    assert t.next_seq == 1 and counters(t) == {**ZERO, "restarts": 1}
+
+
+def test_a_disconnect_during_a_replay_drops_it_and_the_next_batch_takes_a_snapshot() -> None:
+    s = streaming_at(3)
+    assert s.on_live(5, p(5)) == [RequestReplay(3)]
+    s.on_disconnect()
+    assert s.syncing is None
+    assert s.on_sync_item(3, b"late") == []  # a reply to the dropped request: ignored
+    # Even seq == next: the cut-off replay may have mixed two incarnations.
+    assert s.on_live(3, p(3)) == [RequestSnapshot()]
+    assert s.on_sync_item(3, b"snap") == [Reset(), Apply(3, b"snap")]
+    assert s.on_sync_end() == []
+    assert s.next_seq == 4
+    assert counters(s) == {**ZERO, "gaps": 1, "replays": 1, "snapshots": 1}
+
+
 # --------------------------------------------------------------------------- snapshot, stale, lossy
 
 
@@ -95,7 +135,7 @@ def test_replay_that_misses_next_falls_back_to_snapshot_and_skips_stale() -> Non
     assert s.on_sync_item(5, b"r5") == []
     assert s.on_sync_item(6, b"r6") == []
     assert s.on_sync_end() == [RequestSnapshot()]
-    assert s.syncing == "snapshot" and s.snapshots == 1
+    assert s.syncing is SyncState.SNAPSHOT and s.snapshots == 1
     assert s.on_live(10, p(10)) == []
     assert s.on_live(11, p(11)) == []
     # The snapshot reflects seq 10; it arrives as several batches, all tagged 10.
@@ -257,7 +297,7 @@ def test_subscribe_when_the_replay_no_longer_reaches_seq_0_takes_a_snapshot() ->
     assert s.on_subscribe() == [RequestReplay(0)]
     assert s.on_sync_item(40, b"r40") == []  # the buffer starts at 40: 0..39 are gone
     assert s.on_sync_end() == [RequestSnapshot()]
-    assert s.started and s.syncing == "snapshot"
+    assert s.started and s.syncing is SyncState.SNAPSHOT
     assert s.on_sync_item(41, b"snap") == [Reset(), Apply(41, b"snap")]
     assert s.on_sync_end() == []
     assert s.next_seq == 42 and counters(s) == {**ZERO, "replays": 1, "snapshots": 1}
@@ -274,3 +314,36 @@ def test_subscribe_replay_timeout_undoes_a_partial_history_and_waits_for_live_ba
     assert silent.on_subscribe() == [RequestReplay(0)]
     assert silent.on_sync_failed() == []  # no answer, nothing received: wait
     assert not silent.started and silent.syncing is None and silent.lossy == 0
+
+
+# --------------------------------------------------------------------------- invariants
+
+
+def test_invariants_hold_after_any_sequence_of_inputs() -> None:
+    rng = random.Random(20241125)
+    for _ in range(200):
+        s = ProducerStream()
+        if rng.random() < 0.5:
+            s.on_subscribe()
+        s.check_invariants()
+        for _ in range(200):
+            seq = max(0, s.next_seq + rng.randrange(-3, 5))
+            kind = rng.random()
+            if kind < 0.5:
+                s.on_live(seq, p(seq))
+            elif kind < 0.75:
+                s.on_sync_item(seq, p(seq))
+            elif kind < 0.85:
+                s.on_sync_end()
+            elif kind < 0.93:
+                s.on_sync_failed()
+            else:
+                s.on_disconnect()
+            s.check_invariants()
+
+
+def test_check_invariants_catches_a_batch_buffered_with_no_sync_in_flight() -> None:
+    s = streaming_at(2)
+    s._pending[5] = p(5)
+    with pytest.raises(AssertionError, match="no sync"):
+        s.check_invariants()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
+from kvstore.benchmarks.lossy_proxy import LossyProxy
 from kvstore.block_pool import BlockPool
 from kvstore.config import EventsConfig
 from kvstore.errors import EventDecodeError
@@ -195,48 +196,9 @@ def test_normal_flow_converges(ctx: zmq.Context) -> None:
 # --------------------------------------------------------------------------- (b) lost messages -> replay
 
 
-class LossyForwarder(threading.Thread):
-    """SUB from the publisher, PUB to the listener, dropping every ``drop_every``-th message."""
-
-    def __init__(self, ctx: zmq.Context, upstream: str, drop_every: int) -> None:
-        super().__init__(name="lossy-forwarder", daemon=True)
-        self.sub = ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(upstream)
-        self.pub = ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(LOOPBACK)
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.drop_every = drop_every
-        self.seen = 0
-        self.dropped = 0
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        try:
-            while not self._halt.is_set():
-                if not self.sub.poll(10):
-                    continue
-                frames = self.sub.recv_multipart()
-                self.seen += 1
-                if self.seen % self.drop_every == 0:
-                    self.dropped += 1
-                    continue
-                self.pub.send_multipart(frames)
-        finally:
-            self.sub.close(linger=0)
-            self.pub.close(linger=0)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=5)
-
-
 def test_subscriber_that_misses_messages_converges_by_replay(ctx: zmq.Context) -> None:
     producer = Producer(EventsConfig(endpoint=LOOPBACK, replay_endpoint=LOOPBACK), ctx, seed=2)
-    forwarder = LossyForwarder(ctx, producer.publisher.endpoint, drop_every=7)
-    forwarder.start()
+    forwarder = LossyProxy(ctx, producer.publisher.endpoint, drop_every=7)
     sink = CacheSink()
     listener = new_listener(sink, ctx)
     try:
@@ -256,7 +218,7 @@ def test_subscriber_that_misses_messages_converges_by_replay(ctx: zmq.Context) -
         assert producer.publisher.stats.replays_served == h.replays
     finally:
         listener.close()
-        forwarder.stop()
+        forwarder.close()
         producer.close()
 
 

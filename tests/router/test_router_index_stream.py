@@ -8,8 +8,6 @@ and the listener (the listener's replay requests go to the real publisher).
 
 from __future__ import annotations
 
-import random
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -18,49 +16,13 @@ import pytest
 import zmq
 from router_helpers import BLOCK_SIZE, WorkloadProducer, held
 
+from kvstore.benchmarks.lossy_proxy import LossyProxy
 from kvstore.config import CacheConfig, EventsConfig
 from kvstore.publisher import ZmqEventPublisher
 from kvstore.router.index import PrefixIndex
 from kvstore.subscriber import EventListener
 
 LOOPBACK = "tcp://127.0.0.1:*"
-
-
-class LossyForwarder:
-    """SUB from a publisher, PUB to subscribers, dropping each message with probability ``loss``."""
-
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], upstream: str, loss: float, seed: int) -> None:
-        self.loss = loss
-        self.dropped = 0
-        self._rng = random.Random(seed)
-        self._sub = ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.connect(upstream)
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(LOOPBACK)
-        endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT)
-        self.endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sub.poll(10):
-                continue
-            frames = self._sub.recv_multipart()
-            if self._rng.random() < self.loss:
-                self.dropped += 1
-                continue
-            self._pub.send_multipart(frames)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sub.close(linger=0)
-        self._pub.close(linger=0)
 
 
 class Published:
@@ -105,7 +67,7 @@ def test_random_frame_loss_is_repaired_by_replay(ctx: zmq.Context[zmq.Socket[byt
     index = PrefixIndex(CacheConfig(block_size=BLOCK_SIZE))
     producers = {f"w{i}": Published(seed=10 + i, buffer_batches=100_000) for i in range(2)}
     forwarders = {
-        name: LossyForwarder(ctx, published.publisher.endpoint, loss=0.1, seed=i)
+        name: LossyProxy(ctx, published.publisher.endpoint, loss=0.1, seed=i)
         for i, (name, published) in enumerate(producers.items())
     }
     listener = EventListener(index, context=ctx, sync_timeout_s=2.0)
@@ -139,11 +101,11 @@ def test_late_join_and_overflowed_replay_fall_back_to_snapshot(ctx: zmq.Context[
     index = PrefixIndex(CacheConfig(block_size=BLOCK_SIZE))
     producers = {f"w{i}": Published(seed=20 + i, buffer_batches=4) for i in range(2)}
     listener = EventListener(index, context=ctx, sync_timeout_s=2.0)
-    forwarder: LossyForwarder | None = None
+    forwarder: LossyProxy | None = None
     try:
         for p in producers.values():
             p.run(300)  # long before the router starts: only a snapshot can tell it the state
-        forwarder = LossyForwarder(ctx, producers["w1"].publisher.endpoint, loss=0.2, seed=5)
+        forwarder = LossyProxy(ctx, producers["w1"].publisher.endpoint, loss=0.2, seed=5)
         endpoints = {"w0": producers["w0"].publisher.endpoint, "w1": forwarder.endpoint}
         for name, p in producers.items():
             index.add_producer(name, "gpu", [name], "node-a")

@@ -1,0 +1,326 @@
+"""The ordering state machine for one producer's KV event stream, free of sockets.
+
+A producer numbers its batches 0, 1, 2, ... on a lossy PUB stream and can
+answer a replay (every batch from a seq on, while its buffer still holds them)
+or a snapshot (its whole state, tagged with the seq it reflects).
+:class:`ProducerStream` turns what arrives -- live batches, replay/snapshot
+replies, disconnects, timeouts -- into actions (apply a batch, reset the
+producer's state, request a replay or a snapshot) that keep the consumer's
+view equal to the producer's. It owns no socket and no clock, so every path
+is driven directly by tests; :class:`kvstore.subscriber.EventListener` runs
+it over ZeroMQ.
+
+On subscribing, the stream asks for a replay from 0 at once (so a producer
+that stays quiet is still known; a snapshot when the replay no longer reaches
+back to 0); if nothing was published yet, the first live batch decides.
+Recovery rules (``next`` is the next seq we expect):
+
+=================================  ==============================================
+live seq                           action
+=================================  ==============================================
+``== next``                        apply
+``> next`` (gap)                   buffer it; replay from ``next``
+``< next`` (went backwards)        producer restarted: reset, replay from 0
+first message, seq 0               apply (we saw the producer start)
+first message, seq > 0 (late)      buffer it; replay from 0
+after a disconnect, ``> next``     buffer it; snapshot (see below)
+=================================  ==============================================
+
+A producer that restarts publishes from seq 0 again, and usually the
+subscriber sees the sequence go backwards. But if the new incarnation has
+already published more batches than the old one had by the time the
+subscriber reconnects, its seq jumps *ahead*: a replay would graft the new
+incarnation's batches onto the old one's state. So when the live connection
+drops, whatever was buffered or being fetched is dropped, and the next live
+batch decides: below ``next`` is a restart, ``next`` itself continues the
+stream, above ``next`` (or any batch after a sync was cut off) is resolved by
+a snapshot, which replaces the producer's state whichever incarnation it is.
+
+A replay that does not start at ``next`` (the producer's buffer no longer
+holds it, or the reply is empty) falls back to a snapshot: reset, apply the
+snapshot (tagged with the seq S it reflects), then every buffered live batch
+with seq > S. Live batches with seq <= S that were already in flight are
+stale and skipped. Likewise, a live batch that a replay already applied
+(same seq, same payload) can arrive after the replay, on the other
+connection: it is stale, not a restart.
+A producer that answers a snapshot with nothing (plain vLLM) cannot be
+recovered exactly: we resume at the oldest buffered batch and mark it lossy.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import NamedTuple
+
+
+class SyncState(StrEnum):
+    """What a stream is fetching to close a hole (``None`` when it is not fetching anything).
+
+    A StrEnum so health reports and their JSON keep carrying the plain strings.
+    """
+
+    REPLAY = "replay"
+    SNAPSHOT = "snapshot"
+
+
+class Apply(NamedTuple):
+    """Hand this batch to the sink: it is the next one in order."""
+
+    seq: int
+    payload: bytes
+
+
+class Reset(NamedTuple):
+    """Forget everything the producer's batches said so far (a restart, or a snapshot follows)."""
+
+
+class RequestReplay(NamedTuple):
+    """Ask the producer for every batch from ``start`` on; answered through on_sync_item/on_sync_end."""
+
+    start: int
+
+
+class RequestSnapshot(NamedTuple):
+    """Ask the producer for its whole state; answered through on_sync_item/on_sync_end."""
+
+
+Action = Apply | Reset | RequestReplay | RequestSnapshot
+
+_MAX_PENDING = 100_000
+
+
+class ProducerStream:
+    """Ordering state machine for one producer's stream (see the module table)."""
+
+    def __init__(self) -> None:
+        self.next_seq = 0
+        self.started = False  # have we applied or synced anything yet
+        self.syncing: SyncState | None = None
+        self._pending: dict[int, bytes] = {}
+        self._replay_ok = True
+        self._replay_progress = False  # the current replay applied at least one batch
+        self._snapshot_seq: int | None = None
+        self._stale_through: int | None = None
+        # hash(payload) of each batch a replay applied, until the live stream passes them: their
+        # live copies may still be in flight (another connection), and must not look like a restart.
+        self._replayed: dict[int, int] = {}
+        self._disconnected = False  # the live connection dropped since the last live batch
+        self._sync_cut = False  # ... while a replay or snapshot was in flight
+        self._initial = False  # the replay asked for on subscribing is in flight
+        self.gaps = 0
+        self.restarts = 0
+        self.replays = 0
+        self.snapshots = 0
+        self.stale = 0
+        self.lossy = 0
+
+    def check_invariants(self) -> None:
+        """Assert what every ``on_*`` call keeps (tests call it; a failure is a bug here)."""
+        # Batches wait only for a sync in flight: the end of each sync drains or re-buffers them.
+        assert self.syncing is not None or not self._pending, "buffered batches with no sync to wait for"
+        assert self._snapshot_seq is None or self.syncing is SyncState.SNAPSHOT, "a snapshot seq outside a snapshot"
+        assert not self._initial or self.syncing is SyncState.REPLAY, "the initial replay is not in flight"
+        assert not self._disconnected or self.started, "a disconnect counted before the stream started"
+        assert not self._sync_cut or self._disconnected, "a cut-off sync without a disconnect"
+        assert len(self._pending) <= _MAX_PENDING, "the buffer outgrew its bound"
+
+    def on_subscribe(self) -> list[Action]:
+        """A new subscription: ask for the producer's history now, not at its next batch.
+
+        A quiet producer (a tier whose workers are idle, a replica with no
+        traffic) may publish nothing for a long time, and until it does the
+        subscriber would know nothing of what it holds. The replay from 0
+        applies what it returns, as a late join does; one that no longer
+        reaches back to 0 falls back to a snapshot. An empty answer (nothing
+        published yet) is no loss: the live batches that came meanwhile are
+        then taken as if they had just arrived, and the first of them decides
+        (module table). Counted in ``replays``, like every replay request.
+        """
+        if self.started or self.syncing is not None:
+            return []
+        self._initial = True
+        return self._start_replay()
+
+    def on_live(self, seq: int, payload: bytes) -> list[Action]:
+        if self.syncing is not None:
+            self._buffer(seq, payload)
+            return []
+        if not self.started:
+            self.started = True
+            if seq == 0:
+                self.next_seq = 1
+                return [Apply(seq, payload)]
+            self._buffer(seq, payload)
+            return self._start_replay()
+        if self._disconnected:
+            self._disconnected = False
+            cut, self._sync_cut = self._sync_cut, False
+            if seq > self.next_seq or (seq == self.next_seq and cut):
+                # Maybe a new incarnation that outran our seq: only a snapshot tells its state exactly.
+                self.gaps += seq > self.next_seq
+                self._buffer(seq, payload)
+                return self._start_snapshot()
+            # seq == next: the same stream, nothing missed; seq < next: a restart (below).
+        if self._stale_through is not None:
+            if seq <= self._stale_through:
+                self.stale += 1
+                return []
+            self._stale_through = None
+        if seq < self.next_seq and self._replayed.get(seq) == hash(payload):
+            self.stale += 1
+            return []
+        if self._replayed:
+            self._replayed.clear()  # live seqs only grow: older in-flight copies have all arrived
+        if seq == self.next_seq:
+            self.next_seq += 1
+            return [Apply(seq, payload)]
+        if seq > self.next_seq:
+            self.gaps += 1
+            self._buffer(seq, payload)
+            return self._start_replay()
+        # The sequence went backwards: a new incarnation of the producer.
+        self.restarts += 1
+        self.next_seq = 0
+        self._pending.clear()
+        if seq == 0:
+            self.next_seq = 1
+            return [Reset(), Apply(seq, payload)]
+        self._buffer(seq, payload)
+        return [Reset(), *self._start_replay()]
+
+    def on_disconnect(self) -> None:
+        """The live connection dropped: the producer died, restarted, or the network failed.
+
+        What is buffered or being fetched may belong to an incarnation that is
+        gone, so it is dropped (the caller discards replies to a request in
+        flight); the next live batch decides how to resync (module table).
+        """
+        if not self.started:
+            return
+        self._disconnected = True
+        self._pending.clear()
+        self._stale_through = None
+        self._replayed.clear()
+        if self.syncing is not None:
+            self.syncing = None
+            self._snapshot_seq = None
+            self._sync_cut = True
+
+    def on_sync_item(self, seq: int, payload: bytes) -> list[Action]:
+        """One reply (not the terminator) to our replay or snapshot request."""
+        if self.syncing is SyncState.REPLAY:
+            if not self._replay_ok or seq < self.next_seq:
+                return []
+            if seq > self.next_seq:
+                self._replay_ok = False  # the producer no longer holds what we miss
+                return []
+            self.next_seq += 1
+            self._replay_progress = True
+            self._replayed[seq] = hash(payload)
+            return [Apply(seq, payload)]
+        if self.syncing is SyncState.SNAPSHOT:
+            actions: list[Action] = []
+            if self._snapshot_seq is None:
+                self._snapshot_seq = seq
+                actions.append(Reset())
+            actions.append(Apply(seq, payload))
+            return actions
+        return []
+
+    def on_sync_end(self) -> list[Action]:
+        """The terminator of our replay or snapshot request arrived (a request with no answer: on_sync_failed)."""
+        if self.syncing is SyncState.REPLAY:
+            self.syncing = None
+            initial, self._initial = self._initial, False
+            if initial:
+                if self._replay_ok and not self._replay_progress:
+                    return self._refeed()  # nothing published yet: the first live batch decides
+                self.started = True
+            if not self._replay_ok or (not self._replay_progress and self.next_seq not in self._pending):
+                # The producer no longer holds (or never held) what we miss; asking
+                # again would loop forever, so only a snapshot can recover exactly.
+                return self._start_snapshot()
+            return self._drain()
+        if self.syncing is SyncState.SNAPSHOT:
+            self.syncing = None
+            if self._snapshot_seq is None:
+                return self._give_up()
+            self.next_seq = self._snapshot_seq + 1
+            self._stale_through = self._snapshot_seq
+            self._snapshot_seq = None
+            return self._drain()
+        return []
+
+    def on_sync_failed(self) -> list[Action]:
+        """The replay or snapshot request got no terminator in time."""
+        if self.syncing is SyncState.REPLAY:
+            self.syncing = None
+            if self._initial:  # the producer did not answer in time: its live batches decide
+                self._initial = False
+                actions: list[Action] = []
+                if self._replay_progress:  # part of a history: undo it, it would pass for the whole
+                    actions.append(Reset())
+                    self.next_seq = 0
+                    self._replayed.clear()
+                return actions + self._refeed()
+            return self._start_snapshot()
+        if self.syncing is SyncState.SNAPSHOT:
+            self.syncing = None
+            applied_partial = self._snapshot_seq is not None
+            self._snapshot_seq = None
+            return ([Reset()] if applied_partial else []) + self._give_up()
+        return []
+
+    # ------------------------------------------------------------ internals
+
+    def _buffer(self, seq: int, payload: bytes) -> None:
+        if len(self._pending) >= _MAX_PENDING:
+            self._pending.pop(min(self._pending))
+        self._pending[seq] = payload
+
+    def _start_replay(self) -> list[Action]:
+        self.syncing = SyncState.REPLAY
+        self._replay_ok = True
+        self._replay_progress = False
+        self.replays += 1
+        return [RequestReplay(self.next_seq)]
+
+    def _start_snapshot(self) -> list[Action]:
+        self.syncing = SyncState.SNAPSHOT
+        self._snapshot_seq = None
+        self._replayed.clear()  # the snapshot's seq decides what is stale from now on
+        self.snapshots += 1
+        return [RequestSnapshot()]
+
+    def _refeed(self) -> list[Action]:
+        """After an initial sync that told nothing: the buffered live batches, as if they had just arrived."""
+        pending = sorted(self._pending.items())
+        self._pending.clear()
+        actions: list[Action] = []
+        for seq, payload in pending:
+            actions.extend(self.on_live(seq, payload))
+        return actions
+
+    def _give_up(self) -> list[Action]:
+        """No exact recovery possible: resume at the oldest batch we still hold."""
+        self.lossy += 1
+        if self._pending:
+            self.next_seq = min(self._pending)
+        return self._drain(allow_gap=False)
+
+    def _drain(self, allow_gap: bool = True) -> list[Action]:
+        actions: list[Action] = []
+        for seq in sorted(self._pending):
+            if seq < self.next_seq:
+                continue
+            if seq > self.next_seq:
+                # Still a hole: keep the rest buffered and ask again.
+                self._pending = {s: p for s, p in self._pending.items() if s >= seq}
+                if allow_gap:
+                    return actions + self._start_replay()
+                self.lossy += 1
+                self.next_seq = seq
+            actions.append(Apply(seq, self._pending[seq]))
+            self.next_seq = seq + 1
+        self._pending.clear()
+        return actions
