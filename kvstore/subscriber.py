@@ -76,6 +76,7 @@ class ProducerHealth(NamedTuple):
     stale: int
     lossy: int
     syncing: SyncState | None  # a StrEnum: the JSON carries "replay" / "snapshot"
+    sync_timeouts: int = 0  # replies that stopped before their end marker for sync_timeout_s (asked again)
 
     def as_json(self) -> str:
         return json.dumps(self._asdict())
@@ -187,7 +188,7 @@ class EventListener:
                     p.name, p.endpoint, p.connected_since, p.last_batch_at,
                     None if p.last_ts is None else max(0.0, now_wall - p.last_ts),
                     s.next_seq, p.batches, p.events, p.skipped_events, p.decode_errors,
-                    s.gaps, s.replays, s.snapshots, s.restarts, s.stale, s.lossy, s.syncing,
+                    s.gaps, s.replays, s.snapshots, s.restarts, s.stale, s.lossy, s.syncing, s.sync_timeouts,
                 )
             )  # fmt: skip
         return out
@@ -313,6 +314,8 @@ class EventListener:
                 self._execute(producer, producer.stream.on_sync_end(), poller)
                 continue
             seq = int.from_bytes(seq_bytes, "big")
+            # The timeout is for a producer that stopped answering, not for a long answer still coming.
+            producer.sync_deadline = time.monotonic() + self._sync_timeout
             self._execute(producer, producer.stream.on_sync_item(seq, payload), poller)
 
     def _execute(self, producer: _Producer, actions: list[Action], poller: zmq.Poller) -> None:
