@@ -78,6 +78,10 @@ class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     topic: str = ""
     buffer_batches: PositiveInt = 10_000
     """Batches kept for replay."""
+    buffer_bytes: PositiveInt = 64 * 2**20
+    """Bytes of encoded batches kept for replay: the bound that holds when batches are large (a request's
+    strings, a LoRA name for one, ride in the events of every block it names). Whichever of the two bounds is
+    reached first evicts the oldest batches; a subscriber that needs more falls back to a snapshot."""
     queue_batches: PositiveInt = 100_000
     """Batches waiting for the publisher thread before new ones are dropped."""
     hwm: PositiveInt = 100_000

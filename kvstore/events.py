@@ -124,13 +124,22 @@ _NULLABLE_FIELDS: dict[str, tuple[str, ...]] = {
 class EventEncoder:
     """Encodes batches to payload bytes. Not thread-safe; one per thread."""
 
-    __slots__ = ("_encoder",)
+    __slots__ = ("_buffer", "_encoder")
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
+        self._buffer = bytearray()
 
     def encode(self, batch: EventBatch) -> bytes:
-        return self._encoder.encode(batch)
+        """The payload, in an allocation of exactly its size.
+
+        msgspec's own ``encode`` leaves up to half again the payload's size
+        allocated behind large outputs, which a replay buffer bounded in
+        bytes would hold without counting; encoding into a reused buffer
+        and copying out costs no more.
+        """
+        self._encoder.encode_into(batch, self._buffer)
+        return bytes(self._buffer)
 
 
 class EventDecoder:
