@@ -20,6 +20,7 @@ The decoder is strict where it must be and lenient where vLLM has been:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any, NamedTuple
 
@@ -140,6 +141,11 @@ class EventEncoder:
         """
         self._encoder.encode_into(batch, self._buffer)
         return bytes(self._buffer)
+
+
+def without_token_ids(events: Sequence[KVEvent]) -> list[KVEvent]:
+    """``events`` with every BlockStored's ``token_ids`` emptied (copies; the originals are not changed)."""
+    return [msgspec.structs.replace(e, token_ids=[]) if isinstance(e, BlockStored) else e for e in events]
 
 
 class EventDecoder:

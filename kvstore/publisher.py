@@ -11,8 +11,10 @@ Sockets
 
 With ``curve_secret_key``/``curve_public_key`` configured both sockets are
 CURVE servers (encrypted; a subscriber must name this publisher's public key
-as its server key, and a client without CURVE cannot connect). Without them
-the sockets are plain TCP, which is why they bind to loopback by default.
+as its server key, and a client without CURVE cannot connect); with
+``curve_allowed_client_keys`` too, only the listed clients can connect
+(:mod:`kvstore.curve_auth`). Without them the sockets are plain TCP, which is
+why they bind to loopback by default.
 
 Sequence numbers are assigned in :meth:`publish`, on the caller's thread,
 so that (with the owner holding its own lock) "pool state" and "last seq"
@@ -35,8 +37,9 @@ import msgspec
 import zmq
 
 from kvstore.config import EventsConfig
+from kvstore.curve_auth import ClientAllowList
 from kvstore.errors import ConfigError
-from kvstore.events import EventBatch, EventEncoder, KVEvent
+from kvstore.events import EventBatch, EventEncoder, KVEvent, without_token_ids
 from kvstore.replay_server import (
     END_SEQ,
     SNAPSHOT_REQUEST,
@@ -140,19 +143,29 @@ class ZmqEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = self._ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
+        self._allow_list: ClientAllowList | None = None
         try:
             if config.curve_secret_key:
+                if config.curve_allowed_client_keys:
+                    self._allow_list = ClientAllowList(self._ctx, config.curve_allowed_client_keys)
                 for sock in (self._pub, self._replay):
                     _make_curve_server(sock, config.curve_secret_key, config.curve_public_key)
+                    if self._allow_list is not None:
+                        self._allow_list.secure(sock)
             self.endpoint = _attach(self._pub, config.endpoint, config.bind)
             self.replay_endpoint = _attach(self._replay, config.replay_endpoint, config.bind)
         except (zmq.ZMQError, ConfigError):
             self._pub.close()
             self._replay.close()
+            if self._allow_list is not None:
+                self._allow_list.close()
             raise
+        redact = None if config.include_token_ids else without_token_ids
+        self._redact = redact
         self._server = SyncServer(
-            self._replay, self._buffer, config, snapshot_source=snapshot_source, data_parallel_rank=data_parallel_rank
-        ).start()
+            self._replay, self._buffer, config,
+            snapshot_source=snapshot_source, data_parallel_rank=data_parallel_rank, redact=redact,
+        ).start()  # fmt: skip
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
 
@@ -205,6 +218,8 @@ class ZmqEventPublisher:
         self._server.close()
         self._pub.close(linger=0)
         self._replay.close(linger=0)
+        if self._allow_list is not None:
+            self._allow_list.close()
 
     def check_invariants(self) -> None:
         """The replay buffer's bounds and order, and the replay server's limits (call after :meth:`close`)."""
@@ -215,12 +230,15 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         encoder = EventEncoder()
+        redact = self._redact
         while True:
             item = self._queue.get()
             try:
                 if item is None:
                     return
                 seq, batch = item
+                if redact is not None:
+                    batch = EventBatch(batch.ts, redact(batch.events), batch.data_parallel_rank)
                 payload = encoder.encode(batch)
                 self._buffer.append(seq, payload)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import NamedTuple
 
@@ -68,6 +68,9 @@ SnapshotSource = Callable[[], Snapshot]
 Called on the replay thread: the owner must make it safe against its own
 mutations (e.g. take the lock it holds while mutating and publishing).
 """
+
+Redact = Callable[[Sequence[KVEvent]], list[KVEvent]]
+"""What the publisher takes out of every event before it leaves (the token ids, when so configured)."""
 
 
 class ReplayBuffer:
@@ -186,6 +189,7 @@ class SyncServer:
         *,
         snapshot_source: SnapshotSource | None,
         data_parallel_rank: int | None,
+        redact: Redact | None,
     ) -> None:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket = socket
@@ -194,6 +198,7 @@ class SyncServer:
         self._chunk = config.snapshot_batch_blocks
         self._snapshot_source = snapshot_source
         self._dp_rank = data_parallel_rank
+        self._redact = redact
         self._active: OrderedDict[bytes, _Session] = OrderedDict()
         self._waiting: OrderedDict[bytes, tuple[_Kind, int]] = OrderedDict()
         self._encoder = EventEncoder()
@@ -331,8 +336,10 @@ class SyncServer:
             session.outbox.append((client, b"", b"", END_SEQ, b""))
             return True
         start = session.cursor * self._chunk
-        chunk: list[KVEvent] = list(session.events[start : start + self._chunk])
-        payload = self._encoder.encode(EventBatch(time.time(), chunk, self._dp_rank))
+        chunk: Sequence[KVEvent] = session.events[start : start + self._chunk]
+        if self._redact is not None:
+            chunk = self._redact(chunk)
+        payload = self._encoder.encode(EventBatch(time.time(), list(chunk), self._dp_rank))
         session.outbox.append((client, b"", self._topic, session.seq_bytes, payload))
         session.cursor += 1
         return True
