@@ -102,10 +102,11 @@ class ReplayBuffer:
                 self._bytes -= len(old)
                 self.evicted_through = old_seq
 
-    def newest_seq(self) -> int:
-        """The seq of the newest batch held; -1 when empty."""
+    def window(self, start: int) -> tuple[int, int]:
+        """Where a replay from ``start`` begins and ends, read together: (``start``, or the oldest seq
+        after every eviction when ``start`` is gone; the newest seq held, -1 when empty)."""
         with self._lock:
-            return self._entries[-1][0] if self._entries else -1
+            return max(start, self.evicted_through + 1), self._entries[-1][0] if self._entries else -1
 
     def read(self, start: int, through: int, limit: int) -> list[tuple[int, bytes]] | None:
         """Up to ``limit`` batches with ``start <= seq <= through``, in order; None once one of them was evicted."""
@@ -258,8 +259,7 @@ class SyncServer:
             session = _Session(client, kind)
             if kind is _Kind.REPLAY:
                 # From the oldest batch still held when the start is gone: the first seq tells the consumer.
-                session.cursor = max(start, self._buffer.evicted_through + 1)
-                session.through = self._buffer.newest_seq()
+                session.cursor, session.through = self._buffer.window(start)
             else:
                 try:
                     snapshot = None if self._snapshot_source is None else self._snapshot_source()

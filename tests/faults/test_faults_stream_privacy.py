@@ -156,3 +156,13 @@ def test_allow_lists_and_client_keys_are_validated() -> None:
                               curve_client_keys=CurveKeyPair(client_public, secret))  # fmt: skip
     with pytest.raises(ConfigError, match="curve_server_key"):
         listener.add_producer("p", "tcp://127.0.0.1:1", curve_client_keys=CurveKeyPair(client_public, client_secret))
+
+
+def test_tail_refuses_a_client_certificate_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    public, _ = (key.decode() for key in zmq.curve_keypair())
+    public_only, _ = zmq.auth.create_certificates(str(tmp_path), "client")
+    base = ["events", "tail", "--endpoint", "tcp://127.0.0.1:1", "--curve-server-key", public, "--duration", "0.1"]
+    assert main([*base, "--curve-client-cert", str(tmp_path / "missing")]) == 2
+    assert "no file" in capsys.readouterr().err
+    assert main([*base, "--curve-client-cert", public_only]) == 2  # the .key file: public half only
+    assert "no secret key" in capsys.readouterr().err
