@@ -29,6 +29,7 @@ and its client times out and asks again.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import threading
 import time
@@ -53,8 +54,7 @@ STALL_S = 2.0
 """A session whose consumer accepts nothing for this long is abandoned (as long as a subscriber waits for a reply)."""
 _SLICE = 64  # messages one session sends before the next session's turn
 _ACCEPT = 64  # requests read per round, so that reading a flood is bounded work too
-_IDLE_POLL_MS = 50  # how long the thread sleeps with nothing to send (and how late it sees close())
-_BLOCKED_POLL_MS = 2  # ... with sessions waiting for their consumers to read
+_BLOCKED_POLL_MS = 2  # how long the thread sleeps while every reply waits for its consumer to read
 
 
 class Snapshot(NamedTuple):
@@ -141,6 +141,9 @@ class ReplayBuffer:
             assert not seqs or seqs[0] > self.evicted_through, "an evicted seq is still held"
 
 
+_wake_ids = itertools.count()
+
+
 def _seq_of(entry: tuple[int, bytes]) -> int:
     return entry[0]
 
@@ -179,7 +182,9 @@ class SyncServer:
     """Serves replay and snapshot requests on ``socket`` (a bound ROUTER) from its own thread.
 
     Owns ``socket`` from :meth:`start` until :meth:`close`, which stops the
-    thread (within :data:`_IDLE_POLL_MS`); the caller closes the socket.
+    thread; the caller closes the socket. With nothing to send the thread
+    sleeps until a request (or close) arrives: an idle server takes no turns
+    from the publishing thread.
     """
 
     def __init__(
@@ -204,7 +209,12 @@ class SyncServer:
         self._waiting: OrderedDict[bytes, tuple[_Kind, int]] = OrderedDict()
         self._encoder = EventEncoder()
         self._replays = self._snapshots = self._bad = self._rejected = self._abandoned = 0
-        self._stop = threading.Event()
+        # close() wakes the thread through an inproc pair, so that it can sleep without a timeout.
+        wake = f"inproc://kvstore-replay-wake-{next(_wake_ids)}"
+        self._wake_rx = socket.context.socket(zmq.PAIR)
+        self._wake_rx.bind(wake)
+        self._wake_tx = socket.context.socket(zmq.PAIR)
+        self._wake_tx.connect(wake)
         self._thread = threading.Thread(target=self._run, name="kv-event-replay", daemon=True)
 
     def start(self) -> SyncServer:
@@ -216,9 +226,12 @@ class SyncServer:
         return SyncStats(self._replays, self._snapshots, self._bad, self._rejected, self._abandoned)
 
     def close(self) -> None:
-        self._stop.set()
+        """Stop the thread (idempotent)."""
         if self._thread.is_alive():
+            self._wake_tx.send(b"")
             self._thread.join(timeout=5.0)
+        self._wake_tx.close(linger=0)
+        self._wake_rx.close(linger=0)
 
     def check_invariants(self) -> None:
         """Call with the thread stopped (or not started)."""
@@ -229,11 +242,17 @@ class SyncServer:
     # ------------------------------------------------------------- thread side
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            timeout = _IDLE_POLL_MS
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        while True:
+            timeout = None
             if self._active:
                 timeout = 0 if self._send_round() else _BLOCKED_POLL_MS
-            if self._socket.poll(timeout):
+            ready = dict(poller.poll(timeout))
+            if self._wake_rx in ready:
+                return
+            if self._socket in ready:
                 self._accept()
             self._fill_slots()
 
