@@ -52,10 +52,7 @@ def read_for_routing(body: bytes, kind: Literal["completion", "chat"], tokenizer
     model = data.get("model") if isinstance(data.get("model"), str) else None
     salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) and data.get("cache_salt") else None
     stream = data.get("stream") is True
-    if kind == "completion":
-        tokens = _completion_tokens(data, tokenizer)
-    else:
-        tokens = _chat_tokens(data, tokenizer)
+    tokens = _completion_tokens(data, tokenizer) if kind == "completion" else _chat_tokens(data, tokenizer)
     return RoutingView(tokens, model, salt, stream)
 
 
