@@ -67,7 +67,8 @@ from kvstore.errors import ConfigError
 from kvstore.kv_layout import KVLayout
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.config import TierConfig
-from kvstore.tiers.disk import DiskTier, direct_io_refusal
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_files import direct_io_refusal
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.shared_memory import SharedSlots
 from kvstore.tiers.store import TierStore

@@ -52,7 +52,8 @@ from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit, check_b
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.copy_engine import CopyEngine, block_rows
 from kvstore.tiers.cpu_arena import CpuArena, Lease, LeaseKind
-from kvstore.tiers.disk import DiskTier, Settled
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_runner import Settled
 from kvstore.tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots

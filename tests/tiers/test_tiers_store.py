@@ -24,7 +24,8 @@ from tiers_helpers import (
 )
 
 import kvstore.tiers.copy_engine as copy_module
-import kvstore.tiers.disk as disk_module
+import kvstore.tiers.disk_capacity as capacity_module
+import kvstore.tiers.disk_files as files_module
 from kvstore.config import EventsConfig
 from kvstore.errors import ConfigError
 from kvstore.events import BlockRemoved, BlockStored
@@ -248,8 +249,8 @@ def test_full_disk_degrades_spill_without_raising(tmp_path: Path, monkeypatch: p
 
     async def scenario() -> None:
         async with new_store(tier_config(tmp_path, cpu_blocks=2, disk_blocks=64)) as store:
-            monkeypatch.setattr(disk_module, "_write_all", disk_full)
-            monkeypatch.setattr(disk_module, "_fs_room", lambda directory: 0)  # statvfs agrees: no room
+            monkeypatch.setattr(files_module, "write_all", disk_full)
+            monkeypatch.setattr(capacity_module, "fs_room", lambda directory: 0)  # statvfs agrees: no room
             metas, data = make_blocks(5)
             assert await store.put(metas, data) == 5  # every block reached the CPU tier
             assert store.lookup(hashes(metas)) == (0, ())  # the evicted ones could not be kept
