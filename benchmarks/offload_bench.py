@@ -27,13 +27,13 @@ you want measured (``--disk-dir``; the default is the repository's ignored
 
 Every GB/s is the median of ``--repeat`` runs; each ratio is the median of
 per-run ratios, each baseline measured right beside the run it is compared
-with. On disk, which of the two goes first alternates by run: a large write
-leaves a virtual disk busy for a while after fsync returns, which slowed
-whatever ran next (with ours always first, reads measured 0.76 of the
-baseline; with the baseline first, 0.90), so an even ``--repeat`` weighs
-both orders alike; and before each measured pair (writes, then reads) the
-bench syncs and idles ``--settle-s`` seconds, so the tail of the work
-before it is not inside it.
+with, so that a busy moment slows both sides of a ratio alike. On disk,
+which of the two goes first alternates by run: a large write leaves a
+virtual disk busy for a while after fsync returns, which slows whatever
+runs next, so an even ``--repeat`` weighs both orders alike; and before
+each measured pair (writes, then reads) the bench syncs and idles
+``--settle-s`` seconds, so the tail of the work before it is not inside it
+(docs/tiers.md has what each of these changed).
 
 TTFT (:mod:`kvstore.benchmarks.offload_ttft`): for each ``--ttft-lengths`` prompt,
 the time to first token when a real worker recomputes it, and when it hits
@@ -158,8 +158,7 @@ def _ratios(ours: list[float], baseline: list[float]) -> list[float]:
 def _settle_disk(seconds: float) -> None:
     """Before each measured pair: flush, then give the device a moment. A virtual disk keeps
     working after fsync/sync return (host write-back, trims on a ``discard`` mount), and that
-    tail landed in whichever measurement came next: settled, writes measured 0.88-0.90 of the
-    baseline run to run instead of 0.82-0.89."""
+    tail would land in whichever measurement came next."""
     os.sync()
     time.sleep(seconds)
 
@@ -357,8 +356,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                     assert all(ok), f"reads failed: {dict(tier.counters.integrity_failures)}"
 
                 # Who goes first alternates by run: after a large write the virtual disk stays busy for a
-                # while after fsync returns, slowing whatever runs next (measured: ours first gave write
-                # 0.90, read 0.76 of the baseline; the baseline first gave 0.82, 0.90).
+                # while after fsync returns, slowing whatever runs next.
                 ours_first = rep % 2 == 0
                 _settle_disk(args.settle_s)  # the last run's deletions too: trimmed at the next journal commit here
                 mine, base = await _side_by_side(

@@ -54,8 +54,7 @@ class DiskIndex:
     """An LRU index of block files bounded in bytes, with the limit that ENOSPC lowers (module docstring)."""
 
     def __init__(self, directory: Path, *, capacity_bytes: int, file_bytes: int) -> None:
-        if capacity_bytes < 0:
-            raise ValueError("capacity_bytes must be >= 0")
+        assert capacity_bytes >= 0 and file_bytes > 0, "the disk tier checks its capacity"
         self.directory = directory  # whose file system ``statvfs`` is asked about
         self.capacity_bytes = capacity_bytes
         self.file_bytes = file_bytes

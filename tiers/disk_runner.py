@@ -107,8 +107,7 @@ class IoRunner:
     """
 
     def __init__(self, threads: int, deadline_s: float, deadline_expired: Counter[str]) -> None:
-        if deadline_s <= 0 or threads < 1:
-            raise ValueError("deadline_s must be > 0 and threads >= 1")
+        assert deadline_s > 0 and threads >= 1, "the disk tier checks its deadline and thread count"
         self.deadline_s = deadline_s
         self._threads = threads
         self._expired = deadline_expired

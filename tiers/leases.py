@@ -99,6 +99,7 @@ class LeaseBook:
             self._cpu.release(lease.lease_id)
 
     def check_invariants(self) -> None:
+        """Assert that only live leases are being timed; raises AssertionError."""
         assert all(self._cpu.holds(lease_id) for lease_id in self._started), "timing kept for an ended lease"
 
     def _take(self, lease_ids: Sequence[int]) -> list[Lease]:
