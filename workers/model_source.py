@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.errors import ConfigError
+from kvstore.kv_layout import KVDtype
 from kvstore.workers import checkpoint
 from kvstore.workers.device import resolve_model_dtype, torch_dtype
 from kvstore.workers.hf_config import declared_dtype, generation_from_hf, spec_from_hf_config
 from kvstore.workers.model import DecoderModel, build_model
-from kvstore.workers.model_spec import ModelSpec, RopeSpec, ServedModel
+from kvstore.workers.model_spec import GenerationDefaults, ModelSpec, RopeSpec, ServedModel
 from kvstore.workers.seeded import seeded_weights
 from kvstore.workers.shapes import shape_config
 
@@ -54,27 +55,12 @@ def describe_model(worker: WorkerConfig, device: torch.device) -> ServedModel:
         return _describe_checkpoint(Path(worker.model), worker, device)
     if worker.shape:
         config = shape_config(worker.shape)
-        spec = spec_from_hf_config(config)
-        native = declared_dtype(config) or "float32"
-        return ServedModel(
-            name=served_name(worker),
-            weights_id=f"shape:{worker.shape}(seed={worker.seed})",
-            spec=spec,
-            dtype=resolve_model_dtype(worker.dtype, native, device),
-            max_context=min(worker.max_context, spec.max_position_embeddings),
-            generation=generation_from_hf(config, None),
-            seed=worker.seed,
-        )
-    spec = toy_spec(worker)
-    return ServedModel(
-        name=served_name(worker),
-        weights_id=f"kvstore-tiny(seed={worker.seed},hidden={worker.hidden_size},heads={worker.num_heads},"
-        f"vocab={worker.vocab_size})",
-        spec=spec,
-        dtype=resolve_model_dtype(worker.dtype, "float32", device),
-        max_context=worker.max_context,
-        seed=worker.seed,
-    )
+        spec, generation = spec_from_hf_config(config), generation_from_hf(config, None)
+        weights_id = f"shape:{worker.shape}(seed={worker.seed})"
+        return _served(worker, device, spec, declared_dtype(config) or "float32", weights_id, generation)
+    shape = f"hidden={worker.hidden_size},heads={worker.num_heads},vocab={worker.vocab_size}"
+    toy_id = f"kvstore-tiny(seed={worker.seed},{shape})"  # the layout (in the identity too) has the rest
+    return _served(worker, device, toy_spec(worker), "float32", toy_id, GenerationDefaults())
 
 
 def toy_spec(worker: WorkerConfig) -> ModelSpec:
@@ -116,12 +102,28 @@ def _describe_checkpoint(directory: Path, worker: WorkerConfig, device: torch.de
     bad_eos = [t for t in generation.eos_token_ids if not 0 <= t < spec.vocab_size]
     if bad_eos:
         raise ConfigError(f"{directory}: eos token ids {bad_eos} are outside the vocabulary [0, {spec.vocab_size})")
+    weights_id = f"{spec.architecture}@{checkpoint.fingerprint(directory, spec)}"
+    return _served(worker, device, spec, native, weights_id, generation, checkpoint=str(directory.resolve()))
+
+
+def _served(
+    worker: WorkerConfig,
+    device: torch.device,
+    spec: ModelSpec,
+    native: KVDtype,
+    weights_id: str,
+    generation: GenerationDefaults,
+    *,
+    checkpoint: str | None = None,
+) -> ServedModel:
+    """What every source shares: the served name, the dtype rule, the context cap; seeded unless ``checkpoint``."""
     return ServedModel(
         name=served_name(worker),
-        weights_id=f"{spec.architecture}@{checkpoint.fingerprint(directory, spec)}",
+        weights_id=weights_id,
         spec=spec,
         dtype=resolve_model_dtype(worker.dtype, native, device),
         max_context=min(worker.max_context, spec.max_position_embeddings),
         generation=generation,
-        checkpoint=str(directory.resolve()),
+        checkpoint=checkpoint,
+        seed=None if checkpoint is not None else worker.seed,
     )
