@@ -17,19 +17,24 @@ import torch
 from kvstore.workers.attention import SequenceSlice, build_metadata
 from kvstore.workers.config import WorkerConfig
 from kvstore.workers.kv_tensor_pool import KVTensorPool
-from kvstore.workers.model import DecoderModel
+from kvstore.workers.model_source import describe_model, load_model
+from kvstore.workers.model_spec import ServedModel
 
 
 class ModelRunner:
-    """One model plus its paged KV pool on one device. Not thread-safe: the worker's step loop drives it."""
+    """One model plus its paged KV pool on one device. Not thread-safe: the worker's step loop drives it.
 
-    def __init__(
-        self, config: WorkerConfig, *, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
-    ) -> None:
+    ``served`` says what the model is (name, vocabulary, context limit, eos
+    ids, KV layout and dtype: :class:`~kvstore.workers.model_spec.ServedModel`).
+    Construction loads the weights (ConfigError for an unusable model).
+    """
+
+    def __init__(self, config: WorkerConfig, *, num_blocks: int, block_size: int, device: torch.device) -> None:
         self.device = device
         self.block_size = block_size
-        self.model = DecoderModel(config, device=device, dtype=dtype)
-        self.kv_pool = KVTensorPool(config.kv_layout(block_size), num_blocks, device)
+        self.served: ServedModel = describe_model(config, device)
+        self.model = load_model(self.served, device)
+        self.kv_pool = KVTensorPool(self.served.kv_layout(block_size), num_blocks, device)
 
     @torch.inference_mode()
     def execute(self, slices: Sequence[SequenceSlice]) -> torch.Tensor:

@@ -69,7 +69,7 @@ from kvstore.worker_api import (
     WorkerShutdownError,
 )
 from kvstore.workers.config import WorkerSettings
-from kvstore.workers.device import resolve_device, resolve_dtype
+from kvstore.workers.device import resolve_device
 from kvstore.workers.kv_tensor_pool import KVTensorPool
 from kvstore.workers.metrics import LoopGauges, TierLinkCollector, TierLinkState, WorkerCollector, WorkerCounters
 from kvstore.workers.model_runner import ModelRunner
@@ -110,9 +110,8 @@ class KVWorker:
         block_size = config.cache.block_size
         num_blocks = config.pool.num_blocks
         self.device = resolve_device(model.device)
-        self._runner = ModelRunner(
-            model, num_blocks=num_blocks, block_size=block_size, device=self.device, dtype=resolve_dtype(model.dtype)
-        )
+        self._runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device=self.device)
+        self.served = self._runner.served  # name, vocabulary, context limit, eos ids of the model being served
         self.kv_pool: KVTensorPool = self._runner.kv_pool
         self.block_pool = BlockPool(
             num_blocks, block_size=block_size, enable_caching=config.cache.enable_prefix_caching, medium=Medium.GPU
@@ -123,7 +122,7 @@ class KVWorker:
             self._manager, max_num_seqs=model.max_num_seqs, max_num_batched_tokens=model.max_num_batched_tokens
         )
         self._limits = RequestLimits(
-            model.vocab_size, model.max_context, block_size, num_blocks - self._manager.watermark_blocks
+            self.served.vocab_size, self.served.max_context, block_size, num_blocks - self._manager.watermark_blocks
         )
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
