@@ -143,7 +143,7 @@ async def _stream(
                 await asyncio.sleep(state.itl_s)
             reason = "length" if i == tokens - 1 else None
             for c in range(n):
-                choice = {"index": c, "logprobs": None, "finish_reason": reason}
+                choice: dict[str, Any] = {"index": c, "logprobs": None, "finish_reason": reason}
                 choice.update({"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} ", "stop_reason": None})
                 yield event([choice])
         if usage is not None:

@@ -41,12 +41,13 @@ class ChoiceRecord:
         params: SamplingParams,
         defaults: SamplingDefaults,
         tokenizer: Tokenizer,
+        eos_token_ids: Sequence[int],
         prompt_ids: Sequence[int],
     ) -> None:
         self.group = group
         self.index = index
         self.sampling = ChoiceSampling(
-            params, defaults, index=index, prompt_ids=prompt_ids, eos_token_ids=tokenizer.eos_token_ids
+            params, defaults, index=index, prompt_ids=prompt_ids, eos_token_ids=eos_token_ids
         )
         self.detokenizer = IncrementalDetokenizer(
             tokenizer,

@@ -58,7 +58,7 @@ from kvstore.events import Medium
 from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
 from kvstore.metrics import CacheCollector, render
-from kvstore.openai.tokenizer import ByteTokenizer, Tokenizer
+from kvstore.openai.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvstore.publisher import EventEndpoints, NullEventPublisher, Snapshot, ZmqEventPublisher
 from kvstore.worker_api import (
     ChoiceDelta,
@@ -73,6 +73,7 @@ from kvstore.workers.device import resolve_device
 from kvstore.workers.kv_tensor_pool import KVTensorPool
 from kvstore.workers.metrics import LoopGauges, TierLinkCollector, TierLinkState, WorkerCollector, WorkerCounters
 from kvstore.workers.model_runner import ModelRunner
+from kvstore.workers.model_spec import ServedModel
 from kvstore.workers.offload import LinkedOffload, NoOffload, OffloadConnector, Promotion
 from kvstore.workers.output import ChoiceRecord, RequestGroup
 from kvstore.workers.sampler import GREEDY, Sampler, SamplingDefaults
@@ -83,7 +84,6 @@ from kvstore.workers.validation import RequestLimits, validate_request
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.01
-DEFAULT_MODEL_NAME = "kvstore-toy"
 
 
 class KVWorker:
@@ -101,9 +101,8 @@ class KVWorker:
         *,
         offload: OffloadConnector | None = None,
         tokenizer: Tokenizer | None = None,
-        sampling_defaults: SamplingDefaults = GREEDY,
-        model_name: str = DEFAULT_MODEL_NAME,
     ) -> None:
+        """``tokenizer`` defaults to the checkpoint's (the byte tokenizer for seeded weights)."""
         self.name = name
         self.config = config
         model = config.worker
@@ -127,9 +126,9 @@ class KVWorker:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._step_lock = threading.Lock()
-        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
-        self._defaults = sampling_defaults
-        self._model_name = model_name
+        self.tokenizer: Tokenizer = tokenizer or _default_tokenizer(self.served)
+        self._defaults = sampling_defaults(self.served)
+        self._eos = self.served.generation.eos_token_ids or self.tokenizer.eos_token_ids
         self._sampler = Sampler()
         self._groups: dict[int, RequestGroup] = {}  # id(group) -> group, every request queued or running
         self._cancelled: list[RequestGroup] = []
@@ -193,7 +192,7 @@ class KVWorker:
         for index in range(request.sampling.n):
             state = RequestState(request, request_id, arrival)
             state.output = ChoiceRecord(
-                group, index, request.sampling, self._defaults, self.tokenizer, request.token_ids
+                group, index, request.sampling, self._defaults, self.tokenizer, self._eos, request.token_ids
             )
             group.choices.append(state)
         with self._lock:
@@ -230,7 +229,7 @@ class KVWorker:
 
     def info(self) -> ModelInfo:
         return ModelInfo(
-            model_name=self._model_name,
+            model_name=self.served.name,
             vocab_size=self._limits.vocab_size,
             max_context=self._limits.max_context,
             block_size=self.config.cache.block_size,
@@ -453,3 +452,19 @@ def _record(state: RequestState) -> ChoiceRecord:
     record = state.output
     assert isinstance(record, ChoiceRecord), f"{state} has no choice record"
     return record
+
+
+def _default_tokenizer(served: ServedModel) -> Tokenizer:
+    return load_tokenizer(served.checkpoint) if served.checkpoint is not None else ByteTokenizer()
+
+
+def sampling_defaults(served: ServedModel) -> SamplingDefaults:
+    """A checkpoint's generation_config over vLLM's defaults; seeded weights (the toy, shapes) are greedy."""
+    if served.checkpoint is None:
+        return GREEDY
+    gen, base = served.generation, SamplingDefaults()
+    return SamplingDefaults(
+        temperature=base.temperature if gen.temperature is None else gen.temperature,
+        top_p=base.top_p if gen.top_p is None else gen.top_p,
+        top_k=base.top_k if gen.top_k is None else gen.top_k,
+    )

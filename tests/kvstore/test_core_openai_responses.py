@@ -74,7 +74,8 @@ def test_chat_stream_opens_with_the_role_and_ends_with_usage() -> None:
     assert out[1]["choices"][0]["delta"] == {"content": "a"}  # type: ignore[index]
     assert out[1]["choices"][0]["logprobs"]["content"][0] == {  # type: ignore[index]
         "token": "a", "logprob": -0.5, "bytes": [97],
-        "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "b", "logprob": -1.5, "bytes": [98]}],
+        "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]},
+                         {"token": "b", "logprob": -1.5, "bytes": [98]}],
     }  # fmt: skip
     assert out[2]["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
     assert out[3]["choices"] == [] and out[3]["usage"]["completion_tokens"] == 3  # type: ignore[index]
