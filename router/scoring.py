@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from kvstore.router.config import RouterConfig
-from kvstore.router.index import NO_MATCH, MediumCounts
+from kvstore.router.index_lookup import NO_MATCH, MediumCounts
 
 _TIE = 1e-9
 

@@ -48,7 +48,8 @@ from kvstore.router.backends import (
 )
 from kvstore.router.config import RouterSettings
 from kvstore.router.fleet_metrics import MergedPagesCollector
-from kvstore.router.index import MediumCounts, PrefixIndex
+from kvstore.router.index import PrefixIndex
+from kvstore.router.index_lookup import MediumCounts
 from kvstore.router.load import PrefillLoad
 from kvstore.router.scoring import Decision, ReplicaState, Scorer, least_loaded
 from kvstore.subscriber import EventListener
