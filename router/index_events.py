@@ -108,7 +108,7 @@ def store(masks: dict[int, int], source: Source, block_hashes: Iterable[int]) ->
         if mask & bit:
             dups[block_hash] = dups.get(block_hash, 0) + 1
         else:
-            masks[block_hash] = mask | bit
+            masks[block_hash] = mask | bit if mask else bit  # new blocks share one int (each ``|`` makes one)
             added += 1
     source.held += added
 
