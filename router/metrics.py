@@ -7,6 +7,7 @@ fleet's own ``kvstore_*`` families (:mod:`kvstore.router.fleet_metrics`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -14,6 +15,9 @@ from kvstore.events import Medium
 from kvstore.metrics import EventStreamCollector
 from kvstore.router.fleet_metrics import MergedPagesCollector
 from kvstore.subscriber import EventListener
+
+Outcome = Literal["ok", "rejected", "failed"]
+"""How a completion request ended: served, refused by the replica (400), or failed everywhere it was tried (503)."""
 
 
 class RouterMetrics:
@@ -51,8 +55,7 @@ class RouterMetrics:
         self._decisions.labels(replica).inc()
         self._route_seconds.observe(seconds)
 
-    def finished(self, outcome: str) -> None:
-        """A completion request ended: ``ok``, ``rejected`` (by the replica, 400) or ``failed`` (503)."""
+    def finished(self, outcome: Outcome) -> None:
         self._requests.labels(outcome).inc()
 
     def retried(self) -> None:

@@ -26,6 +26,8 @@ from kvstore.router.config import PolicyName
 from kvstore.router.load import PrefillLoad
 from kvstore.router.scoring import ReplicaState
 
+_NOTHING_REPORTED = ReplicaLoad(running=0, waiting=0, kv_usage=0.0)
+
 
 def replica_state(prefill: PrefillLoad, reported: ReplicaLoad | None, now: float) -> ReplicaState:
     """What a policy knows of one replica: the router's prefill estimate and the load it last reported.
@@ -35,7 +37,7 @@ def replica_state(prefill: PrefillLoad, reported: ReplicaLoad | None, now: float
     has in flight there, since a report lags the requests sent since.
     """
     if reported is None:
-        return ReplicaState(outstanding_tokens=prefill.outstanding(now), running_requests=prefill.inflight_requests)
+        reported = _NOTHING_REPORTED
     return ReplicaState(
         outstanding_tokens=prefill.outstanding(now),
         running_requests=max(reported.running, prefill.inflight_requests),

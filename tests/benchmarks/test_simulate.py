@@ -113,7 +113,12 @@ def test_the_simulated_router_decides_with_the_production_scoring_code(monkeypat
 
 @pytest.mark.parametrize(
     ("policy", "baseline"),
-    [("round_robin", RoundRobin), ("random", RandomChoice), ("least_loaded", LeastLoaded), ("global_cache", LeastLoaded)],
+    [
+        ("round_robin", RoundRobin),
+        ("random", RandomChoice),
+        ("least_loaded", LeastLoaded),
+        ("global_cache", LeastLoaded),
+    ],
 )
 def test_the_simulated_baselines_are_the_routers(
     monkeypatch: pytest.MonkeyPatch, policy: str, baseline: type[router_policies.Baseline]
