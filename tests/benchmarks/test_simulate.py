@@ -11,6 +11,7 @@ from kvstore.benchmarks.mooncake import DEFAULT_TRACE, TraceExpander, read_trace
 from kvstore.benchmarks.simulate import policies as sim_policies
 from kvstore.benchmarks.simulate.engine import (
     POLICIES,
+    PolicyResult,
     SimulationSettings,
     percentile,
     simulate_policy,
@@ -87,6 +88,14 @@ def test_percentile_interpolates_and_speedup_targets_the_offered_load() -> None:
     assert speedup_for_utilization(trace, 4, 1000.0, 0.5) == pytest.approx(0.5 * 4 * 1000.0 / offered)
 
 
+def simulate_slice(policy: str, replicas: int, requests: int) -> PolicyResult:
+    """``policy`` over the trace's first ``requests`` on ``replicas``, 512-token blocks, fixed rates."""
+    trace = read_trace(DEFAULT_TRACE, requests)
+    settings = SimulationSettings(replicas, 200_000, 512, 20_000.0, 500.0, 2048, 2.0, 10.0, 0)
+    expander = TraceExpander(BlockHasher("sha256_cbor", "kvstore", 512), "derived")
+    return simulate_policy(policy, trace, settings, expander, RouterConfig())
+
+
 def test_the_simulated_router_decides_with_the_production_scoring_code(monkeypatch: pytest.MonkeyPatch) -> None:
     """One Scorer, one state builder, one PrefillLoad: the simulator and the router service cannot drift apart."""
     assert sim_policies.Scorer is router_routing.Scorer
@@ -101,11 +110,8 @@ def test_the_simulated_router_decides_with_the_production_scoring_code(monkeypat
         return decision
 
     monkeypatch.setattr(Scorer, "choose", spy)
-    trace = read_trace(DEFAULT_TRACE, 150)
-    settings = SimulationSettings(4, 200_000, 512, 20_000.0, 500.0, 2048, 2.0, 10.0, 0)
-    expander = TraceExpander(BlockHasher("sha256_cbor", "kvstore", 512), "derived")
-    result = simulate_policy("kvstore", trace, settings, expander, RouterConfig())
-    assert len(calls) == len(trace) == result.requests
+    result = simulate_slice("kvstore", replicas=4, requests=150)
+    assert len(calls) == result.requests == 150
     assert result.index_mismatches == 0
     assert any(state.outstanding_tokens > 0 for states, _ in calls for state in states.values())
     assert all(set(states) == {f"replica-{i}" for i in range(4)} for states, _ in calls)
@@ -134,15 +140,12 @@ def test_the_simulated_baselines_are_the_routers(
         return choice
 
     monkeypatch.setattr(baseline, "choose", spy)
-    trace = read_trace(DEFAULT_TRACE, 40)
-    settings = SimulationSettings(12, 200_000, 512, 20_000.0, 500.0, 2048, 2.0, 10.0, 0)
-    expander = TraceExpander(BlockHasher("sha256_cbor", "kvstore", 512), "derived")
-    result = simulate_policy(policy, trace, settings, expander, RouterConfig())
+    result = simulate_slice(policy, replicas=12, requests=40)
     names = [f"replica-{i}" for i in range(12)]
-    assert len(calls) == len(trace) == result.requests
+    assert len(calls) == result.requests == 40
     assert all(candidates == names for candidates, _ in calls)  # every replica, in the simulator's order
     if policy == "round_robin":
-        assert [choice for _, choice in calls] == [names[i % 12] for i in range(len(trace))]
+        assert [choice for _, choice in calls] == [names[i % 12] for i in range(40)]
 
 
 def test_simulate_slice_reports_ttft_and_imbalance_per_policy(
