@@ -33,7 +33,6 @@ from kvstore.openai.tokenizer import load_tokenizer
 from kvstore.router.backends import RayActorBackend
 from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
 from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
-from kvstore.worker_api import GenerateRequest
 from kvstore.workers.actor import KVWorkerActor, routable_endpoint, worker_actor_options
 from kvstore.workers.config import cache_identity
 
@@ -254,7 +253,7 @@ def curve_server_key(config: Config) -> str | None:
 
 def replica_spec(worker: PlacedWorker, *, curve_server_key: str | None = None) -> ReplicaSpec:
     """The router's view of a placed worker; ``curve_server_key`` when its publisher runs with CURVE."""
-    backend = RayActorBackend(worker.name, worker.handle, GenerateRequest)
+    backend = RayActorBackend(worker.name, worker.handle)
     producer = ProducerSpec(
         f"{worker.name}/gpu", worker.endpoint, worker.replay_endpoint, curve_server_key=curve_server_key
     )

@@ -22,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstore.openai.protocol import ApiError, decode_request, prompt_token_ids, validate
-from kvstore.router.service import RouterService, medium_dict
+from kvstore.router.response import medium_dict
+from kvstore.router.service import RouterService
 
 _OPEN_PATHS = frozenset({"/healthz"})
 

@@ -2,9 +2,9 @@
 
 Two kinds, one contract (:class:`ReplicaBackend`):
 
-- :class:`RayActorBackend` -- one of our KV worker actors, by handle. The
-  router does not import ``workers`` (imports point one way: deploy wires
-  both), so the request object is built by a factory the deployer passes.
+- :class:`RayActorBackend` -- one of our KV worker actors, by handle. It
+  speaks the worker's typed contract from the core
+  (:mod:`kvstore.worker_api`), so the router needs nothing from ``workers``.
 - :class:`HttpBackend` -- any OpenAI-compatible server (vLLM, or our worker's
   HTTP front): ``POST /v1/completions`` with the prompt as token ids, load
   scraped from its Prometheus ``/metrics``.
@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstore.errors import InvalidRequestError
 from kvstore.events import MEDIA, Medium
+from kvstore.metrics import GPU_CACHE_USAGE, REQUESTS_RUNNING, REQUESTS_WAITING
+from kvstore.worker_api import GenerateRequest, GenerateResult, WorkerLoad
 
 
 class ReplicaUnavailable(Exception):
@@ -82,17 +84,13 @@ class ReplicaBackend(Protocol):
     async def close(self) -> None: ...
 
 
-RequestFactory = Callable[..., Any]
-"""Builds the worker's request object: ``factory(token_ids=, max_tokens=, request_id=, cache_salt=, lora_name=)``."""
-
-
 class RayActorBackend:
     """A KV worker Ray actor. Any Ray error (actor died, node lost) is ReplicaUnavailable."""
 
-    def __init__(self, name: str, handle: Any, make_request: RequestFactory, *, timeout_s: float = 300.0) -> None:
+    def __init__(self, name: str, handle: Any, *, timeout_s: float = 300.0) -> None:
+        """``handle``: the worker actor's (Ray handles are untyped)."""
         self.name = name
         self._handle = handle
-        self._make_request = make_request
         self._timeout = timeout_s
 
     async def generate(
@@ -104,11 +102,9 @@ class RayActorBackend:
         cache_salt: str | None,
         lora_name: str | None,
     ) -> ReplicaResult:
-        import ray.exceptions
+        import ray.exceptions  # here, not at the top: routers with HTTP replicas only never load Ray
 
-        from kvstore.errors import InvalidRequestError
-
-        request = self._make_request(
+        request = GenerateRequest(
             token_ids=token_ids,
             max_tokens=max_tokens,
             request_id=request_id,
@@ -116,7 +112,7 @@ class RayActorBackend:
             lora_name=lora_name,
         )
         try:
-            result = await asyncio.wait_for(self._handle.generate.remote(request), self._timeout)
+            result: GenerateResult = await asyncio.wait_for(self._handle.generate.remote(request), self._timeout)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.as_instanceof_cause()
             if isinstance(cause, InvalidRequestError):
@@ -124,9 +120,9 @@ class RayActorBackend:
             raise ReplicaUnavailable(f"{self.name}: {type(cause).__name__}: {cause}") from None
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise ReplicaUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        by_medium = {m: int(result.cached_tokens_by_medium.get(m, 0)) for m in MEDIA}
+        by_medium = {m: result.cached_tokens_by_medium.get(m, 0) for m in MEDIA}
         return ReplicaResult(
-            output_token_ids=list(result.output_token_ids),
+            output_token_ids=result.output_token_ids,
             text=None,
             prompt_tokens=result.prompt_tokens,
             cached_tokens_by_medium=by_medium,
@@ -140,22 +136,22 @@ class RayActorBackend:
         import ray.exceptions
 
         try:
-            load, text = await asyncio.wait_for(
+            polled: tuple[WorkerLoad, bytes] = await asyncio.wait_for(
                 asyncio.gather(self._handle.load.remote(), self._handle.metrics_text.remote()), 5.0
             )
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise ReplicaUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        load = ReplicaLoad(int(load.running), int(load.waiting), float(load.kv_usage))
-        return ReplicaPoll(load, text.decode() if isinstance(text, bytes) else str(text))
+        load, page = polled
+        return ReplicaPoll(ReplicaLoad(load.running, load.waiting, load.kv_usage), page.decode())
 
     async def close(self) -> None:
         return None
 
 
 # Names vLLM (old and new) and kvstore workers use for the load signals.
-_RUNNING = ("vllm:num_requests_running", "kvstore_requests_running")
-_WAITING = ("vllm:num_requests_waiting", "kvstore_requests_waiting")
-_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "kvstore_gpu_cache_usage_perc")
+_RUNNING = ("vllm:num_requests_running", REQUESTS_RUNNING)
+_WAITING = ("vllm:num_requests_waiting", REQUESTS_WAITING)
+_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", GPU_CACHE_USAGE)
 
 
 class HttpBackend:

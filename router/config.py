@@ -9,6 +9,9 @@ from msgspec import Meta
 
 from kvstore.config import CacheConfig, Fraction, NonNegativeInt, PositiveInt, is_z85_key
 
+PolicyName = Literal["kvstore", "round_robin", "random", "least_loaded"]
+"""``kvstore``: cached prefix against load (the Scorer); the others: cache-blind baselines (router/policies.py)."""
+
 
 class ExternalReplica(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One replica the router does not manage: a vLLM server or ``kvstore worker``."""
@@ -70,7 +73,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     drains (router/load.py); 0 = learn it from the timings responses report."""
     temperature: Annotated[float, Meta(ge=0.0)] = 0.0
     """0 picks the lowest cost (ties at random); > 0 samples a softmax over normalised costs."""
-    policy: Literal["kvstore", "round_robin", "random", "least_loaded"] = "kvstore"
+    policy: PolicyName = "kvstore"
     """Routing policy: ``kvstore`` (cached prefix vs load, the Scorer); the others are baselines
     that ignore the cache (used by ``kvstore replay --compare``)."""
     model_name: str = "kvstore-toy"

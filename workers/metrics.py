@@ -3,8 +3,8 @@
 Pool usage and prefix-cache counters come from the core's
 :class:`kvstore.metrics.CacheCollector`; this module adds the request loop's
 counters. Both read plain integers at scrape time, so the step loop pays
-nothing per request. Names follow vLLM's under ``kvstore_`` (the router's
-HTTP backend reads ``kvstore_requests_running``/``_waiting``).
+nothing per request. Names follow vLLM's under ``kvstore_``; the load gauges'
+names are the core's constants, which the router's HTTP backend reads.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvstore.metrics import REQUESTS_RUNNING, REQUESTS_WAITING
 
 
 class WorkerCounters:
@@ -92,8 +94,8 @@ class WorkerCollector(Collector):
             counter.add_metric(labels, value)
             families.append(counter)
         for name, doc, value in (
-            ("kvstore_requests_running", "Requests holding KV blocks.", g.running),
-            ("kvstore_requests_waiting", "Requests queued for admission.", g.waiting),
+            (REQUESTS_RUNNING, "Requests holding KV blocks.", g.running),
+            (REQUESTS_WAITING, "Requests queued for admission.", g.waiting),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["replica"])
             gauge.add_metric(labels, value)
