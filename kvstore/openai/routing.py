@@ -9,13 +9,13 @@ the chat template (the body's ``chat_template`` if it sends one, with its
 ``tools``, ``documents`` and ``chat_template_kwargs``) with
 ``add_special_tokens`` false -- vLLM's defaults.
 
-A body the router cannot tokenise exactly (images in a message, a template
-that refuses the conversation) is still forwarded, and routed on load alone
-(``token_ids`` None): the replica answers it, errors included, as it would
-without a router. What the router must refuse itself: a body that is not a
-JSON object or has no prompt/messages, and any text when no tokenizer is
-configured -- byte ids would be garbage to a real model, and routing on
-them would be routing on noise.
+A body the router cannot tokenise exactly (no prompt, a field of the wrong
+type, images in a message, a template that refuses the conversation) is
+still forwarded, and routed on load alone (``token_ids`` None): the replica
+answers it, errors included, as it would without a router. What the router
+refuses itself: a body that is not a JSON object, and any text when no
+tokenizer is configured -- byte ids would be garbage to a real model, and
+routing on them would be routing on noise.
 """
 
 from __future__ import annotations
@@ -57,15 +57,13 @@ def read_for_routing(body: bytes, kind: Literal["completion", "chat"], tokenizer
 
 
 def _completion_tokens(data: dict[str, Any], tokenizer: Tokenizer | None) -> list[int] | None:
-    if "prompt" not in data:
-        raise ApiError(400, "prompt is required", param="prompt")
-    prompt = data["prompt"]
+    prompt = data.get("prompt")
     if isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt):
         prompt = prompt[0]  # a batch: route on its first prompt (the replica serves them all)
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         return list(prompt)
-    if not isinstance(prompt, str):
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
+    if not isinstance(prompt, str) or not prompt:
+        return None
     if tokenizer is None:
         raise ApiError(400, NO_TOKENIZER, param="prompt")
     add_special = data.get("add_special_tokens", True) is not False
@@ -75,7 +73,7 @@ def _completion_tokens(data: dict[str, Any], tokenizer: Tokenizer | None) -> lis
 def _chat_tokens(data: dict[str, Any], tokenizer: Tokenizer | None) -> list[int] | None:
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", param="messages")
+        return None
     if tokenizer is None:
         raise ApiError(400, NO_TOKENIZER, param="messages")
     flat = []

@@ -127,9 +127,14 @@ class HFTokenizer:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
 
+BYTES = "bytes"
+"""The name of the built-in model's byte tokenizer where a path is expected (``router.tokenizer``)."""
+
+
 def load_tokenizer(path: str | None) -> Tokenizer:
-    """The byte-level tokenizer when ``path`` is empty, else a model directory's or a ``tokenizer.json``'s."""
-    if not path:
+    """A model directory's or a ``tokenizer.json``'s tokenizer; the byte tokenizer when ``path`` is empty or
+    :data:`BYTES`."""
+    if not path or path == BYTES:
         return ByteTokenizer()
     if not Path(path).exists():
         raise ConfigError(f"tokenizer {path}: no such file or directory")
