@@ -201,7 +201,9 @@ def build_service(
     """A router over the workers; each node's tier stream counts for that node's workers."""
     info = ray.get(workers[0].handle.info.remote(), timeout=60)
     limits = ModelLimits(info.vocab_size, info.max_context)
-    service = RouterService(config, load_tokenizer(config.router.tokenizer), limits)
+    # The workers' own tokenizer unless the router is given one: a checkpoint's directory, else bytes.
+    tokenizer = load_tokenizer(config.router.tokenizer or config.worker.model)
+    service = RouterService(config, tokenizer, limits, model_name=info.model_name)
     for tier in (tiers or {}).values():
         producer = ProducerSpec(
             f"tier-{tier.node[:12]}", tier.endpoint, tier.replay_endpoint, curve_server_key=curve_server_key(config)

@@ -48,8 +48,8 @@ def with_router_defaults(config: Config) -> Config:
     """A checkpoint's name and tokenizer as the router's, where the router's are left at their defaults.
 
     ``router.model_name`` becomes the served name (what completions report)
-    and ``router.tokenizer`` the directory's ``tokenizer.json``, so text
-    prompts are tokenized as the model was trained.
+    and ``router.tokenizer`` the directory (its tokenizer, special tokens and
+    chat template), so prompts are tokenized as the model was trained.
     """
     if not config.worker.model:
         return config
@@ -57,7 +57,6 @@ def with_router_defaults(config: Config) -> Config:
     changes: dict[str, str] = {}
     if router.model_name == defaults.model_name:
         changes["model_name"] = served_name(config.worker)
-    tokenizer = Path(config.worker.model) / "tokenizer.json"
-    if router.tokenizer == defaults.tokenizer and tokenizer.is_file():
-        changes["tokenizer"] = str(tokenizer)
+    if router.tokenizer == defaults.tokenizer and (Path(config.worker.model) / "tokenizer.json").is_file():
+        changes["tokenizer"] = config.worker.model
     return msgspec.structs.replace(config, router=msgspec.structs.replace(router, **changes))

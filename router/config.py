@@ -79,7 +79,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     model_name: str = "kvstore-toy"
     """Reported as ``model`` in completions when the request names none."""
     tokenizer: str = ""
-    """Path to a ``tokenizer.json`` for text prompts; empty = byte-level (our workers' model)."""
+    """The replicas' tokenizer: a model directory (tokenizer.json, tokenizer_config.json with its special tokens
+    and chat template, or chat_template.jinja) or a lone tokenizer.json. Empty: our workers' own (``kvstore
+    serve``); in front of external replicas (``kvstore router``), no tokenizer, so only token-id prompts route.
+    ``bytes`` names the built-in model's byte tokenizer (a fleet of ``kvstore worker`` toy models)."""
     vocab_size: NonNegativeInt = 0
     """Token ids must be below this; 0 = ask the replicas (Ray workers) or no check beyond >= 0."""
     max_context: NonNegativeInt = 0

@@ -16,8 +16,9 @@ from kvstore.metrics import EventStreamCollector
 from kvstore.router.fleet_metrics import MergedPagesCollector
 from kvstore.subscriber import EventListener
 
-Outcome = Literal["ok", "rejected", "failed"]
-"""How a completion request ended: served, refused by the replica (400), or failed everywhere it was tried (503)."""
+Outcome = Literal["ok", "rejected", "failed", "cancelled"]
+"""How a request sent to a replica ended: served, refused (4xx), failed (5xx, or everywhere it was tried), or
+cancelled because its client went away."""
 
 
 class RouterMetrics:

@@ -48,6 +48,7 @@ class Replica:
         self.prefill = PrefillLoad(prefill_tps)
         self.last_ok = time.monotonic()
         self.metrics_text = ""  # its Prometheus page as of the last poll
+        self.models: list[dict[str, Any]] = []  # its /v1/models cards as of the last poll
 
 
 class ReplicaSet(Mapping[str, Replica]):
@@ -118,6 +119,7 @@ class ReplicaSet(Mapping[str, Replica]):
             if isinstance(result, ReplicaPoll):
                 replica.load = result.load
                 replica.metrics_text = result.metrics_text
+                replica.models = result.models
                 replica.failed_polls = 0
                 replica.last_ok = time.monotonic()
                 self._mark_healthy(name)

@@ -1,21 +1,22 @@
-"""The OpenAI completion body the router answers with, from a replica's result.
+"""What the router adds to an answer: the ``kvstore`` object for our workers, headers for every replica.
 
-OpenAI's fields (``choices``, ``usage`` with ``prompt_tokens_details.cached_tokens``)
-plus a ``kvstore`` object: the replica chosen, whether the request was
-retried, the cached tokens it reported by medium against the prefix the
-index predicted, and its timings -- what a client needs to see the routing.
+For our own workers the router builds the OpenAI body itself
+(:mod:`kvstore.openai.responses`) and adds a ``kvstore`` object: the replica
+chosen, whether the request was retried, the cached tokens the worker
+reported by medium against the prefix the index predicted, and its timings
+-- what a client needs to see the routing. In front of a vLLM fleet the body
+is the replica's, untouched, so the same facts travel as response headers
+(``x-kvstore-replica``, ``x-kvstore-retried``, ``x-kvstore-predicted-cached-blocks``,
+``x-kvstore-prompt-blocks``, ``x-kvstore-route-s``).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from kvstore.openai.protocol import ParsedPrompt
-from kvstore.openai.tokenizer import Tokenizer
-from kvstore.router.backends import ReplicaResult
 from kvstore.router.index_lookup import NO_MATCH, MediumCounts
 from kvstore.router.routing import RouteResult
+from kvstore.worker_api import RequestStats
 
 
 def medium_dict(counts: MediumCounts) -> dict[str, int]:
@@ -23,46 +24,28 @@ def medium_dict(counts: MediumCounts) -> dict[str, int]:
     return {"GPU": counts.gpu, "CPU": counts.cpu, "STORAGE": counts.storage}
 
 
-def completion_body(
-    request_id: str,
-    prompt: ParsedPrompt,
-    replica: str,
-    routed: RouteResult,
-    result: ReplicaResult,
-    *,
-    retried: bool,
-    tokenizer: Tokenizer,
-    default_model: str,
-) -> dict[str, Any]:
-    """The response to ``prompt``, served by ``replica``; text is detokenised when the replica sent ids only."""
-    output_ids = result.output_token_ids or []
-    text = result.text if result.text is not None else tokenizer.decode(output_ids)
-    completion_tokens = len(output_ids) if result.output_token_ids is not None else None
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
-    if result.output_token_ids is not None:
-        choice["token_ids"] = output_ids
-    usage: dict[str, Any] = {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": completion_tokens if completion_tokens is not None else 0,
-        "total_tokens": result.prompt_tokens + (completion_tokens or 0),
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-    }
+def kvstore_extras(replica: str, retried: bool, routed: RouteResult, stats: RequestStats) -> dict[str, Any]:
+    """The ``kvstore`` object of a body built from our worker's output."""
     return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": prompt.model or default_model,
-        "choices": [choice],
-        "usage": usage,
-        "kvstore": {
-            "replica": replica,
-            "retried": retried,
-            "cached_tokens": result.cached_tokens_by_medium,
-            "predicted_cached_blocks": medium_dict(routed.matched.get(replica, NO_MATCH)),
-            "prompt_blocks": routed.prompt_blocks,
-            "queue_s": result.queue_s,
-            "ttft_s": result.ttft_s,
-            "total_s": result.total_s,
-            "route_s": routed.route_s,
-        },
+        "replica": replica,
+        "retried": retried,
+        "cached_tokens": stats.cached_tokens_by_medium,
+        "predicted_cached_blocks": medium_dict(routed.matched.get(replica, NO_MATCH)),
+        "prompt_blocks": routed.prompt_blocks,
+        "queue_s": stats.queue_s,
+        "ttft_s": stats.ttft_s,
+        "total_s": stats.total_s,
+        "route_s": routed.route_s,
+    }
+
+
+def routing_headers(replica: str, retried: bool, routed: RouteResult) -> dict[str, str]:
+    """Headers naming the replica that served and what the index predicted it held."""
+    predicted = routed.matched.get(replica, NO_MATCH)
+    return {
+        "x-kvstore-replica": replica,
+        "x-kvstore-retried": "true" if retried else "false",
+        "x-kvstore-predicted-cached-blocks": str(predicted.total),
+        "x-kvstore-prompt-blocks": str(routed.prompt_blocks),
+        "x-kvstore-route-s": f"{routed.route_s:.6f}",
     }

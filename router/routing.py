@@ -15,13 +15,24 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvstore.hashing import BlockHasher, to_external
-from kvstore.openai.protocol import ApiError, ParsedPrompt
+from kvstore.openai.errors import ApiError
 from kvstore.router.config import PolicyName
 from kvstore.router.index import PrefixIndex
 from kvstore.router.index_lookup import NO_MATCH, MediumCounts
 from kvstore.router.policies import Baseline, make_baseline, replica_state
 from kvstore.router.replicas import Replica
 from kvstore.router.scoring import Decision, Scorer
+
+
+class Prompt(NamedTuple):
+    """What routing reads of a request: its tokens (as the replica tokenises them) and what salts its hashes.
+
+    No tokens (a body the router cannot tokenise exactly) routes on load alone.
+    """
+
+    token_ids: Sequence[int]
+    cache_salt: str | None = None
+    lora_name: str | None = None
 
 
 class RouteResult(NamedTuple):
@@ -41,12 +52,14 @@ class Router:
         self._rng = rng
         self._baselines: dict[PolicyName, Baseline | None] = {}
 
-    def route(self, prompt: ParsedPrompt, candidates: Sequence[Replica], policy: PolicyName) -> RouteResult:
+    def route(self, prompt: Prompt, candidates: Sequence[Replica], policy: PolicyName) -> RouteResult:
         """Choose one of ``candidates`` for the prompt under ``policy``. Raises ApiError(503) when there is none."""
         start = time.perf_counter()
         if not candidates:
             raise ApiError(503, "no healthy replica is available; retry later")
-        hashes = self._hasher.hash_blocks(prompt.token_ids, lora_name=prompt.lora_name, cache_salt=prompt.cache_salt)
+        hashes = self._hasher.hash_blocks(
+            list(prompt.token_ids), lora_name=prompt.lora_name, cache_salt=prompt.cache_salt
+        )
         matches = self._index.lookup([to_external(h) for h in hashes])
         now = time.monotonic()
         states = {r.spec.name: replica_state(r.prefill, r.load, now) for r in candidates}

@@ -17,27 +17,28 @@ import asyncio
 import contextlib
 import logging
 import random
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from kvstore.hashing import BlockHasher
-from kvstore.openai.protocol import ModelLimits, ParsedPrompt
+from kvstore.openai.http import model_card
+from kvstore.openai.protocol import ModelLimits
 from kvstore.openai.tokenizer import Tokenizer
+from kvstore.router.backends import HttpBackend
 from kvstore.router.config import RouterSettings
-from kvstore.router.dispatch import Dispatcher
+from kvstore.router.dispatch import Dispatcher, Opened, Relayed
 from kvstore.router.fleet_metrics import PageSources
 from kvstore.router.index import PrefixIndex
 from kvstore.router.metrics import RouterMetrics
 from kvstore.router.replicas import ReplicaSet, ReplicaSpec
-from kvstore.router.response import completion_body
-from kvstore.router.routing import Router, RouteResult
+from kvstore.router.routing import Prompt, Router, RouteResult
 from kvstore.router.scoring import Scorer
 from kvstore.router.streams import ProducerSpec
 from kvstore.router.tier_watch import TierLocator, TierWatch
 from kvstore.subscriber import EventListener
+from kvstore.worker_api import GenerateRequest
 
 # The specs it takes are part of its interface: deployers import them from here.
 __all__ = ["ProducerSpec", "ReplicaSpec", "RouterService"]
@@ -46,18 +47,27 @@ logger = logging.getLogger(__name__)
 
 
 class RouterService:
-    """Routes prompts to replicas by cached prefix and load, and proxies completions."""
+    """Routes prompts to replicas by cached prefix and load, and proxies completions.
+
+    A fleet is of one kind: our workers (the router parses each request and
+    runs it on a worker through the typed contract), or external OpenAI
+    servers (the router forwards each body untouched: :attr:`forwards`).
+    ``tokenizer`` is the replicas' (None: text cannot be read, only token ids).
+    """
 
     def __init__(
         self,
         config: RouterSettings,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         limits: ModelLimits,
         *,
         registry: CollectorRegistry | None = None,
         seed: int | None = None,
+        model_name: str | None = None,
     ) -> None:
+        """``model_name``: the served model of our workers (default ``router.model_name``)."""
         self.config = config
+        self.model_name = model_name or config.router.model_name
         self.tokenizer = tokenizer
         self.limits = limits
         self.hasher = BlockHasher.from_config(config.cache)
@@ -93,8 +103,16 @@ class RouterService:
     # ---------------------------------------------------------------- registry
 
     def add_replica(self, spec: ReplicaSpec) -> None:
-        """Register (or replace) a replica and subscribe to its event stream."""
+        """Register (or replace) a replica and subscribe to its event stream; a fleet is of one kind."""
+        kinds = {isinstance(r.spec.backend, HttpBackend) for r in self._replicas.values() if r.spec.name != spec.name}
+        if kinds and kinds != {isinstance(spec.backend, HttpBackend)}:
+            raise ValueError(f"replica {spec.name}: a fleet is either our workers or external servers, not both")
         self._replicas.add(spec)
+
+    @property
+    def forwards(self) -> bool:
+        """True when the replicas are external servers, to which client bodies are forwarded unchanged."""
+        return any(isinstance(r.spec.backend, HttpBackend) for r in self._replicas.values())
 
     def remove_replica(self, name: str) -> None:
         """Forget a replica and its blocks."""
@@ -133,27 +151,39 @@ class RouterService:
 
     # ------------------------------------------------------- routing, dispatch
 
-    def route(self, prompt: ParsedPrompt) -> RouteResult:
+    def route(self, prompt: Prompt) -> RouteResult:
         """Choose a healthy replica for the prompt under ``router.policy``; ApiError(503) when none is healthy."""
         routed = self._router.route(prompt, self._replicas.healthy(), self.config.router.policy)
         self._metrics.routed(routed.decision.replica, routed.route_s)
         return routed
 
-    async def complete(self, prompt: ParsedPrompt) -> dict[str, Any]:
-        """Route, dispatch (retrying once elsewhere on ReplicaUnavailable) and build the OpenAI response."""
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        routed = self.route(prompt)
-        done = await self._dispatcher.dispatch(prompt, request_id, routed)
-        return completion_body(
-            request_id,
-            prompt,
-            done.replica,
-            routed,
-            done.result,
-            retried=done.retried,
-            tokenizer=self.tokenizer,
-            default_model=self.config.router.model_name,
-        )
+    async def open(self, prompt: Prompt, request: GenerateRequest, routed: RouteResult) -> Opened:
+        """Start ``request`` on one of our workers (retrying once elsewhere if it fails before its first chunk)."""
+        return await self._dispatcher.stream(prompt, request, routed)
+
+    async def complete(self, prompt: Prompt, request: GenerateRequest, routed: RouteResult) -> Opened:
+        """Run a plain (not streamed) request to its end on one of our workers, retrying once on failure."""
+        return await self._dispatcher.collect(prompt, request, routed)
+
+    async def relay(
+        self, prompt: Prompt, routed: RouteResult, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> Relayed:
+        """Forward a client's body unchanged to an external replica (retrying once elsewhere before any answer)."""
+        return await self._dispatcher.forward(prompt, routed, path, body, headers)
+
+    def models(self) -> list[dict[str, Any]]:
+        """``/v1/models``: the served model of our workers, or the cards the healthy external replicas list."""
+        if not self.forwards:
+            return [model_card(self.model_name, self.limits.max_context)]
+        cards: dict[str, dict[str, Any]] = {}
+        for replica in self._replicas.healthy():
+            for card in replica.models:
+                cards.setdefault(card["id"], card)
+        return list(cards.values())
+
+    def counted(self, outcome: str) -> None:
+        """Count a request the router answered itself (a 4xx before any replica saw it)."""
+        self._metrics.finished(outcome)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ health
 

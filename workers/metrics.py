@@ -21,14 +21,15 @@ from kvstore.metrics import REQUESTS_RUNNING, REQUESTS_WAITING
 class WorkerCounters:
     """Counters the worker bumps (under its lock); read racily by scrapes, which is fine for ints."""
 
-    __slots__ = ("failed", "finished", "generation_tokens", "prompt_tokens", "rejected", "steps")
+    __slots__ = ("aborted", "failed", "finished", "generation_tokens", "prompt_tokens", "rejected", "steps")
 
     def __init__(self) -> None:
         self.finished = 0  # requests that returned a result
+        self.aborted = 0  # requests cancelled by their consumer (a client that went away): blocks freed
         self.failed = 0  # requests that got an error after being queued (shutdown, model failure)
         self.rejected = 0  # requests refused as invalid before queuing
         self.prompt_tokens = 0  # of finished requests
-        self.generation_tokens = 0  # of finished requests
+        self.generation_tokens = 0  # of finished choices
         self.steps = 0
 
 
@@ -79,7 +80,8 @@ class WorkerCollector(Collector):
         c = self._counters
         g = self._gauges()
         requests = CounterMetricFamily("kvstore_requests", "Requests by outcome.", labels=["replica", "outcome"])
-        for outcome, value in (("finished", c.finished), ("failed", c.failed), ("rejected", c.rejected)):
+        outcomes = (("finished", c.finished), ("aborted", c.aborted), ("failed", c.failed), ("rejected", c.rejected))
+        for outcome, value in outcomes:
             requests.add_metric([*labels, outcome], value)
         families: list[Metric] = [requests]
         for name, doc, value in (

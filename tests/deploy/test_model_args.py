@@ -24,7 +24,7 @@ def test_model_flags_are_worker_overrides_that_set_wins_over(llama_checkpoint: T
 def test_a_checkpoint_names_the_router_model_and_its_tokenizer(llama_checkpoint: TinyCheckpoint) -> None:
     path = llama_checkpoint.path
     config = with_router_defaults(load_config(overrides=[f"worker.model={path}"]))
-    assert config.router.model_name == path.name and config.router.tokenizer == str(path / "tokenizer.json")
+    assert config.router.model_name == path.name and config.router.tokenizer == str(path)
     named = with_router_defaults(load_config(overrides=[f"worker.model={path}", "worker.served_model_name=tiny"]))
     assert named.router.model_name == "tiny"
     kept = with_router_defaults(load_config(overrides=[f"worker.model={path}", "router.model_name=mine"]))

@@ -95,12 +95,12 @@ def greedy(runner: ModelRunner, prompt: list[int], chunks: list[int], table: lis
     """Prefill ``prompt`` in the given chunk sizes, then decode ``steps`` tokens, one sequence alone."""
     tokens, start, out = list(prompt), 0, []
     for n in chunks:
-        token = runner.execute([SequenceSlice(tokens[start : start + n], start, table)])[0]
+        token = int(runner.execute([SequenceSlice(tokens[start : start + n], start, table)])[0].argmax())
         start += n
     for _ in range(steps):
         out.append(token)
         tokens.append(token)
-        token = runner.execute([SequenceSlice(tokens[start : start + 1], start, table)])[0]
+        token = int(runner.execute([SequenceSlice(tokens[start : start + 1], start, table)])[0].argmax())
         start += 1
     return out
 

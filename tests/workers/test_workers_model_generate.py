@@ -24,13 +24,14 @@ from kvstore.errors import InvalidRequestError
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.link import TierLink
-from kvstore.worker_api import GenerateRequest
+from kvstore.worker_api import GenerateRequest, SamplingParams
 from kvstore.workers.config import cache_identity
 from kvstore.workers.tier_offload import TierOffload
 from kvstore.workers.worker import KVWorker
 from tests.checkpoints import TinyCheckpoint, reference_model
 
 BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0)  # a checkpoint's own default (vLLM's) would sample
 MAX_TOKENS = 10
 
 
@@ -41,7 +42,7 @@ _CASES: dict[Path, Cases] = {}  # per checkpoint: the two tier cases share trans
 def greedy_prompts(checkpoint: TinyCheckpoint, count: int, length: int, seed: int) -> Cases:
     """``count`` random prompts and transformers' greedy continuations, none of which reaches an eos id.
 
-    The worker does not stop at eos by itself, so the cases compare continuations where stopping cannot matter.
+    Both stop at eos; prompts whose continuation reaches none compare all MAX_TOKENS tokens.
     """
     if checkpoint.path not in _CASES:
         _CASES[checkpoint.path] = _generate(checkpoint, count, length, seed)
@@ -97,14 +98,14 @@ def test_greedy_output_equals_transformers_cold_hit_and_promoted(
     (first, expected), *others = cases
     hashes = [to_external(h) for h in BlockHasher.from_config(config.cache).hash_blocks(first)]
     try:
-        cold = worker.generate(GenerateRequest(first, MAX_TOKENS))
+        cold = worker.generate(GenerateRequest(first, MAX_TOKENS, sampling=GREEDY))
         assert cold.output_token_ids == expected and cold.cached_tokens == 0
-        hit = worker.generate(GenerateRequest(first, MAX_TOKENS))
+        hit = worker.generate(GenerateRequest(first, MAX_TOKENS, sampling=GREEDY))
         assert hit.output_token_ids == expected and hit.cached_tokens_by_medium["GPU"] == 5 * BLOCK
         for prompt, want in others:  # evict the first prompt's blocks (spilled to the tier)
-            assert worker.generate(GenerateRequest(prompt, MAX_TOKENS)).output_token_ids == want
+            assert worker.generate(GenerateRequest(prompt, MAX_TOKENS, sampling=GREEDY)).output_token_ids == want
         assert wait_for(lambda: set(client.lookup(hashes).media) == {medium}), client.lookup(hashes)
-        promoted = worker.generate(GenerateRequest(first, MAX_TOKENS))
+        promoted = worker.generate(GenerateRequest(first, MAX_TOKENS, sampling=GREEDY))
         assert promoted.output_token_ids == expected
         assert promoted.cached_tokens_by_medium["GPU"] == 0 and promoted.cached_tokens_by_medium[medium] > 0
         worker.check_invariants()
