@@ -1,13 +1,17 @@
 """``kvstore bench offload``: CPU and disk tier bandwidth against same-run physical baselines.
 
-CPU tier -- for each model shape, blocks of a block-major pool tensor are
-spilled into the shared-memory arena by ``TierStore.put(blocks, pool,
-rows)`` in batches of ``--batch-blocks`` blocks at scattered pool rows
-(reserve -> copy engine -> commit, as a worker's eviction does), then read
-back by ``TierStore.get(blocks, pool, rows)`` into other scattered rows
-(acquire -> copy engine -> release). Baseline: one large ``torch`` copy of
-the same total size between the same memories (pool -> arena, arena ->
-pool), i.e. memcpy bandwidth.
+CPU tier -- the path a worker's offload takes. For each model shape, the
+node's tier runs in process (a TierStore behind a LocalTierClient) and this
+process maps its arena through a ``TierLink``, as a worker does. Blocks of a
+KV tensor pool (``[num_blocks, *block_shape]``) are spilled from scattered
+pool rows with ``TierLink.spill`` in batches of ``--batch-blocks`` blocks
+(reserve -> the link's copy engine -> commit, as a worker's eviction does),
+then promoted into other scattered rows with ``TierLink.promote`` (acquire
+-> copy engine -> release, as a worker's admission does). A Ray worker's
+tier calls are Ray actor calls; here they are calls to the store's event
+loop thread, so the Ray round trips per batch are not in these numbers.
+Baseline: one large ``torch`` copy of the same total size between the same
+memories (pool -> arena, arena -> pool), i.e. memcpy bandwidth.
 
 Disk tier -- the same blocks are written from arena slots to their files by
 one ``DiskTier.write_many`` (``--io`` I/Os in flight), as the store writes
@@ -23,13 +27,13 @@ you want measured (``--disk-dir``; the default is the repository's ignored
 
 Every GB/s is the median of ``--repeat`` runs; each ratio is the median of
 per-run ratios, each baseline measured right beside the run it is compared
-with. On disk, which of the two goes first alternates by run: a large write
-leaves a virtual disk busy for a while after fsync returns, which slowed
-whatever ran next (with ours always first, reads measured 0.76 of the
-baseline; with the baseline first, 0.90), so an even ``--repeat`` weighs
-both orders alike; and before each measured pair (writes, then reads) the
-bench syncs and idles ``--settle-s`` seconds, so the tail of the work
-before it is not inside it.
+with, so that a busy moment slows both sides of a ratio alike. On disk,
+which of the two goes first alternates by run: a large write leaves a
+virtual disk busy for a while after fsync returns, which slows whatever
+runs next, so an even ``--repeat`` weighs both orders alike; and before
+each measured pair (writes, then reads) the bench syncs and idles
+``--settle-s`` seconds, so the tail of the work before it is not inside it
+(docs/tiers.md has what each of these changed).
 
 TTFT (:mod:`kvstore.benchmarks.offload_ttft`): for each ``--ttft-lengths`` prompt,
 the time to first token when a real worker recomputes it, and when it hits
@@ -55,6 +59,9 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import ExitStack
+from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -66,11 +73,13 @@ from kvstore.benchmarks.offload_ttft import TTFTRow, measure_ttft
 from kvstore.errors import ConfigError
 from kvstore.kv_layout import KVLayout
 from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.config import TierConfig
-from kvstore.tiers.disk import DiskTier, direct_io_refusal
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_files import direct_io_refusal
 from kvstore.tiers.identity import CacheIdentity
+from kvstore.tiers.link import TierLink
 from kvstore.tiers.shared_memory import SharedSlots
-from kvstore.tiers.store import TierStore
 
 HEADLINE_SHAPE = "llama-3-8b"
 _GB = 1e9
@@ -149,8 +158,7 @@ def _ratios(ours: list[float], baseline: list[float]) -> list[float]:
 def _settle_disk(seconds: float) -> None:
     """Before each measured pair: flush, then give the device a moment. A virtual disk keeps
     working after fsync/sync return (host write-back, trims on a ``discard`` mount), and that
-    tail landed in whichever measurement came next: settled, writes measured 0.88-0.90 of the
-    baseline run to run instead of 0.82-0.89."""
+    tail would land in whichever measurement came next."""
     os.sync()
     time.sleep(seconds)
 
@@ -185,61 +193,68 @@ async def _side_by_side(
 # --------------------------------------------------------------------------- CPU tier
 
 
+def _spill_all(link: TierLink, metas: list[BlockMeta], pool: torch.Tensor, order: list[int], batch: int) -> None:
+    """Spill ``metas[i]`` from pool row ``order[i]``, ``batch`` blocks a call, as a worker's evictions do."""
+    for first in range(0, len(metas), batch):
+        rows = order[first : first + batch]
+        stored = link.spill(metas[first : first + batch], pool, rows)
+        assert stored == len(rows), "the arena must hold the whole run"
+
+
+def _allocator(rows: list[int]) -> Callable[[int], list[int]]:
+    """``allocate`` for ``TierLink.promote``: the next ``n`` of ``rows`` at each call."""
+    free = iter(rows)
+    return lambda n: list(islice(free, n))
+
+
+def _promote_all(link: TierLink, metas: list[BlockMeta], pool: torch.Tensor, order: list[int], batch: int) -> None:
+    """Promote ``metas[i]`` into pool row ``order[i]``, ``batch`` blocks a call, as a worker's admissions do."""
+    for first in range(0, len(metas), batch):
+        promoted = link.promote(metas[first : first + batch], pool, _allocator(order[first : first + batch]))
+        assert len(promoted.block_ids) == min(batch, len(metas) - first), "a block went missing"
+
+
 def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, progress: tqdm) -> CpuRow:
     block_bytes = identity.block_bytes
     count = max(1, args.total_mib * 1024 * 1024 // block_bytes)
-    config = TierConfig(cpu_capacity_bytes=count * block_bytes, copy_threads=args.copy_threads)
     pool = torch.empty((count, *identity.layout.block_shape), dtype=identity.torch_dtype)
     pool.view(torch.uint8).random_()  # touched: no page faults inside the timings
     target = torch.zeros_like(pool)
     generator = torch.Generator().manual_seed(0)
     spill_order = torch.randperm(count, generator=generator).tolist()
     promote_order = torch.randperm(count, generator=generator).tolist()
-    batch = args.batch_blocks
-
-    async def run() -> tuple[list[float], list[float], list[float], list[float]]:
-        store = TierStore(config, identity, arena_name=f"kvstore-bench-{uuid.uuid4().hex[:12]}")
-        arena = store.cpu.slots.tensor
-        flat_pool, flat_target = pool.view(count, -1).view(torch.uint8), target.view(count, -1).view(torch.uint8)
+    flat_pool, flat_target = pool.view(count, -1).view(torch.uint8), target.view(count, -1).view(torch.uint8)
+    spills, promotes, base_spill, base_promote = [], [], [], []
+    with ExitStack() as stack:
+        config = TierConfig(cpu_capacity_bytes=count * block_bytes)
+        client = LocalTierClient(config, identity, arena_name=f"kvstore-bench-{uuid.uuid4().hex[:12]}")
+        stack.callback(client.close)
+        link = TierLink(client, identity, copy_threads=args.copy_threads)
+        stack.callback(link.close)
+        arena = link.slots.tensor  # this process's mapping of the tier's arena, as a worker has it
         # The baselines copy between the same kinds of memory -- pool -> shared arena, shared arena -> pool --
         # into spare buffers of the same size, so they never disturb the blocks under test.
         scratch = SharedSlots.create(f"kvstore-bench-{uuid.uuid4().hex[:12]}", count, block_bytes)
+        stack.callback(scratch.close)
         scratch_arena = scratch.tensor
         scratch_target = torch.zeros_like(flat_target)
-        spills, promotes, base_spill, base_promote = [], [], [], []
-        try:
-            for rep in range(args.repeat + 1):  # the first round warms up
-                metas = _metas(identity, count, rep)
-                start = time.perf_counter()
-                for first in range(0, count, batch):
-                    rows = spill_order[first : first + batch]
-                    stored = await store.put(metas[first : first + batch], pool, rows)
-                    assert stored == len(rows), "the arena must hold the whole run"
-                spill_s = time.perf_counter() - start
-                memcpy_spill = _timed(lambda: scratch_arena.copy_(flat_pool))
-                progress.update()
-                start = time.perf_counter()
-                for first in range(0, count, batch):
-                    got = await store.get(metas[first : first + batch], target, promote_order[first : first + batch])
-                    assert got.num_blocks == min(batch, count - first), "a block went missing"
-                promote_s = time.perf_counter() - start
-                memcpy_promote = _timed(lambda: scratch_target.copy_(arena))
-                progress.update()
-                for index in (0, count - 1):  # raw bytes: random bits include NaNs, which never compare equal
-                    promoted, spilled = flat_target[promote_order[index]], flat_pool[spill_order[index]]
-                    assert torch.equal(promoted, spilled), "promoted bytes differ from spilled ones"
-                progress.update()
-                if rep:
-                    spills.append(spill_s)
-                    promotes.append(promote_s)
-                    base_spill.append(memcpy_spill)
-                    base_promote.append(memcpy_promote)
-        finally:
-            scratch.close()
-            await store.aclose()
-        return spills, promotes, base_spill, base_promote
-
-    spills, promotes, base_spill, base_promote = asyncio.run(run())
+        for rep in range(args.repeat + 1):  # the first round warms up
+            metas = _metas(identity, count, rep)
+            spill_s = _timed(partial(_spill_all, link, metas, pool, spill_order, args.batch_blocks))
+            memcpy_spill = _timed(lambda: scratch_arena.copy_(flat_pool))
+            progress.update()
+            promote_s = _timed(partial(_promote_all, link, metas, target, promote_order, args.batch_blocks))
+            memcpy_promote = _timed(lambda: scratch_target.copy_(arena))
+            progress.update()
+            for index in (0, count - 1):  # raw bytes: random bits include NaNs, which never compare equal
+                promoted, spilled = flat_target[promote_order[index]], flat_pool[spill_order[index]]
+                assert torch.equal(promoted, spilled), "promoted bytes differ from spilled ones"
+            progress.update()
+            if rep:
+                spills.append(spill_s)
+                promotes.append(promote_s)
+                base_spill.append(memcpy_spill)
+                base_promote.append(memcpy_promote)
     total = count * block_bytes
     return CpuRow(
         name,
@@ -341,8 +356,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                     assert all(ok), f"reads failed: {dict(tier.counters.integrity_failures)}"
 
                 # Who goes first alternates by run: after a large write the virtual disk stays busy for a
-                # while after fsync returns, slowing whatever runs next (measured: ours first gave write
-                # 0.90, read 0.76 of the baseline; the baseline first gave 0.82, 0.90).
+                # while after fsync returns, slowing whatever runs next.
                 ours_first = rep % 2 == 0
                 _settle_disk(args.settle_s)  # the last run's deletions too: trimmed at the next journal commit here
                 mine, base = await _side_by_side(
@@ -415,7 +429,7 @@ def print_ttft(rows: list[TTFTRow]) -> None:
 def print_tables(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespace, disk_dir: Path) -> None:
     if cpu:
         print(
-            f"\nCPU tier: TierStore.put / get at scattered pool rows ({args.copy_threads} copy threads, "
+            f"\nCPU tier: TierLink.spill / promote at scattered pool rows ({args.copy_threads} copy threads, "
             f"batches of {args.batch_blocks} blocks) vs one large torch copy of the same size"
         )
         print(

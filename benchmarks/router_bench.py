@@ -177,10 +177,10 @@ def measure_index_memory(recording: Recording) -> tuple[int, PrefixIndex]:
     the index keeps are its own allocations rather than the recording's, and
     each decoded batch is garbage once applied. What is still allocated at the
     end (after a collection), minus what was before the index was created, is
-    the index: its registry of producers, the node dict, node tuples, hash
-    ints, replica masks and children sets. tracemalloc counts the bytes
-    requested from Python's allocators: pymalloc's rounding to 8-byte size
-    classes and its arena slack are not included (RSS is somewhat higher).
+    the index: its registry of producers, the per-medium block dicts, hash
+    ints and replica masks. tracemalloc counts the bytes requested from
+    Python's allocators: pymalloc's rounding to 8-byte size classes and its
+    arena slack are not included (RSS is somewhat higher).
     """
     encoder, decoder = EventEncoder(), EventDecoder()
     payloads = [(replica, encoder.encode(batch)) for replica, batch in recording.batches]

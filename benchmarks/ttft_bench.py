@@ -14,7 +14,10 @@ Each is the median of ``--repeats`` runs after one warm-up. The ratio
 L / recompute TTFT, the model's prefill throughput on this machine.
 
 The benchmark model is bigger than the test default (see ``BENCH_MODEL``);
-``--config``/``--set`` change it (``--set worker.num_layers=8``).
+``--config``/``--set`` change it (``--set worker.num_layers=8``). ``--model
+PATH`` measures a Hugging Face checkpoint instead, and ``--shape NAME`` a
+real architecture with random weights (``--shape qwen2.5-0.5b``: nothing
+downloaded; ``--set worker.dtype=float32`` to override its bf16).
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ import msgspec
 import torch
 
 from kvstore.deploy.config import Config, load_config
+from kvstore.deploy.model_args import add_model_arguments, model_overrides
 from kvstore.errors import ConfigError
 from kvstore.worker_api import GenerateRequest
+from kvstore.workers.device import resolve_device
+from kvstore.workers.model_source import describe_model
 from kvstore.workers.worker import KVWorker
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096)
@@ -71,11 +77,12 @@ def bench_config(args: argparse.Namespace) -> Config:
         f"worker.max_num_batched_tokens={longest}",
         f"pool.num_blocks={4 * blocks_per_prompt + 64}",
     )
-    config = load_config(args.config, overrides=(*BENCH_MODEL, *sizing, *args.set))
-    if config.worker.max_context <= longest:
-        raise ConfigError(
-            f"worker.max_context ({config.worker.max_context}) must exceed the longest prompt ({longest})"
-        )
+    overrides = (*BENCH_MODEL, *model_overrides(args), *sizing, *args.set)
+    config = load_config(args.config, overrides=overrides)
+    served = describe_model(config.worker, resolve_device(config.worker.device))
+    if served.max_context <= longest:
+        raise ConfigError(f"{served.name}'s context ({served.max_context} tokens) must exceed the longest prompt "
+                          f"({longest}); see worker.max_context")  # fmt: skip
     return config
 
 
@@ -105,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--suffix must be between 1 and the shortest length - 1, got {args.suffix}")
     config = bench_config(args)
     worker = KVWorker("ttft-bench", config)
+    served = worker.served
     rng = random.Random(args.seed)
     try:
         measure(worker, min(args.lengths), 1, args.suffix, rng)  # warm-up: first-call allocations, kernels
@@ -114,11 +122,12 @@ def run(args: argparse.Namespace) -> int:
             worker.check_invariants()
     finally:
         worker.shutdown()
-    model = config.worker
+    spec = served.spec
     print(
-        f"TTFT benchmark on {worker.device} ({torch.get_num_threads()} torch threads): "
-        f"{model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads / {model.num_kv_heads} kv "
-        f"heads x {model.head_dim}, vocab {model.vocab_size}, {model.dtype}; median of {args.repeats}"
+        f"TTFT benchmark on {worker.device} ({torch.get_num_threads()} torch threads): {served.name} "
+        f"({spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads / "
+        f"{spec.num_kv_heads} kv heads x {spec.head_dim}, vocab {spec.vocab_size}, {served.dtype}); "
+        f"median of {args.repeats}"
     )
     header = f"{'prompt':>8}{'cached':>8}{'recompute ms':>14}{'hit ms':>10}{'recompute/hit':>15}{'prefill tok/s':>15}"
     print(header)
@@ -141,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             "torch_threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
-            "model": msgspec.to_builtins(config.worker),
+            "model": msgspec.to_builtins(served),
             "block_size": config.cache.block_size,
             "repeats": args.repeats,
             "suffix_tokens": args.suffix,
@@ -169,6 +178,7 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--repeats", type=int, default=3, help="runs per length and case; the median is reported")
     p.add_argument("--suffix", type=int, default=16, help="tokens of the hit request that are not cached")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    add_model_arguments(p, shapes=True)
     p.add_argument("--config", default=None, help="TOML config (applied over the benchmark model)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--json", default=None, help="write the results here")

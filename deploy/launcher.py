@@ -33,7 +33,6 @@ from kvstore.openai.tokenizer import load_tokenizer
 from kvstore.router.backends import RayActorBackend
 from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
 from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
-from kvstore.worker_api import GenerateRequest
 from kvstore.workers.actor import KVWorkerActor, routable_endpoint, worker_actor_options
 from kvstore.workers.config import cache_identity
 
@@ -202,7 +201,9 @@ def build_service(
     """A router over the workers; each node's tier stream counts for that node's workers."""
     info = ray.get(workers[0].handle.info.remote(), timeout=60)
     limits = ModelLimits(info.vocab_size, info.max_context)
-    service = RouterService(config, load_tokenizer(config.router.tokenizer), limits)
+    # The workers' own tokenizer unless the router is given one: a checkpoint's directory, else bytes.
+    tokenizer = load_tokenizer(config.router.tokenizer or config.worker.model)
+    service = RouterService(config, tokenizer, limits, model_name=info.model_name)
     for tier in (tiers or {}).values():
         producer = ProducerSpec(
             f"tier-{tier.node[:12]}", tier.endpoint, tier.replay_endpoint, curve_server_key=curve_server_key(config)
@@ -254,7 +255,7 @@ def curve_server_key(config: Config) -> str | None:
 
 def replica_spec(worker: PlacedWorker, *, curve_server_key: str | None = None) -> ReplicaSpec:
     """The router's view of a placed worker; ``curve_server_key`` when its publisher runs with CURVE."""
-    backend = RayActorBackend(worker.name, worker.handle, GenerateRequest)
+    backend = RayActorBackend(worker.name, worker.handle)
     producer = ProducerSpec(
         f"{worker.name}/gpu", worker.endpoint, worker.replay_endpoint, curve_server_key=curve_server_key
     )

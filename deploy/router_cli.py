@@ -39,7 +39,9 @@ def build_router(config: Config) -> RouterService:
             if value is not None and not value.startswith(("tcp://", "ipc://")):
                 raise ConfigError(f"router.replicas[{r.name}].{field} must be a tcp:// or ipc:// endpoint")
     limits = ModelLimits(config.router.vocab_size or None, config.router.max_context or None)
-    service = RouterService(config, load_tokenizer(config.router.tokenizer), limits)
+    # No tokenizer: token-id prompts only (a text prompt is refused, naming router.tokenizer).
+    tokenizer = load_tokenizer(config.router.tokenizer) if config.router.tokenizer else None
+    service = RouterService(config, tokenizer, limits)
     for r in replicas:
         backend = HttpBackend(r.name, r.url, model=r.model, timeout_s=config.router.request_timeout_s)
         events = ProducerSpec(

@@ -19,6 +19,7 @@ import uvicorn
 
 from kvstore.deploy.config import load_config
 from kvstore.deploy.launcher import launch
+from kvstore.deploy.model_args import add_model_arguments, model_overrides, with_router_defaults
 from kvstore.errors import ConfigError
 from kvstore.router.app import create_app
 
@@ -38,12 +39,12 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.set)
+    overrides = [*model_overrides(args), *args.set]
     if args.workers is not None:
         if args.workers < 1:
             raise ConfigError("--workers must be >= 1")
         overrides.append(f"worker.num_workers={args.workers}")
-    config = load_config(args.config, overrides=overrides)
+    config = with_router_defaults(load_config(args.config, overrides=overrides))
     host = args.host or config.router.host
     port = config.router.port if args.port is None else args.port
     sock = _bind(host, port)
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         bound_port = sock.getsockname()[1]
         url = f"http://{host}:{bound_port}"
         print(f"kvstore is serving {len(deployment.workers)} workers at {url}", flush=True)
+        print(f"  model:       {config.router.model_name}", flush=True)
         print(f"  completions: {url}/v1/completions   route: {url}/route", flush=True)
         print(f"  workers:     {url}/workers   health: {url}/healthz   metrics: {url}/metrics", flush=True)
         for worker in deployment.workers:
@@ -77,6 +79,7 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--config", default=None, help="TOML config file")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--workers", type=int, default=None, help="KV workers to start (default: sized to the cluster)")
+    add_model_arguments(p)
     p.add_argument("--host", default=None, help="router bind address (default router.host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="router port (default router.port, 8000; 0 = any free)")
     p.set_defaults(func=run)

@@ -11,12 +11,13 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvstore.deploy.config import load_config
+from kvstore.deploy.model_args import add_model_arguments, model_overrides
 from kvstore.workers.http import create_worker_app
 from kvstore.workers.worker import KVWorker
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, overrides=args.set)
+    config = load_config(args.config, overrides=[*model_overrides(args), *args.set])
     worker = KVWorker(args.name, config)
 
     @asynccontextmanager
@@ -29,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_worker_app(worker)
     app.router.lifespan_context = lifespan
     endpoints = worker.event_endpoints()
-    print(f"kvstore worker {args.name}: http://{args.host}:{args.port}", file=sys.stderr)
+    served = worker.served
+    print(f"kvstore worker {args.name}: {served.name!r} ({served.spec.architecture}, {served.dtype}) "
+          f"on {worker.device} at http://{args.host}:{args.port}", file=sys.stderr)  # fmt: skip
     print(f"  events: {endpoints.endpoint}  replay: {endpoints.replay_endpoint}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -42,4 +45,5 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--config", default=None, help="TOML config file")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
+    add_model_arguments(p)
     p.set_defaults(func=run)

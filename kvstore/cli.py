@@ -20,6 +20,17 @@ from kvstore.benchmarks.simulate import cli as simulate_cli
 from kvstore.deploy import events_cli, router_cli, serve_cli, worker_cli
 from kvstore.errors import KVStoreError
 
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS, False):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
 COMMANDS = (events_cli, worker_cli, router_cli, simulate_cli, serve_cli, replay_cli)
 BENCHMARKS = (pool_bench, router_bench, offload_bench, ttft_bench, chaos_bench)
 
@@ -34,7 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for benchmark in BENCHMARKS:
         benchmark.add_cli(bench_sub)
+    _with_defaults(parser)
     return parser
+
+
+def _with_defaults(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _DefaultsFormatter
+    for action in parser._actions:
+        if action.help is None and action.option_strings and action.default not in (None, False):
+            action.help = "(default: %(default)s)"  # argparse shows nothing for an option without help
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _with_defaults(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

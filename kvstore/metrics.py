@@ -17,6 +17,14 @@ from prometheus_client.registry import Collector
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.subscriber import EventListener
 
+# The load signals a worker exports and the router's HTTP backend reads (beside vLLM's names for them).
+REQUESTS_RUNNING = "kvstore_requests_running"
+"""Gauge: requests holding KV blocks."""
+REQUESTS_WAITING = "kvstore_requests_waiting"
+"""Gauge: requests queued for admission."""
+GPU_CACHE_USAGE = "kvstore_gpu_cache_usage_perc"
+"""Gauge: fraction of KV blocks referenced by requests (0-1)."""
+
 
 class CacheCollector(Collector):
     """Pool usage and prefix-cache counters of one or more managers, labelled by replica."""
@@ -26,7 +34,7 @@ class CacheCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         usage = GaugeMetricFamily(
-            "kvstore_gpu_cache_usage_perc", "Fraction of KV blocks referenced by requests (0-1).", labels=["replica"]
+            GPU_CACHE_USAGE, "Fraction of KV blocks referenced by requests (0-1).", labels=["replica"]
         )
         queries = CounterMetricFamily(
             "kvstore_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=["replica"]

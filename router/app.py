@@ -1,30 +1,53 @@
-"""The router's HTTP front (FastAPI).
+"""The router's HTTP front (FastAPI), OpenAI-compatible with vLLM's server as the reference.
 
-Routes: ``POST /v1/completions`` (OpenAI-compatible, proxied to the chosen
-replica), ``POST /route`` (the decision only, with per-replica scores),
-``GET /workers``, ``GET /healthz``, ``GET /metrics``.
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain or
+``stream: true``), ``GET /v1/models[/{id}]``, ``POST /route`` (the decision
+only, with per-replica scores), ``GET /workers``, ``GET /healthz``,
+``GET /metrics``.
 
-Every failure is an OpenAI-style error body: 400 for bad input (each check
-names the field), 401 without the configured bearer token, 413 for an
-oversized body, 503 when no healthy replica can serve.
+Two ways to serve a completion, by the kind of fleet:
+
+- our workers: the body is parsed and checked here (every rejection a 400
+  naming the field, an unknown model a 404), the prompt tokenised as the
+  worker will, routed, and run on the chosen worker; the answer is built
+  here from the worker's stream, with a ``kvstore`` object;
+- external servers (vLLM, SGLang): the body is only read, to route it
+  (:mod:`kvstore.openai.routing`), and forwarded byte for byte; status,
+  body and SSE chunks come back as the replica sent them, and what the
+  router adds travels in ``x-kvstore-*`` headers.
+
+Every failure of the router's own is an OpenAI-style error body: 400 for bad
+input, 401 without the configured bearer token, 413 for an oversized body,
+503 when no healthy replica can serve. A client that disconnects cancels its
+request (on our worker, or by closing the upstream connection).
 """
 
 from __future__ import annotations
 
 import hmac
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvstore.openai.protocol import ApiError, decode_request, prompt_token_ids, validate
-from kvstore.router.service import RouterService, medium_dict
+from kvstore.openai.errors import ApiError, model_not_found
+from kvstore.openai.http import ClientDisconnected, error_response, read_body, respond, until_disconnected
+from kvstore.openai.protocol import ParsedRequest, decode_chat, decode_completion, parse_chat, parse_completion
+from kvstore.openai.responses import ResponseBuilder
+from kvstore.openai.routing import read_for_routing
+from kvstore.router.response import kvstore_extras, medium_dict, routing_headers
+from kvstore.router.routing import Prompt
+from kvstore.router.service import RouterService
+from kvstore.worker_api import GenerateRequest
 
 _OPEN_PATHS = frozenset({"/healthz"})
+Kind = Literal["completion", "chat"]
+_PATHS: dict[Kind, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> FastAPI:
@@ -49,42 +72,64 @@ def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> Fast
             header = request.headers.get("authorization", "")
             expected = f"Bearer {config.api_key}"
             if not hmac.compare_digest(header.encode(), expected.encode()):
-                return _error(ApiError(401, "missing or wrong bearer token", kind="authentication_error"))
+                return error_response(ApiError(401, "missing or wrong bearer token"))
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
-            return _error(ApiError(413, f"request body larger than {config.max_body_bytes} bytes"))
+            return error_response(ApiError(413, f"request body larger than {config.max_body_bytes} bytes"))
         return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc)
+        return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(ApiError(exc.status_code, str(exc.detail)))
+        return error_response(ApiError(exc.status_code, str(exc.detail)))
 
-    async def parse(request: Request) -> Any:
-        body = await _read_body(request, config.max_body_bytes)
-        req = decode_request(body)
-        tokens = prompt_token_ids(req, service.tokenizer.encode)
-        return validate(req, tokens, service.limits)
+    async def completion(request: Request, kind: Kind) -> Response:
+        body = await read_body(request, config.max_body_bytes)
+        if service.forwards:
+            return await _relay(service, request, kind, body)
+        try:
+            parsed = _parse(service, kind, body)
+        except ApiError:
+            service.counted("rejected")
+            raise
+        return await _run(service, request, parsed)
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
-        prompt = await parse(request)
-        return JSONResponse(await service.complete(prompt))
+    async def completions(request: Request) -> Response:
+        return await completion(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await completion(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": service.models()})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        card = next((c for c in service.models() if c["id"] == model_id), None)
+        if card is None:
+            raise model_not_found(model_id)
+        return JSONResponse(card)
 
     @app.post("/route")
     async def route(request: Request) -> JSONResponse:
-        prompt = await parse(request)
-        routed = service.route(prompt)
+        body = await read_body(request, config.max_body_bytes)
+        kind: Kind = "chat" if b'"messages"' in body else "completion"
+        view = read_for_routing(body, kind, service.tokenizer)
+        tokens = view.token_ids or []
+        routed = service.route(Prompt(tokens, view.cache_salt))
         d = routed.decision
         return JSONResponse(
             {
                 "replica": d.replica,
                 "scores": d.scores,
                 "matched_blocks": {name: medium_dict(m) for name, m in routed.matched.items()},
-                "prompt_tokens": len(prompt.token_ids),
+                "prompt_tokens": len(tokens),
                 "prompt_blocks": routed.prompt_blocks,
                 "route_s": routed.route_s,
             }
@@ -107,17 +152,66 @@ def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> Fast
     return app
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """Read at most ``limit`` bytes (a chunked body has no Content-Length to check up front)."""
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body larger than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _parse(service: RouterService, kind: Kind, body: bytes) -> ParsedRequest:
+    tokenizer = service.tokenizer
+    assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
+    if kind == "chat":
+        parsed = parse_chat(decode_chat(body), tokenizer, service.limits)
+    else:
+        parsed = parse_completion(decode_completion(body), tokenizer, service.limits)
+    if parsed.model is not None and parsed.model != service.model_name:
+        raise model_not_found(parsed.model)
+    return parsed
 
 
-def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+async def _run(service: RouterService, request: Request, parsed: ParsedRequest) -> Response:
+    """Serve ``parsed`` on one of our workers."""
+    prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
+    request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+    prompt = Prompt(parsed.token_ids, parsed.cache_salt, parsed.lora_name)
+    routed = service.route(prompt)
+    generate = GenerateRequest(
+        parsed.token_ids, parsed.max_tokens, request_id, parsed.cache_salt, parsed.lora_name, parsed.sampling
+    )
+    if parsed.stream:
+        opened = await service.open(prompt, generate, routed)
+    else:
+        try:  # the whole answer is collected (retryable until then); a client that leaves cancels it
+            opened = await until_disconnected(request, service.complete(prompt, generate, routed))
+        except ClientDisconnected:
+            return Response(status_code=499)
+    tokenizer = service.tokenizer
+    assert tokenizer is not None
+    builder = ResponseBuilder(
+        parsed,
+        tokenizer,
+        model=service.model_name,
+        request_id=request_id,
+        extras=lambda stats: kvstore_extras(opened.replica, opened.retried, routed, stats),
+    )
+    headers = routing_headers(opened.replica, opened.retried, routed)
+    return await respond(request, builder, opened.chunks, headers=headers)
+
+
+async def _relay(service: RouterService, request: Request, kind: Kind, body: bytes) -> Response:
+    """Forward the client's body to an external replica and its answer back, both unchanged."""
+    view = read_for_routing(body, kind, service.tokenizer)
+    prompt = Prompt(view.token_ids or [], view.cache_salt)
+    routed = service.route(prompt)
+    relayed = await service.relay(prompt, routed, _PATHS[kind], body, request.headers)
+    upstream = relayed.upstream
+    headers = routing_headers(relayed.replica, relayed.retried, routed)
+    media_type = upstream.headers.get("content-type")
+    if media_type and media_type.startswith("text/event-stream"):
+        return StreamingResponse(upstream.body, status_code=upstream.status, headers=headers, media_type=media_type)
+    try:
+        content = await until_disconnected(request, _read_all(upstream.body))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        await upstream.body.aclose()  # type: ignore[attr-defined]
+    return Response(content, status_code=upstream.status, headers=headers, media_type=media_type)
+
+
+async def _read_all(body: AsyncIterator[bytes]) -> bytes:
+    return b"".join([data async for data in body])

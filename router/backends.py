@@ -1,31 +1,39 @@
-"""Replica backends: how the router sends a request to one replica.
+"""Replica backends: how the router reaches one replica.
 
-Two kinds, one contract (:class:`ReplicaBackend`):
+Two kinds, for the two kinds of fleet:
 
 - :class:`RayActorBackend` -- one of our KV worker actors, by handle. The
-  router does not import ``workers`` (imports point one way: deploy wires
-  both), so the request object is built by a factory the deployer passes.
-- :class:`HttpBackend` -- any OpenAI-compatible server (vLLM, or our worker's
-  HTTP front): ``POST /v1/completions`` with the prompt as token ids, load
-  scraped from its Prometheus ``/metrics``.
+  router parses and checks each request itself and sends the worker the
+  typed :class:`~kvstore.worker_api.GenerateRequest`; the worker answers
+  with a Ray streaming generator of
+  :class:`~kvstore.worker_api.StreamChunk` (:meth:`RayActorBackend.stream`),
+  which the router turns into OpenAI bodies. Closing the stream cancels the
+  request on the worker.
+- :class:`HttpBackend` -- any OpenAI-compatible server (vLLM, SGLang, or
+  ``kvstore worker``). The router forwards the client's body bytes as they
+  came and passes the answer back as it arrives
+  (:meth:`HttpBackend.forward`); closing it closes the upstream connection,
+  which is how vLLM learns to abort. Load comes from its Prometheus
+  ``/metrics`` (vLLM's gauges, or ours), its models from ``/v1/models``.
 
 Errors: :class:`ReplicaUnavailable` means the replica failed before
-returning anything (dead, unreachable, 5xx) and the request may be retried
-elsewhere; :class:`ReplicaRejected` means the replica refused the request
-itself (4xx) and retrying elsewhere would not help.
+answering anything (dead, unreachable, 5xx) and the request may go
+elsewhere; :class:`ReplicaRejected` means it refused the request itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import httpx
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.events import MEDIA, Medium
+from kvstore.errors import InvalidRequestError
+from kvstore.metrics import GPU_CACHE_USAGE, REQUESTS_RUNNING, REQUESTS_WAITING
+from kvstore.worker_api import GenerateRequest, StreamChunk, WorkerLoad
 
 
 class ReplicaUnavailable(Exception):
@@ -45,78 +53,54 @@ class ReplicaLoad(NamedTuple):
 class ReplicaPoll(NamedTuple):
     load: ReplicaLoad
     metrics_text: str  # the replica's Prometheus page ("" when it has none)
+    models: list[dict[str, Any]]  # its /v1/models cards ([] when it does not say)
 
 
-class ReplicaResult(NamedTuple):
-    output_token_ids: list[int] | None  # None when the replica returns text only
-    text: str | None  # None when the router should detokenise output_token_ids
-    prompt_tokens: int
-    cached_tokens_by_medium: dict[Medium, int]
-    queue_s: float | None
-    ttft_s: float | None
-    total_s: float
-    finish_reason: str
+class Forwarded(NamedTuple):
+    """An upstream answer: status and headers now, the body as it arrives (``close`` drops the connection)."""
 
-    @property
-    def cached_tokens(self) -> int:
-        return sum(self.cached_tokens_by_medium.values())
+    status: int
+    headers: Mapping[str, str]
+    body: AsyncIterator[bytes]
+    close: Any  # async () -> None
 
 
 class ReplicaBackend(Protocol):
     name: str
 
-    async def generate(
-        self,
-        token_ids: list[int],
-        max_tokens: int,
-        *,
-        request_id: str,
-        cache_salt: str | None,
-        lora_name: str | None,
-    ) -> ReplicaResult: ...
-
     async def poll(self) -> ReplicaPoll:
-        """Load and metrics, for the health loop; raises ReplicaUnavailable when it does not answer."""
+        """Load, metrics and models, for the health loop; raises ReplicaUnavailable when it does not answer."""
         ...
 
     async def close(self) -> None: ...
 
 
-RequestFactory = Callable[..., Any]
-"""Builds the worker's request object: ``factory(token_ids=, max_tokens=, request_id=, cache_salt=, lora_name=)``."""
-
-
 class RayActorBackend:
     """A KV worker Ray actor. Any Ray error (actor died, node lost) is ReplicaUnavailable."""
 
-    def __init__(self, name: str, handle: Any, make_request: RequestFactory, *, timeout_s: float = 300.0) -> None:
+    def __init__(self, name: str, handle: Any, *, timeout_s: float = 300.0) -> None:
+        """``handle``: the worker actor's (Ray handles are untyped); ``timeout_s`` bounds the wait for each chunk."""
         self.name = name
         self._handle = handle
-        self._make_request = make_request
         self._timeout = timeout_s
 
-    async def generate(
-        self,
-        token_ids: list[int],
-        max_tokens: int,
-        *,
-        request_id: str,
-        cache_salt: str | None,
-        lora_name: str | None,
-    ) -> ReplicaResult:
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
+        """The worker's chunks for ``request``; closing the generator cancels the request on the worker.
+
+        Raises ReplicaRejected for a request the worker refused, ReplicaUnavailable for any other failure.
+        """
+        import ray  # here, not at the top: routers with HTTP replicas only never load Ray
         import ray.exceptions
 
-        from kvstore.errors import InvalidRequestError
-
-        request = self._make_request(
-            token_ids=token_ids,
-            max_tokens=max_tokens,
-            request_id=request_id,
-            cache_salt=cache_salt,
-            lora_name=lora_name,
-        )
+        refs = self._handle.generate_stream.options(num_returns="streaming").remote(request)
         try:
-            result = await asyncio.wait_for(self._handle.generate.remote(request), self._timeout)
+            while True:
+                try:
+                    ref = await asyncio.wait_for(refs.__anext__(), self._timeout)
+                except StopAsyncIteration:
+                    return
+                chunk: StreamChunk = await ref
+                yield chunk
         except ray.exceptions.RayTaskError as exc:
             cause = exc.as_instanceof_cause()
             if isinstance(cause, InvalidRequestError):
@@ -124,108 +108,79 @@ class RayActorBackend:
             raise ReplicaUnavailable(f"{self.name}: {type(cause).__name__}: {cause}") from None
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise ReplicaUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        by_medium = {m: int(result.cached_tokens_by_medium.get(m, 0)) for m in MEDIA}
-        return ReplicaResult(
-            output_token_ids=list(result.output_token_ids),
-            text=None,
-            prompt_tokens=result.prompt_tokens,
-            cached_tokens_by_medium=by_medium,
-            queue_s=result.queue_s,
-            ttft_s=result.ttft_s,
-            total_s=result.total_s,
-            finish_reason="length",
-        )
+        finally:
+            ray.cancel(refs)  # a no-op once the stream has ended
 
     async def poll(self) -> ReplicaPoll:
         import ray.exceptions
 
         try:
-            load, text = await asyncio.wait_for(
+            polled: tuple[WorkerLoad, bytes] = await asyncio.wait_for(
                 asyncio.gather(self._handle.load.remote(), self._handle.metrics_text.remote()), 5.0
             )
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise ReplicaUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        load = ReplicaLoad(int(load.running), int(load.waiting), float(load.kv_usage))
-        return ReplicaPoll(load, text.decode() if isinstance(text, bytes) else str(text))
+        load, page = polled
+        return ReplicaPoll(ReplicaLoad(load.running, load.waiting, load.kv_usage), page.decode(), [])
 
     async def close(self) -> None:
         return None
 
 
 # Names vLLM (old and new) and kvstore workers use for the load signals.
-_RUNNING = ("vllm:num_requests_running", "kvstore_requests_running")
-_WAITING = ("vllm:num_requests_waiting", "kvstore_requests_waiting")
-_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "kvstore_gpu_cache_usage_perc")
+_RUNNING = ("vllm:num_requests_running", REQUESTS_RUNNING)
+_WAITING = ("vllm:num_requests_waiting", REQUESTS_WAITING)
+_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", GPU_CACHE_USAGE)
+# Request headers that describe the client's connection, not its request: never forwarded.
+_HOP_BY_HOP = frozenset(
+    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+     "proxy-authorization", "proxy-connection", "accept-encoding"}
+)  # fmt: skip
 
 
 class HttpBackend:
-    """An OpenAI-compatible completions server, e.g. ``vllm serve``."""
+    """An OpenAI-compatible server (``vllm serve``, SGLang, ``kvstore worker``), reached over HTTP."""
 
     def __init__(self, name: str, base_url: str, *, model: str | None = None, timeout_s: float = 300.0) -> None:
+        """``model``: the name this replica serves, put in each body's ``model`` (the one rewrite; None: none)."""
         self.name = name
         self.base_url = base_url.rstrip("/")
         self.model = model
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
 
-    async def generate(
-        self,
-        token_ids: list[int],
-        max_tokens: int,
-        *,
-        request_id: str,
-        cache_salt: str | None,
-        lora_name: str | None,
-    ) -> ReplicaResult:
-        body: dict[str, Any] = {"prompt": token_ids, "max_tokens": max_tokens, "temperature": 0.0}
-        model = lora_name or self.model
-        if model:
-            body["model"] = model
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        start = time.monotonic()
+    async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Forwarded:
+        """POST ``body`` to ``path`` unchanged; the answer comes back unread.
+
+        ``headers`` are the client's; those about its connection are dropped. A 5xx
+        (or no answer) is ReplicaUnavailable, with the upstream connection closed.
+        """
+        sent = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+        if self.model is not None:
+            body = _with_model(body, self.model)
+        request = self._client.build_request("POST", path, content=body, headers=sent)
         try:
-            response = await self._client.post("/v1/completions", json=body, headers={"X-Request-Id": request_id})
+            response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise ReplicaUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        elapsed = time.monotonic() - start
-        if 400 <= response.status_code < 500:
-            raise ReplicaRejected(_error_message(response))
-        if response.status_code != 200:
-            raise ReplicaUnavailable(f"{self.name}: HTTP {response.status_code}: {_error_message(response)}")
-        try:
-            data = response.json()
-            choice = data["choices"][0]
-            usage = data.get("usage") or {}
-            details = usage.get("prompt_tokens_details") or {}
-            ours = data.get("kvstore") or {}
-            by_medium = {m: 0 for m in MEDIA}
-            if isinstance(ours.get("cached_tokens"), dict):
-                by_medium.update({m: int(ours["cached_tokens"].get(m, 0)) for m in MEDIA})
-            else:
-                by_medium[Medium.GPU] = int(details.get("cached_tokens") or 0)
-            return ReplicaResult(
-                output_token_ids=choice.get("token_ids"),
-                text=str(choice.get("text", "")),
-                prompt_tokens=int(usage.get("prompt_tokens", len(token_ids))),
-                cached_tokens_by_medium=by_medium,
-                queue_s=ours.get("queue_s"),
-                ttft_s=ours.get("ttft_s"),
-                total_s=elapsed,
-                finish_reason=str(choice.get("finish_reason") or "length"),
-            )
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise ReplicaUnavailable(f"{self.name}: malformed completion response: {exc}") from None
+        if response.status_code >= 500:
+            text = (await response.aread())[:500].decode(errors="replace")
+            await response.aclose()
+            raise ReplicaUnavailable(f"{self.name}: HTTP {response.status_code}: {text}")
+        return Forwarded(response.status_code, response.headers, response.aiter_raw(), response.aclose)
 
     async def poll(self) -> ReplicaPoll:
         try:
-            response = await self._client.get("/metrics", timeout=5.0)
+            response, models = await asyncio.gather(
+                self._client.get("/metrics", timeout=5.0), self._client.get("/v1/models", timeout=5.0)
+            )
             response.raise_for_status()
         except httpx.HTTPError as exc:
             raise ReplicaUnavailable(f"{self.name}: metrics unavailable: {exc}") from None
         try:
-            return ReplicaPoll(parse_load(response.text), response.text)
+            load = parse_load(response.text)
         except ValueError as exc:
             raise ReplicaUnavailable(f"{self.name}: unparsable metrics page: {exc}") from None
+        return ReplicaPoll(load, response.text, _model_cards(models))
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -244,14 +199,25 @@ def parse_load(metrics_text: str) -> ReplicaLoad:
     return ReplicaLoad(int(first(_RUNNING)), int(first(_WAITING)), float(first(_USAGE)))
 
 
-def _error_message(response: httpx.Response) -> str:
+def _with_model(body: bytes, model: str) -> bytes:
+    """``body`` with its ``model`` field set (every other field and value as the client sent it)."""
+    data = msgspec.json.decode(body)
+    if not isinstance(data, dict):
+        return body
+    data["model"] = model
+    return msgspec.json.encode(data)
+
+
+def _model_cards(response: httpx.Response) -> list[dict[str, Any]]:
+    """The ``data`` of a /v1/models answer; [] when the replica has none or it is malformed."""
+    if response.status_code != 200:
+        return []
     try:
-        data = response.json()
-        error = data.get("error") if isinstance(data, dict) else None
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        if isinstance(data, dict) and "detail" in data:
-            return str(data["detail"])
-    except ValueError:
-        pass
-    return response.text[:500]
+        data = response.json().get("data")
+    except (ValueError, AttributeError):
+        return []
+    return (
+        [card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)]
+        if isinstance(data, list)
+        else []
+    )

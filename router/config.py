@@ -9,6 +9,9 @@ from msgspec import Meta
 
 from kvstore.config import CacheConfig, Fraction, NonNegativeInt, PositiveInt, is_z85_key
 
+PolicyName = Literal["kvstore", "round_robin", "random", "least_loaded"]
+"""``kvstore``: cached prefix against load (the Scorer); the others: cache-blind baselines (router/policies.py)."""
+
 
 class ExternalReplica(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One replica the router does not manage: a vLLM server or ``kvstore worker``."""
@@ -70,13 +73,16 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     drains (router/load.py); 0 = learn it from the timings responses report."""
     temperature: Annotated[float, Meta(ge=0.0)] = 0.0
     """0 picks the lowest cost (ties at random); > 0 samples a softmax over normalised costs."""
-    policy: Literal["kvstore", "round_robin", "random", "least_loaded"] = "kvstore"
+    policy: PolicyName = "kvstore"
     """Routing policy: ``kvstore`` (cached prefix vs load, the Scorer); the others are baselines
     that ignore the cache (used by ``kvstore replay --compare``)."""
     model_name: str = "kvstore-toy"
     """Reported as ``model`` in completions when the request names none."""
     tokenizer: str = ""
-    """Path to a ``tokenizer.json`` for text prompts; empty = byte-level (our workers' model)."""
+    """The replicas' tokenizer: a model directory (tokenizer.json, tokenizer_config.json with its special tokens
+    and chat template, or chat_template.jinja) or a lone tokenizer.json. Empty: our workers' own (``kvstore
+    serve``); in front of external replicas (``kvstore router``), no tokenizer, so only token-id prompts route.
+    ``bytes`` names the built-in model's byte tokenizer (a fleet of ``kvstore worker`` toy models)."""
     vocab_size: NonNegativeInt = 0
     """Token ids must be below this; 0 = ask the replicas (Ray workers) or no check beyond >= 0."""
     max_context: NonNegativeInt = 0

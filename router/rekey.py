@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
-from kvstore.events import BlockStored
+from kvstore.events import BlockStored, Medium
 from kvstore.hashing import BlockHash, BlockHasher, to_external
 
 MAX_PARKED_BLOCKS = 1_000_000
@@ -29,15 +29,14 @@ MAX_PARKED_BLOCKS = 1_000_000
 class RekeyedStore(NamedTuple):
     """Our hashes for a foreign run, to be stored on ``medium``."""
 
-    medium: int
+    medium: Medium
     block_hashes: list[int]
-    parent: int | None
 
 
 class RekeyedRemove(NamedTuple):
     """Our hashes of foreign blocks removed while they were parked, to remove after storing."""
 
-    medium: int
+    medium: Medium
     block_hashes: list[int]
 
 
@@ -58,14 +57,14 @@ class Rekeyer:
     def __init__(self, hasher: BlockHasher) -> None:
         self._hasher = hasher
         self._known: dict[int, _Known] = {}
-        self._parked: dict[int, list[tuple[BlockStored, int]]] = {}  # foreign parent -> (run, medium)
+        self._parked: dict[int, list[tuple[BlockStored, Medium]]] = {}  # foreign parent -> (run, medium)
         self._parked_hashes: Counter[int] = Counter()  # foreign hashes inside parked runs
         self._parked_removals: Counter[int] = Counter()
         self.parked_blocks = 0
         self.rejected = 0  # runs with the wrong block size or token count, or over the parking bound
         self.unknown_removals = 0
 
-    def stored(self, event: BlockStored, medium: int) -> list[RekeyAction]:
+    def stored(self, event: BlockStored, medium: Medium) -> list[RekeyAction]:
         """What to apply, in order, for one foreign BlockStored (possibly unparking others)."""
         actions: list[RekeyAction] = []
         pending = [(event, medium)]
@@ -125,7 +124,7 @@ class Rekeyer:
             del self._known[foreign_hash]
         return True
 
-    def _rekey(self, event: BlockStored, medium: int) -> RekeyedStore | None:
+    def _rekey(self, event: BlockStored, medium: Medium) -> RekeyedStore | None:
         hashes = event.block_hashes
         size = self._hasher.block_size
         tokens = event.token_ids
@@ -143,7 +142,6 @@ class Rekeyer:
         per_block = extra is not None and len(extra) == len(hashes)
         lora_keys = None if event.lora_name is None else (event.lora_name,)
         ours: list[int] = []
-        our_parent = None if parent_digest is None else to_external(parent_digest)
         for index, foreign_hash in enumerate(hashes):
             keys = _extra_keys(extra[index]) if per_block and extra is not None else lora_keys
             digest = self._hasher.hash_block(parent_digest, tokens[index * size : (index + 1) * size], keys)
@@ -154,9 +152,9 @@ class Rekeyer:
             known.stores += 1
             ours.append(to_external(digest))
             parent_digest = digest
-        return RekeyedStore(medium, ours, our_parent)
+        return RekeyedStore(medium, ours)
 
-    def _park(self, event: BlockStored, medium: int) -> None:
+    def _park(self, event: BlockStored, medium: Medium) -> None:
         assert event.parent_block_hash is not None
         if self.parked_blocks + len(event.block_hashes) > MAX_PARKED_BLOCKS:
             self.rejected += 1

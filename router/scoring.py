@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from kvstore.router.config import RouterConfig
-from kvstore.router.index import NO_MATCH, MediumCounts
+from kvstore.router.index_lookup import NO_MATCH, MediumCounts
 
 _TIE = 1e-9
 
@@ -115,19 +115,6 @@ class Scorer:
             tied = [name for name, cost in scores.items() if cost - best <= margin]
             replica = tied[0] if len(tied) == 1 else rng.choice(tied)
         return Decision(replica, scores, prefix_matches.get(replica, NO_MATCH))
-
-
-def least_loaded(replica_states: Mapping[str, ReplicaState], rng: random.Random) -> str:
-    """The cache-blind baseline: least outstanding prefill, then fewest requests; ties at random.
-
-    The router's ``least_loaded`` policy and the simulator's both call this.
-    """
-    if not replica_states:
-        raise ValueError("no candidate replica: the caller must answer 503 before choosing")
-    keys = {name: (s.outstanding_tokens, s.running_requests + s.waiting_requests) for name, s in replica_states.items()}
-    least = min(keys.values())
-    tied = [name for name, key in keys.items() if key == least]
-    return tied[0] if len(tied) == 1 else rng.choice(sorted(tied))
 
 
 def _sample(scores: dict[str, float], temperature: float, rng: random.Random) -> str:

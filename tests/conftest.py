@@ -7,6 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
+# Tiny Hugging Face checkpoints (session fixtures) for any test that names one.
+pytest_plugins = ("tests.checkpoints",)
+
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 

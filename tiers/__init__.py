@@ -3,14 +3,25 @@
 ============================  =====================================================
 module                        what it holds
 ============================  =====================================================
+``tiers.config``              TierConfig: the ``[tiers]`` section
+``tiers.errors``              the typed errors callers see
 ``tiers.identity``            CacheIdentity: what a block's bytes mean, and its digest
 ``tiers.blocks``              BlockMeta (hash, parent, tokens) and small results
 ``tiers.shared_memory``       SharedSlots: /dev/shm slots any process maps by name
 ``tiers.cpu_arena``           CpuArena: LRU index over the slots, leases
+``tiers.tier_events``         MediumEvents: a medium's BlockStored / BlockRemoved
 ``tiers.disk_format``         the block file format (header, checksum)
-``tiers.disk``                DiskTier: files, LRU in bytes, deadlines, restart scan
+``tiers.disk_files``          one block file's system calls (O_DIRECT, rename)
+``tiers.disk_runner``         I/O batches on threads, each I/O by its deadline
+``tiers.disk_capacity``       DiskIndex: LRU in bytes, the limit ENOSPC lowers
+``tiers.disk_scan``           the start-up scan that rebuilds the disk index
+``tiers.disk``                DiskTier: owns the four above, counts outcomes
 ``tiers.copy_engine``         CopyEngine: batched pool <-> arena copies (threads / CUDA)
+``tiers.admission``           AdmissionFilter: admit a block on its N-th spill
+``tiers.leases``              LeaseBook: grants, their incarnation check and end
+``tiers.stats``               counters and the TierStats snapshot
 ``tiers.store``               TierStore: the policy (write-back, admission, promote)
+``tiers.metrics``             TierCollector: TierStats as Prometheus metrics
 ``tiers.actor``               TierActor: the store on Ray, one per node
 ``tiers.client``              sync clients (Ray actor, in-process store)
 ``tiers.link``                TierLink: a worker's spill / promote through the arena
@@ -20,7 +31,7 @@ Imports point one way: tiers uses kvstore, never workers, router or deploy.
 """
 
 from kvstore.publisher import EventEndpoints
-from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
 from kvstore.tiers.stats import TierStats
@@ -33,7 +44,6 @@ __all__ = [
     "EventEndpoints",
     "SharedSlots",
     "SlotGrant",
-    "TierGet",
     "TierHit",
     "TierStats",
     "TierStore",

@@ -21,14 +21,13 @@ from __future__ import annotations
 from typing import Any
 
 import ray
-import torch
 from prometheus_client import CollectorRegistry
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstore.config import EventsConfig
 from kvstore.metrics import render
 from kvstore.publisher import EventEndpoints
-from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierGet, TierHit
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.metrics import TierCollector
@@ -49,18 +48,16 @@ def tier_arena_name(identity: CacheIdentity, node_id: str) -> str:
 
 @ray.remote
 class TierActor:
-    """The node's tier store; the same methods as :class:`TierStore`."""
+    """The node's tier store: the lease protocol and queries of :class:`TierStore`, nothing else.
+
+    Only block metas and lease ids cross Ray: the KV itself moves between a
+    worker's pool and the shared arena, copied by the worker (``TierLink``).
+    """
 
     def __init__(
         self, config: TierConfig, identity: CacheIdentity, events: EventsConfig | None, arena_name: str | None
     ) -> None:
         self._store = TierStore(config, identity, events=events, arena_name=arena_name)
-
-    async def put(self, blocks: list[BlockMeta], data: torch.Tensor) -> int:
-        return await self._store.put(blocks, data)
-
-    async def get(self, blocks: list[BlockMeta]) -> TierGet:
-        return await self._store.get(blocks)
 
     async def lookup(self, block_hashes: list[int], start: int = 0) -> TierHit:
         return self._store.lookup(block_hashes, start)

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import msgspec
-import torch
 
 from kvstore.block_pool import KVCacheBlock
 from kvstore.events import Medium
@@ -86,11 +85,3 @@ class SlotGrant(NamedTuple):
     slot: int  # row of the arena tensor
     block_hash: ExternalBlockHash
     medium: Medium  # where the block was found: CPU, or STORAGE (promoted into the slot); CPU for writes
-
-
-class TierGet(NamedTuple):
-    """Blocks read back by :meth:`TierStore.get`."""
-
-    num_blocks: int  # consecutive blocks found (a prefix of those asked for)
-    media: tuple[Medium, ...]  # where each was found: CPU or STORAGE (then promoted into CPU)
-    data: torch.Tensor  # [num_blocks, *block_shape] of the identity's dtype

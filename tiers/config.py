@@ -25,7 +25,8 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     cpu_prefault: bool = True
     """Reserve and touch every arena page at start: a too-small /dev/shm fails then, not with SIGBUS later."""
     copy_threads: Annotated[int, Meta(ge=1)] = 2
-    """Threads of the copy engine (host copies; one waits on CUDA events when there is a GPU)."""
+    """Threads of the copy engine a worker's TierLink copies with (host copies; one waits on CUDA events
+    when there is a GPU). The tier actor copies nothing itself: workers move the KV."""
     disk_dir: str | None = None
     """Root of the disk tier (one subdirectory per cache identity); None turns the disk tier off."""
     disk_capacity_bytes: Annotated[int, Meta(ge=0)] = 64 * 1024**3

@@ -40,13 +40,12 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterator
 
 from kvstore.events import BlockStored, KVEvent, Medium
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.errors import LeaseError
 from kvstore.tiers.shared_memory import SharedSlots
-from kvstore.tiers.tier_events import block_removed, block_stored
+from kvstore.tiers.tier_events import MediumEvents
 
 
 class LeaseKind(enum.Enum):
@@ -97,7 +96,7 @@ class CpuArena:
         self._writing: dict[int, int] = {}
         self._held: dict[int, Lease] = {}
         self._next_lease = 1
-        self._events: list[KVEvent] = []
+        self._events = MediumEvents(Medium.CPU, block_size)
         self._lock = threading.Lock()
         self.num_evictions = 0
         self.num_collisions = 0
@@ -179,7 +178,7 @@ class CpuArena:
         del self._writing[lease.meta.block_hash]
         with self._lock:
             self._index[lease.meta.block_hash] = lease.slot
-        self._events.append(block_stored(lease.meta, self.block_size, Medium.CPU))
+        self._events.stored(lease.meta)
 
     def acquire(self, meta: BlockMeta) -> Lease | None:
         """A read lease on the cached block ``meta`` (now most recently used), or None on a miss.
@@ -244,22 +243,14 @@ class CpuArena:
         return True
 
     def take_events(self) -> list[KVEvent]:
-        events, self._events = self._events, []
-        return events
+        return self._events.take()
 
     def snapshot_events(self) -> list[BlockStored]:
         """Every cached block as a BlockStored (medium CPU). Safe from another thread."""
         with self._lock:
             # A cached slot's meta only changes after its index entry is popped (under the lock).
             metas = [self._meta[slot] for slot in self._index.values()]
-        return [block_stored(meta, self.block_size, Medium.CPU) for meta in metas if meta is not None]
-
-    def entries(self) -> Iterator[BlockMeta]:
-        """Cached blocks, least recently used first."""
-        for slot in list(self._index.values()):
-            meta = self._meta[slot]
-            assert meta is not None
-            yield meta
+        return self._events.snapshot(meta for meta in metas if meta is not None)
 
     def close(self) -> None:
         """Unmap the arena (and unlink it if owned). Leases still held become meaningless."""
@@ -288,7 +279,7 @@ class CpuArena:
             slot = self._index.pop(block_hash)
         meta = self._meta[slot]
         assert meta is not None
-        self._events.append(block_removed(meta, Medium.CPU))
+        self._events.removed(meta)
         return self._grant(slot, meta, LeaseKind.READ)
 
     def _free_slot(self, slot: int) -> None:

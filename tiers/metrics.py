@@ -19,12 +19,15 @@ Names (vLLM-style, under ``kvstore_``):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvstore.tiers.stats import DIRECTIONS, TierStats
+
+_Label = TypeVar("_Label", bound=str)  # a label value: a medium, a direction, a reason
 
 
 class TierCollector(Collector):
@@ -42,12 +45,19 @@ class TierCollector(Collector):
             usage.add_metric([medium], value)
             capacity.add_metric([medium], stats.capacity_bytes[medium])
             blocks.add_metric([medium], stats.blocks[medium])
-        hits = CounterMetricFamily("kvstore_tier_hits", "Blocks served to workers per tier.", labels=["medium"])
-        for medium in stats.usage_bytes:  # every medium from zero, so rates work before the first hit
-            hits.add_metric([medium], stats.hits.get(medium, 0))
-        moved = CounterMetricFamily("kvstore_offload_bytes", "Bytes moved between tiers.", labels=["direction"])
-        for direction in DIRECTIONS:
-            moved.add_metric([direction], stats.offload_bytes.get(direction, 0))
+        # Every medium and direction from zero, so rates work before the first hit or copy.
+        hits = _counter(
+            "kvstore_tier_hits",
+            "Blocks served to workers per tier.",
+            "medium",
+            {medium: stats.hits.get(medium, 0) for medium in stats.usage_bytes},
+        )
+        moved = _counter(
+            "kvstore_offload_bytes",
+            "Bytes moved between tiers.",
+            "direction",
+            {direction: stats.offload_bytes.get(direction, 0) for direction in DIRECTIONS},
+        )
         seconds = HistogramMetricFamily(
             "kvstore_offload_seconds", "Latency of one batch moved between tiers.", labels=["direction"]
         )
@@ -62,29 +72,32 @@ class TierCollector(Collector):
         for medium, reasons in stats.not_stored.items():
             for reason, value in reasons.items():
                 not_stored.add_metric([medium, reason], value)
-        evictions = CounterMetricFamily("kvstore_tier_evictions", "Blocks evicted per tier.", labels=["medium"])
-        for medium, value in stats.evictions.items():
-            evictions.add_metric([medium], value)
-        collisions = CounterMetricFamily(
-            "kvstore_tier_hash_collisions", "Lookups whose hash matched a block of other tokens.", labels=["medium"]
+        yield from (usage, capacity, blocks, hits, moved, seconds, not_stored)
+        yield _counter("kvstore_tier_evictions", "Blocks evicted per tier.", "medium", stats.evictions)
+        yield _counter(
+            "kvstore_tier_hash_collisions",
+            "Lookups whose hash matched a block of other tokens.",
+            "medium",
+            stats.collisions,
         )
-        for medium, value in stats.collisions.items():
-            collisions.add_metric([medium], value)
-        disk_errors = CounterMetricFamily("kvstore_tier_disk_errors", "Failed or late disk I/Os.", labels=["reason"])
-        for reason, value in stats.disk_errors.items():
-            disk_errors.add_metric([reason], value)
-        integrity = CounterMetricFamily(
-            "kvstore_tier_integrity_failures", "Block files refused on read, by reason.", labels=["reason"]
+        yield _counter("kvstore_tier_disk_errors", "Failed or late disk I/Os.", "reason", stats.disk_errors)
+        yield _counter(
+            "kvstore_tier_integrity_failures",
+            "Block files refused on read, by reason.",
+            "reason",
+            stats.integrity_failures,
         )
-        for reason, value in stats.integrity_failures.items():
-            integrity.add_metric([reason], value)
-        scan = CounterMetricFamily(
-            "kvstore_tier_scan_removed", "Files the start-up scan removed, by reason.", labels=["reason"]
+        yield _counter(
+            "kvstore_tier_scan_removed", "Files the start-up scan removed, by reason.", "reason", stats.scan_removed
         )
-        for reason, value in stats.scan_removed.items():
-            scan.add_metric([reason], value)
-        yield from (usage, capacity, blocks, hits, moved, seconds, not_stored, evictions, collisions)
-        yield from (disk_errors, integrity, scan)
+
+
+def _counter(name: str, documentation: str, label: str, values: Mapping[_Label, int]) -> CounterMetricFamily:
+    """A counter family with one sample per key of ``values``, labelled ``label``."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
 
 
 def _le(bound: float) -> str:

@@ -1,7 +1,10 @@
 """The tier store's counters, and the snapshot of them it hands out (over Ray, to metrics).
 
 Counters are plain ints and dicts bumped on the store's event loop; nothing
-here locks. :class:`TierStats` is an immutable copy, safe to ship anywhere.
+here locks. :class:`TierStats` is an immutable copy, safe to ship anywhere;
+:func:`tier_stats` builds it from the store's own counters and those the
+arena and the disk tier keep themselves, so that one call on the store's
+loop gives a consistent picture of both media.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from collections import Counter
 import msgspec
 
 from kvstore.events import Medium
+from kvstore.tiers.cpu_arena import CpuArena
+from kvstore.tiers.disk import DiskTier
 
 OFFLOAD_SECONDS_BOUNDS: tuple[float, ...] = (
     0.0001,
@@ -93,4 +98,47 @@ class TierStats(msgspec.Struct, frozen=True, kw_only=True):
     integrity_failures: dict[str, int]  # reason -> files refused and removed
     scan_removed: dict[str, int]  # reason -> files removed by the start-up scan
     disk_io_mode: str  # "O_DIRECT", "buffered (why)", or "off"
-    pinned: bool  # the arena is registered with CUDA
+
+
+def tier_stats(cpu: CpuArena, disk: DiskTier | None, counters: StoreCounters) -> TierStats:
+    """A snapshot of one store: its ``counters``, its arena and (when it has one) its disk tier."""
+    usage = {Medium.CPU: cpu.used_bytes}
+    capacity = {Medium.CPU: cpu.capacity_bytes}
+    blocks = {Medium.CPU: cpu.num_blocks}
+    not_stored = {Medium.CPU: dict(counters.not_stored)}
+    evictions = {Medium.CPU: cpu.num_evictions}
+    collisions = {Medium.CPU: cpu.num_collisions}
+    disk_errors: dict[str, int] = {}
+    integrity: dict[str, int] = {}
+    scan_removed: dict[str, int] = {}
+    io_mode = "off"
+    if disk is not None:
+        usage[Medium.STORAGE] = disk.used_bytes
+        capacity[Medium.STORAGE] = disk.limit_bytes
+        blocks[Medium.STORAGE] = disk.num_blocks
+        not_stored[Medium.STORAGE] = dict(disk.counters.not_stored)
+        evictions[Medium.STORAGE] = disk.counters.evictions
+        collisions[Medium.STORAGE] = disk.counters.collisions
+        disk_errors = dict(disk.counters.io_errors)
+        disk_errors.update({f"deadline_{op}": n for op, n in disk.counters.deadline_expired.items()})
+        integrity = dict(disk.counters.integrity_failures)
+        scan_removed = dict(disk.counters.scan_removed)
+        io_mode = disk.io_mode
+    return TierStats(
+        usage_bytes=usage,
+        capacity_bytes=capacity,
+        blocks=blocks,
+        hits=dict(counters.hits),
+        lookups=counters.lookups,
+        lookup_blocks=counters.lookup_blocks,
+        offload_bytes=dict(counters.offload_bytes),
+        offload_seconds={d: h.snapshot() for d, h in counters.offload_seconds.items()},
+        not_stored=not_stored,
+        duplicates=counters.duplicates,
+        evictions=evictions,
+        collisions=collisions,
+        disk_errors=disk_errors,
+        integrity_failures=integrity,
+        scan_removed=scan_removed,
+        disk_io_mode=io_mode,
+    )

@@ -4,8 +4,12 @@ Modules, one concern each:
 
 - ``api`` -- the request/result types other parts depend on;
 - ``kv_tensor_pool`` -- block-major KV memory and whole-block copies;
-- ``attention`` / ``model`` / ``model_runner`` -- paged attention, the seeded
-  toy transformer, and one step's tensors in and greedy tokens out;
+- ``attention`` / ``model`` / ``model_runner`` -- paged attention, the one
+  decoder (Llama, Qwen2, Mistral, the toy), and one step's tensors in and
+  greedy tokens out;
+- ``model_spec`` / ``model_source`` -- what a served model is, and building it
+  from a checkpoint (``hf_config``, ``checkpoint``), a built-in shape
+  (``shapes``) or seeded weights (``seeded``); ``rope`` -- rotary tables;
 - ``scheduler`` -- continuous batching, admission, preemption by recompute;
 - ``validation`` -- request checks before queuing;
 - ``offload`` -- the seam where a lower tier spills and promotes blocks;

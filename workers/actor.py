@@ -19,6 +19,7 @@ this node's IP address, so subscribers on other nodes can connect.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -29,7 +30,7 @@ from kvstore.publisher import EventEndpoints
 from kvstore.tiers.actor import TIER_NAMESPACE, tier_actor_name
 from kvstore.tiers.client import RayTierClient
 from kvstore.tiers.link import TierLink
-from kvstore.worker_api import GenerateRequest, GenerateResult, ModelInfo, WorkerLoad
+from kvstore.worker_api import GenerateRequest, GenerateResult, ModelInfo, StreamChunk, WorkerLoad
 from kvstore.workers.config import WorkerSettings, cache_identity, replace_sections
 from kvstore.workers.tier_offload import TierOffload
 from kvstore.workers.worker import KVWorker
@@ -95,8 +96,27 @@ class KVWorkerActor:
         self._worker = KVWorker(name, config, offload=self._offload)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        """Raises InvalidRequestError (before queuing) or the error that stopped the request."""
-        return await asyncio.wrap_future(self._worker.submit(request))
+        """Raises InvalidRequestError (before queuing) or the error that stopped the request.
+
+        Cancelling the call (``ray.cancel``) cancels the request on the worker: its blocks are freed.
+        """
+        stream = self._worker.submit(request)
+        try:
+            return await stream.aresult()
+        finally:
+            stream.cancel()  # a no-op once the request finished
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """The request's chunks as they are produced (call with ``num_returns="streaming"``).
+
+        Cancelling the generator, or the caller dropping it, cancels the request on the worker.
+        """
+        stream = self._worker.submit(request)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            stream.cancel()
 
     async def load(self) -> WorkerLoad:
         return self._worker.load()

@@ -20,6 +20,11 @@ same step as another hit blocks that the other is computing in this very
 step (the prefix cache registers blocks when they are scheduled, as in
 vLLM v1).
 
+Sliding-window layers (Mistral, some Qwen2 layers) attend through the same
+metadata narrowed by :func:`with_window`: a query at position ``p`` sees
+keys ``(p - window, p]``. Keys that slid out of the window stay in the pool
+(their blocks are not freed early); the mask hides them.
+
 Index ranges of the flattened step (``T`` tokens in all)::
 
     rows [0, T)               one per token, slices back to back in order
@@ -55,6 +60,7 @@ class _DecodeBatch(NamedTuple):
     rows: torch.Tensor  # [D] rows of the flattened step
     block_tables: torch.Tensor  # [D, max_blocks] long, padded with block 0 (masked out)
     mask: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool: key j visible iff j < context_len
+    context_lens: torch.Tensor  # [D] long: start + 1 of each decode slice
 
 
 class AttentionMetadata(NamedTuple):
@@ -113,13 +119,33 @@ def build_metadata(slices: Sequence[SequenceSlice], block_size: int, device: tor
         # Short tables are padded with block 0; the mask hides every padded position.
         padded = [b for t in decode_tables for b in (*t, *[0] * (width - len(t)))]
         key_pos = torch.arange(width * block_size, device=device)
-        mask = key_pos.unsqueeze(0) < as_tensor(decode_lens).unsqueeze(1)
+        lens = as_tensor(decode_lens)
+        mask = key_pos.unsqueeze(0) < lens.unsqueeze(1)
         tables = as_tensor(padded).view(len(decode_tables), width)
-        decode = _DecodeBatch(as_tensor(decode_rows), tables, mask[:, None, None, :])
+        decode = _DecodeBatch(as_tensor(decode_rows), tables, mask[:, None, None, :], lens)
     return AttentionMetadata(
         as_tensor(positions), as_tensor(slot_blocks), as_tensor(slot_offsets), as_tensor(sample_rows), decode,
         tuple(prefills),
     )  # fmt: skip
+
+
+def with_window(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """``meta`` with every mask narrowed to a sliding window: position ``p`` sees keys ``(p - window, p]``.
+
+    Built once per step and window (every layer of that window shares it).
+    """
+    decode = meta.decode
+    if decode is not None:
+        key_pos = torch.arange(decode.mask.shape[-1], device=decode.mask.device)
+        recent = key_pos.unsqueeze(0) >= (decode.context_lens - window).unsqueeze(1)
+        decode = decode._replace(mask=decode.mask & recent[:, None, None, :])
+    prefills = []
+    for p in meta.prefills:
+        n = p.mask.shape[0]
+        query_pos = torch.arange(p.context_len - n, p.context_len, device=p.mask.device).unsqueeze(1)
+        key_pos = torch.arange(p.context_len, device=p.mask.device).unsqueeze(0)
+        prefills.append(p._replace(mask=p.mask & (key_pos > query_pos - window)))
+    return meta._replace(decode=decode, prefills=tuple(prefills))
 
 
 def paged_attention(

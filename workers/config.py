@@ -2,27 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
 
 from kvstore.config import CacheConfig, EventsConfig, NonNegativeInt, PoolConfig, PositiveInt
-from kvstore.kv_layout import KVDtype, KVLayout
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.identity import CacheIdentity
+from kvstore.workers.device import DeviceChoice, DtypeChoice, resolve_device
+from kvstore.workers.model_source import describe_model
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """KV workers and their model (owned by the workers package).
 
-    The defaults are a toy model small enough for fast CPU tests; raise the
-    shape (and ``max_context``) for benchmarks. The MLP width is 4 x
-    ``hidden_size``. Pool size comes from ``pool.num_blocks``, block size from
-    ``cache.block_size``.
+    The model is one of three (:func:`kvstore.workers.model_source.describe_model`):
+
+    - ``model``: a Hugging Face model directory (Llama, Qwen2, Mistral),
+      served as its checkpoint computes;
+    - ``shape``: a built-in real architecture (``qwen2.5-0.5b``, ...) with
+      seeded random weights, for benchmarks;
+    - neither (the default): a toy model small enough for fast CPU tests,
+      shaped by ``num_layers`` .. ``vocab_size`` (MLP width 4 x
+      ``hidden_size``) and seeded by ``seed``.
+
+    The toy's shape fields are ignored for the other two. Pool size comes
+    from ``pool.num_blocks``, block size from ``cache.block_size``.
     """
 
     num_workers: NonNegativeInt = 0
     """Workers to start; 0 sizes to the machine."""
+    model: str = ""
+    """Path of a Hugging Face model directory (config.json, safetensors weights); empty = no checkpoint."""
+    served_model_name: str = ""
+    """The name clients use for the model (``/v1/models``); empty = the directory's (or shape's) name."""
+    shape: str = ""
+    """A built-in architecture served with seeded random weights (see kvstore.workers.shapes); empty = none."""
     num_layers: PositiveInt = 2
     num_heads: PositiveInt = 4
     """Query heads."""
@@ -34,12 +49,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     vocab_size: PositiveInt = 512
     """Token ids are 0..vocab_size-1 (the router's byte tokenizer needs >= 256)."""
     max_context: PositiveInt = 2048
-    """Longest prompt + max_tokens a request may have."""
-    dtype: KVDtype = "float32"
-    """Weights, activations and the KV pool."""
+    """Longest prompt + max_tokens a request may have (a checkpoint's max_position_embeddings caps it too)."""
+    dtype: DtypeChoice = "auto"
+    """Weights, activations and the KV pool; ``auto``: the checkpoint's own, float32 for seeded weights
+    (an fp16 checkpoint runs in float32 on a CPU; see kvstore.workers.device)."""
     seed: NonNegativeInt = 0
-    """Seed of the model's weights: equal seeds and shapes give equal outputs everywhere."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Seed of the toy's (or a shape's) weights: equal seeds and shapes give equal outputs everywhere."""
+    device: DeviceChoice = "auto"
     """``auto``: CUDA when the process sees a GPU, else CPU."""
     max_num_seqs: PositiveInt = 64
     """Requests running (holding blocks) at once."""
@@ -47,27 +63,12 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Tokens computed per step; longer prefills are chunked."""
 
     def __post_init__(self) -> None:
+        if self.model and self.shape:
+            raise ValueError(f"worker.model ({self.model!r}) and worker.shape ({self.shape!r}) exclude each other")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-
-    @property
-    def model_name(self) -> str:
-        """The built-in model's name, from every field that changes its weights (equal names, equal KV)."""
-        return (
-            f"kvstore-tiny(seed={self.seed},hidden={self.hidden_size},heads={self.num_heads},vocab={self.vocab_size})"
-        )
-
-    def kv_layout(self, block_size: int) -> KVLayout:
-        """The KV block this model writes at ``block_size`` tokens per block."""
-        return KVLayout(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            block_size=block_size,
-            dtype=self.dtype,
-        )
 
 
 class WorkerSettings(Protocol):
@@ -90,11 +91,17 @@ class WorkerSettings(Protocol):
 
 
 def cache_identity(config: WorkerSettings, *, model: str | None = None) -> CacheIdentity:
-    """The identity of the blocks a worker of ``config`` writes; ``model`` defaults to the built-in model's name."""
-    worker = config.worker
-    return CacheIdentity.from_layout(
-        worker.kv_layout(config.cache.block_size), config.cache, model=model or worker.model_name
-    )
+    """The identity of the blocks a worker of ``config`` writes, from its model's geometry and weights.
+
+    Reads the checkpoint's JSON files and a fingerprint of its weights (see
+    :func:`~kvstore.workers.model_source.describe_model`), not the weights
+    themselves, so the launcher can call it before any worker runs; the dtype
+    is the one a worker on this process's device would use. ``model``
+    overrides the name of the weights.
+    """
+    served = describe_model(config.worker, resolve_device(config.worker.device))
+    layout = served.kv_layout(config.cache.block_size)
+    return CacheIdentity.from_layout(layout, config.cache, model=model or served.weights_id)
 
 
 Settings = TypeVar("Settings", bound=WorkerSettings)

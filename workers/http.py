@@ -1,27 +1,37 @@
 """One KV worker behind an OpenAI-compatible HTTP front, no Ray (``kvstore worker`` serves it).
 
 This is a replica exactly as a vLLM server is one: ``POST /v1/completions``
-(prompt as text or token ids), ``GET /health``, ``GET /metrics`` (503 once
-the worker can no longer serve: the router's health poll reads this page),
-and KV events on ZeroMQ. A fleet of these behind ``kvstore router`` is the same
-deployment as a vLLM fleet behind it, so the plain-HTTP path is tested end to
-end without Ray.
+and ``POST /v1/chat/completions`` (plain or ``stream: true``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (503 once the worker
+can no longer serve: the router's health poll reads this page), and KV
+events on ZeroMQ. A fleet of these behind ``kvstore router`` is the same
+deployment as a vLLM fleet behind it, so the plain-HTTP path is tested end
+to end without Ray.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvstore.errors import InvalidRequestError
-from kvstore.openai.protocol import ApiError, ModelLimits, decode_request, prompt_token_ids, validate
-from kvstore.openai.tokenizer import ByteTokenizer
-from kvstore.worker_api import GenerateRequest, WorkerShutdownError
+from kvstore.openai.errors import ApiError, model_not_found
+from kvstore.openai.http import error_response, model_card, read_body, respond
+from kvstore.openai.protocol import (
+    ModelLimits,
+    ParsedRequest,
+    decode_chat,
+    decode_completion,
+    parse_chat,
+    parse_completion,
+)
+from kvstore.openai.responses import ResponseBuilder
+from kvstore.worker_api import GenerateRequest, RequestStats, StreamChunk, WorkerShutdownError
 from kvstore.workers.worker import KVWorker
 
 
@@ -29,66 +39,58 @@ def create_worker_app(worker: KVWorker, *, max_body_bytes: int = 4 << 20) -> Fas
     """An OpenAI-compatible app over ``worker`` (which the caller owns and shuts down)."""
     info = worker.info()
     limits = ModelLimits(info.vocab_size, info.max_context)
-    tokenizer = ByteTokenizer()
+    tokenizer = worker.tokenizer
     app = FastAPI(title=f"kvstore worker {worker.name}", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(exc)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
-        body = await request.body()
-        if len(body) > max_body_bytes:
-            raise ApiError(413, f"request body larger than {max_body_bytes} bytes")
-        req = decode_request(body)
-        prompt = validate(req, prompt_token_ids(req, tokenizer.encode), limits)
-        request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+    async def serve(request: Request, parsed: ParsedRequest, prefix: str) -> Response:
+        if parsed.model is not None and parsed.model != info.model_name:
+            raise model_not_found(parsed.model)
+        request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
         generate = GenerateRequest(
-            token_ids=prompt.token_ids,
-            max_tokens=prompt.max_tokens,
-            request_id=request_id,
-            cache_salt=prompt.cache_salt,
-            lora_name=prompt.lora_name,
+            parsed.token_ids, parsed.max_tokens, request_id, parsed.cache_salt, parsed.lora_name, parsed.sampling
         )
         try:
-            result = await asyncio.wrap_future(worker.submit(generate))
+            stream = worker.submit(generate)
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc)) from None
         except WorkerShutdownError as exc:
             raise ApiError(503, str(exc)) from None
-        completion_tokens = len(result.output_token_ids)
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": prompt.model or "kvstore-toy",
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": tokenizer.decode(result.output_token_ids),
-                        "token_ids": result.output_token_ids,
-                        "logprobs": None,
-                        "finish_reason": "length",
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": result.prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": result.prompt_tokens + completion_tokens,
-                    "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-                },
-                "kvstore": {
-                    "replica": result.replica,
-                    "cached_tokens": result.cached_tokens_by_medium,
-                    "queue_s": result.queue_s,
-                    "ttft_s": result.ttft_s,
-                    "total_s": result.total_s,
-                    "preempted": result.preempted,
-                },
-            }
-        )
+
+        async def chunks() -> AsyncGenerator[StreamChunk, None]:
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except WorkerShutdownError as exc:
+                raise ApiError(503, str(exc)) from None
+            finally:
+                stream.cancel()  # a no-op once the request finished
+
+        builder = ResponseBuilder(parsed, tokenizer, model=info.model_name, request_id=request_id, extras=_extras)
+        return await respond(request, builder, chunks())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = decode_completion(await read_body(request, max_body_bytes))
+        return await serve(request, parse_completion(req, tokenizer, limits), "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = decode_chat(await read_body(request, max_body_bytes))
+        return await serve(request, parse_chat(req, tokenizer, limits), "chatcmpl")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card(info.model_name, info.max_context)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != info.model_name:
+            raise model_not_found(model_id)
+        return JSONResponse(model_card(info.model_name, info.max_context))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -105,3 +107,14 @@ def create_worker_app(worker: KVWorker, *, max_body_bytes: int = 4 << 20) -> Fas
         return Response(worker.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _extras(stats: RequestStats) -> dict[str, Any]:
+    return {
+        "replica": stats.replica,
+        "cached_tokens": stats.cached_tokens_by_medium,
+        "queue_s": stats.queue_s,
+        "ttft_s": stats.ttft_s,
+        "total_s": stats.total_s,
+        "preempted": stats.preempted,
+    }

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from kvstore.events import MEDIA, Medium
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
-from kvstore.worker_api import GenerateRequest
+from kvstore.worker_api import FinishReason, GenerateRequest
 from kvstore.workers.attention import SequenceSlice
 from kvstore.workers.offload import Promotion
 
@@ -56,23 +56,33 @@ def no_promotion(request: CacheRequest, gpu_hit: PrefixHit) -> Promotion:
 
 
 class RequestState:
-    """One request through its life: waiting -> running (-> preempted -> waiting ...) -> finished."""
+    """One choice of a request through its life: waiting -> running (-> preempted -> waiting ...) -> finished.
+
+    The scheduler owns the fields that track KV (``cache_request``,
+    ``num_computed_tokens``, preemptions); the worker owns what sampling and
+    detokenising need (``output``, an opaque per-choice record the scheduler
+    never reads) and decides when the choice is finished
+    (:meth:`finish`), which :meth:`Scheduler.update` then acts on.
+    """
 
     __slots__ = (
         "arrival",
         "cache_request",
         "cached_tokens_by_medium",
+        "finish_reason",
         "first_scheduled",
         "first_token",
         "max_tokens",
         "num_computed_tokens",
         "num_preemptions",
+        "output",
         "output_token_ids",
         "prompt_tokens",
         "request_id",
+        "stop_reason",
     )
 
-    def __init__(self, request: GenerateRequest, request_id: str, arrival: float) -> None:
+    def __init__(self, request: GenerateRequest, request_id: str, arrival: float, output: object = None) -> None:
         self.request_id = request_id  # the caller's id, echoed back; need not be unique
         # The manager keys block tables by a private id, unique per worker.
         self.cache_request = CacheRequest(
@@ -83,6 +93,7 @@ class RequestState:
         )
         self.prompt_tokens = len(request.token_ids)
         self.max_tokens = request.max_tokens
+        self.output = output
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_preemptions = 0
@@ -90,6 +101,8 @@ class RequestState:
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.cached_tokens_by_medium: dict[Medium, int] | None = None  # set at first admission
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
 
     @property
     def key(self) -> str:
@@ -101,7 +114,13 @@ class RequestState:
 
     @property
     def is_finished(self) -> bool:
-        return len(self.output_token_ids) >= self.max_tokens
+        return self.finish_reason is not None
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """Mark the choice done; the next :meth:`Scheduler.update` (or :meth:`Scheduler.abort`) frees its blocks."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.stop_reason = stop_reason
 
     def __repr__(self) -> str:
         return (
@@ -115,14 +134,15 @@ class ScheduledRequest(NamedTuple):
     num_new_tokens: int  # tokens computed this step, from state.num_computed_tokens on
     slice: SequenceSlice  # what the model runner computes
 
+    @property
+    def samples(self) -> bool:
+        """This step computes up to the sequence's last token, so its logits give the next token."""
+        return self.state.num_computed_tokens + self.num_new_tokens >= self.state.num_tokens
+
 
 class SchedulerOutput(NamedTuple):
     scheduled: list[ScheduledRequest]
     preempted: list[RequestState]  # preempted this step (now waiting)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -194,22 +214,23 @@ class Scheduler:
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
 
-    def update(self, output: SchedulerOutput, sampled: list[int], now: float) -> list[RequestState]:
-        """Record a step's results (``sampled``: one token per scheduled request); returns those that finished.
+    def update(self, output: SchedulerOutput, sampled: Mapping[int, int], now: float) -> list[RequestState]:
+        """Record a step: ``sampled`` maps a scheduled row to the token it produced; returns the choices that finished.
 
-        A request that computed up to its last token gets the sampled token
-        appended; the rest (prefill chunks) discard it. Finished requests
-        release their blocks.
+        Rows that computed up to their sequence's last token must be in
+        ``sampled`` (their token becomes part of the sequence); prefill chunks
+        that did not are absent. A choice the worker marked finished
+        (:meth:`RequestState.finish`) releases its blocks here.
         """
-        assert len(sampled) == len(output.scheduled), "one sampled token per scheduled request"
         finished: list[RequestState] = []
-        for work, token in zip(output.scheduled, sampled, strict=True):
+        for row, work in enumerate(output.scheduled):
             state = work.state
+            samples = work.samples
             state.num_computed_tokens += work.num_new_tokens
-            if state.num_computed_tokens < state.num_tokens:
+            if not samples:
                 continue
-            state.output_token_ids.append(token)
-            state.cache_request.append_tokens([token])
+            assert row in sampled, f"{state} computed its last token but was given none"
+            state.cache_request.append_tokens([sampled[row]])
             if state.first_token is None:
                 state.first_token = now
             if state.is_finished:
@@ -219,6 +240,17 @@ class Scheduler:
             done = {id(s) for s in finished}
             self.running = [s for s in self.running if id(s) not in done]
         return finished
+
+    def abort(self, state: RequestState) -> bool:
+        """Drop one choice wherever it is (its blocks freed); False if the scheduler does not hold it."""
+        if state in self.waiting:
+            self.waiting.remove(state)
+            return True
+        if state in self.running:
+            self.running.remove(state)
+            self.manager.free(state.cache_request)
+            return True
+        return False
 
     def abort_running(self) -> list[RequestState]:
         """Drop every running request (their blocks freed); returns them."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from kvstore.errors import InvalidRequestError
-from kvstore.worker_api import GenerateRequest
+from kvstore.worker_api import GenerateRequest, SamplingParams
 
 
 class RequestLimits(NamedTuple):
@@ -58,4 +58,35 @@ def validate_request(request: Any, limits: RequestLimits) -> GenerateRequest:
         value = getattr(request, field)
         if value is not None and not isinstance(value, str):
             raise InvalidRequestError(f"{field} must be a string or None, got {type(value).__name__}")
+    _validate_sampling(request.sampling, max_tokens, limits)
     return request
+
+
+_MAX_N = 16
+_MAX_LOGPROBS = 20
+
+
+def _validate_sampling(sampling: Any, max_tokens: int, limits: RequestLimits) -> None:
+    """The same ranges the HTTP front checks (vLLM's), for callers that bypass it (Ray, tests)."""
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    s = sampling
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            raise InvalidRequestError(f"sampling.{message}")
+
+    check(1 <= s.n <= _MAX_N, f"n must be between 1 and {_MAX_N}, got {s.n}")
+    check(s.temperature is None or s.temperature >= 0, f"temperature must be >= 0, got {s.temperature}")
+    check(s.top_p is None or 0 < s.top_p <= 1, f"top_p must be in (0, 1], got {s.top_p}")
+    check(s.top_k is None or s.top_k >= -1, f"top_k must be >= -1, got {s.top_k}")
+    check(s.min_p is None or 0 <= s.min_p <= 1, f"min_p must be in [0, 1], got {s.min_p}")
+    check(s.repetition_penalty is None or s.repetition_penalty > 0, "repetition_penalty must be > 0")
+    check(-2 <= s.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {s.presence_penalty}")
+    check(-2 <= s.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {s.frequency_penalty}")
+    check(0 <= s.min_tokens <= max_tokens, f"min_tokens must be in [0, max_tokens], got {s.min_tokens}")
+    check(s.logprobs is None or 0 <= s.logprobs <= _MAX_LOGPROBS, f"logprobs must be in [0, {_MAX_LOGPROBS}]")
+    check(all(isinstance(x, str) and x for x in s.stop), "stop must hold non-empty strings")
+    ids = [*s.stop_token_ids, *(s.logit_bias or {})]
+    check(all(type(t) is int and 0 <= t < limits.vocab_size for t in ids), "token ids must be in the vocabulary")
+    check(all(-100 <= v <= 100 for v in (s.logit_bias or {}).values()), "logit_bias values must be in [-100, 100]")

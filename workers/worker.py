@@ -6,12 +6,17 @@
 runs the scheduler (:mod:`kvstore.workers.scheduler`), the model runner
 (:mod:`kvstore.workers.model_runner`) and the event publisher.
 
+A request of ``n`` choices is ``n`` scheduler entries that share the
+prompt's blocks through the prefix cache (the second is admitted onto the
+blocks the first registered). Its output is a :class:`RequestStream`.
+
 Each step::
 
-    with lock:  schedule (allocate/evict/cache in the block pool), drain + publish events
-    (no lock)   model forward: compute the step's tokens, write their KV
-    with lock:  record sampled tokens, free finished requests, drain + publish events
-    (no lock)   resolve finished requests' futures
+    with lock:  drop cancelled requests; schedule (allocate/evict/cache in the block pool); publish events
+    (no lock)   model forward: compute the step's tokens, write their KV, get next-token logits
+    (no lock)   sample the choices that reached their sequence's end; detokenise; decide who finished
+    with lock:  record the tokens, free finished choices' blocks, publish events
+    (no lock)   put each request's chunk on its stream
 
 Locks
 -----
@@ -26,11 +31,13 @@ unpublished event: a snapshot taken under the lock (the publisher's
 Failure
 -------
 Invalid requests raise :class:`~kvstore.errors.InvalidRequestError` from
-``submit``/``generate`` before anything is queued. If a model step raises,
-the running requests fail with the error, and the whole prefix cache is
-dropped (blocks registered for that step were never filled, so nothing
-may hit them); the worker keeps serving. After :meth:`KVWorker.shutdown`
-(or if the loop itself dies) every unfinished request fails with
+``submit``/``generate`` before anything is queued. A cancelled stream is
+dropped at the start of the next step, its blocks freed (counted as
+``aborted``). If a model step raises, the running requests fail with the
+error, and the whole prefix cache is dropped (blocks registered for that
+step were never filled, so nothing may hit them); the worker keeps
+serving. After :meth:`KVWorker.shutdown` (or if the loop itself dies)
+every unfinished request fails with
 :class:`~kvstore.worker_api.WorkerShutdownError`.
 """
 
@@ -40,9 +47,9 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 from typing import Any
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from kvstore.block_pool import BlockPool
@@ -51,8 +58,10 @@ from kvstore.events import Medium
 from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
 from kvstore.metrics import CacheCollector, render
+from kvstore.openai.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvstore.publisher import EventEndpoints, NullEventPublisher, Snapshot, ZmqEventPublisher
 from kvstore.worker_api import (
+    ChoiceDelta,
     GenerateRequest,
     GenerateResult,
     ModelInfo,
@@ -60,12 +69,16 @@ from kvstore.worker_api import (
     WorkerShutdownError,
 )
 from kvstore.workers.config import WorkerSettings
-from kvstore.workers.device import resolve_device, resolve_dtype
+from kvstore.workers.device import resolve_device
 from kvstore.workers.kv_tensor_pool import KVTensorPool
 from kvstore.workers.metrics import LoopGauges, TierLinkCollector, TierLinkState, WorkerCollector, WorkerCounters
 from kvstore.workers.model_runner import ModelRunner
+from kvstore.workers.model_spec import ServedModel
 from kvstore.workers.offload import LinkedOffload, NoOffload, OffloadConnector, Promotion
+from kvstore.workers.output import ChoiceRecord, RequestGroup
+from kvstore.workers.sampler import GREEDY, Sampler, SamplingDefaults
 from kvstore.workers.scheduler import RequestState, Scheduler, SchedulerOutput
+from kvstore.workers.stream import RequestStream
 from kvstore.workers.validation import RequestLimits, validate_request
 
 logger = logging.getLogger(__name__)
@@ -81,16 +94,23 @@ class KVWorker:
     :meth:`shutdown` to stop it and release the sockets and KV memory.
     """
 
-    def __init__(self, name: str, config: WorkerSettings, *, offload: OffloadConnector | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: WorkerSettings,
+        *,
+        offload: OffloadConnector | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        """``tokenizer`` defaults to the checkpoint's (the byte tokenizer for seeded weights)."""
         self.name = name
         self.config = config
         model = config.worker
         block_size = config.cache.block_size
         num_blocks = config.pool.num_blocks
         self.device = resolve_device(model.device)
-        self._runner = ModelRunner(
-            model, num_blocks=num_blocks, block_size=block_size, device=self.device, dtype=resolve_dtype(model.dtype)
-        )
+        self._runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device=self.device)
+        self.served = self._runner.served  # name, vocabulary, context limit, eos ids of the model being served
         self.kv_pool: KVTensorPool = self._runner.kv_pool
         self.block_pool = BlockPool(
             num_blocks, block_size=block_size, enable_caching=config.cache.enable_prefix_caching, medium=Medium.GPU
@@ -101,12 +121,17 @@ class KVWorker:
             self._manager, max_num_seqs=model.max_num_seqs, max_num_batched_tokens=model.max_num_batched_tokens
         )
         self._limits = RequestLimits(
-            model.vocab_size, model.max_context, block_size, num_blocks - self._manager.watermark_blocks
+            self.served.vocab_size, self.served.max_context, block_size, num_blocks - self._manager.watermark_blocks
         )
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._step_lock = threading.Lock()
-        self._futures: dict[str, Future[GenerateResult]] = {}
+        self.tokenizer: Tokenizer = tokenizer or _default_tokenizer(self.served)
+        self._defaults = sampling_defaults(self.served)
+        self._eos = self.served.generation.eos_token_ids or self.tokenizer.eos_token_ids
+        self._sampler = Sampler()
+        self._groups: dict[int, RequestGroup] = {}  # id(group) -> group, every request queued or running
+        self._cancelled: list[RequestGroup] = []
         self._counters = WorkerCounters()
         self._closed = False
         self._last_error: str | None = None
@@ -148,8 +173,8 @@ class KVWorker:
 
     # ------------------------------------------------------------- requests
 
-    def submit(self, request: GenerateRequest) -> Future[GenerateResult]:
-        """Queue a request; the future resolves to its result or to the error that stopped it.
+    def submit(self, request: GenerateRequest) -> RequestStream:
+        """Queue a request; its output arrives on the returned stream (which ends with the error that stopped it).
 
         Raises InvalidRequestError (nothing queued) for a request this worker
         can never serve, WorkerShutdownError after :meth:`shutdown`.
@@ -160,20 +185,36 @@ class KVWorker:
             with self._lock:
                 self._counters.rejected += 1
             raise
-        state = RequestState(request, request.request_id or f"req-{uuid.uuid4().hex[:16]}", time.monotonic())
-        future: Future[GenerateResult] = Future()
-        future.set_running_or_notify_cancel()  # a queued request cannot be cancelled through its future
+        request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        arrival = time.monotonic()
+        stream = RequestStream(request_id, request.sampling.n, self._cancel)
+        group = RequestGroup(request_id, stream, arrival)
+        for index in range(request.sampling.n):
+            state = RequestState(request, request_id, arrival)
+            state.output = ChoiceRecord(
+                group, index, request.sampling, self._defaults, self.tokenizer, self._eos, request.token_ids
+            )
+            group.choices.append(state)
         with self._lock:
             if self._closed:
                 raise WorkerShutdownError(f"worker {self.name} is shut down; send the request to another replica")
-            self._futures[state.key] = future
-            self._scheduler.add(state)
+            self._groups[id(group)] = group
+            for state in group.choices:
+                self._scheduler.add(state)
             self._work.notify()
-        return future
+        return stream
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
         """Submit and wait. Raises what :meth:`submit` raises, or the error that stopped the request."""
         return self.submit(request).result()
+
+    def _cancel(self, stream: RequestStream) -> None:
+        """A stream's consumer gave up: drop its request at the start of the next step (see the module docstring)."""
+        with self._lock:
+            group = next((g for g in self._groups.values() if g.stream is stream), None)
+            if group is not None and group not in self._cancelled:
+                self._cancelled.append(group)
+                self._work.notify()
 
     # -------------------------------------------------------------- queries
 
@@ -188,6 +229,7 @@ class KVWorker:
 
     def info(self) -> ModelInfo:
         return ModelInfo(
+            model_name=self.served.name,
             vocab_size=self._limits.vocab_size,
             max_context=self._limits.max_context,
             block_size=self.config.cache.block_size,
@@ -229,9 +271,9 @@ class KVWorker:
         with self._step_lock, self._lock:
             self._scheduler.check_invariants()
             assert self.kv_pool.num_blocks == self.block_pool.num_blocks, "KV tensors and block pool disagree"
-            assert set(self._futures) == {s.key for s in (*self._scheduler.waiting, *self._scheduler.running)}, (
-                "a queued request has no future, or a future has no request"
-            )
+            queued = {id(s) for s in (*self._scheduler.waiting, *self._scheduler.running)}
+            held = {id(s) for g in self._groups.values() for s in g.choices if not s.is_finished}
+            assert queued == held, "a queued choice has no request, or an unfinished choice is not queued"
 
     def metrics_text(self) -> bytes:
         """This worker's metrics in the Prometheus text format."""
@@ -254,13 +296,14 @@ class KVWorker:
             self._work.notify_all()
         self._thread.join()
         with self._step_lock, self._lock:
-            aborted = self._scheduler.abort_all()
+            self._scheduler.abort_all()
             self._publish_pending()
-            futures = [(self._futures.pop(s.key), s) for s in aborted]
-            self._counters.failed += len(futures)
-        for future, state in futures:
-            future.set_exception(
-                WorkerShutdownError(f"worker {self.name} shut down before request {state.request_id!r} finished")
+            groups = list(self._groups.values())
+            self._groups.clear()
+            self._counters.failed += len(groups)
+        for group in groups:
+            group.stream.fail(
+                WorkerShutdownError(f"worker {self.name} shut down before request {group.request_id!r} finished")
             )
         self._publisher.close()
         self._runner.close()
@@ -286,32 +329,69 @@ class KVWorker:
     def _step(self) -> bool:
         """One scheduler step; False when nothing could be scheduled."""
         with self._lock:
+            cancelled = self._drop_cancelled()
             output = self._scheduler.schedule(time.monotonic())
             self._counters.steps += 1
             self._publish_pending()
+        self._emit(cancelled)
         if not output.scheduled:
-            return False
+            return bool(cancelled)
         try:
-            sampled = self._runner.execute([work.slice for work in output.scheduled])
+            logits = self._runner.execute([work.slice for work in output.scheduled])
         except Exception as exc:
             logger.exception("worker %s: model step failed; dropping running requests and the prefix cache", self.name)
             self._recover_from_model_failure(exc)
             return True
-        self._finish_step(output, sampled)
+        self._finish_step(output, logits)
         return True
 
-    def _finish_step(self, output: SchedulerOutput, sampled: list[int]) -> None:
+    def _finish_step(self, output: SchedulerOutput, logits: torch.Tensor) -> None:
+        rows = [row for row, work in enumerate(output.scheduled) if work.samples]
+        states = [output.scheduled[row].state for row in rows]
+        records = [_record(state) for state in states]
+        sampled = self._sampler.sample(logits[rows], [record.sampling for record in records])
+        deltas: dict[int, tuple[RequestGroup, list[ChoiceDelta]]] = {}
+        tokens: dict[int, int] = {}
+        for row, state, record, (token, logprob) in zip(rows, states, records, sampled, strict=True):
+            tokens[row] = token
+            delta = record.accept(state, token, logprob)
+            deltas.setdefault(id(record.group), (record.group, []))[1].append(delta)
         now = time.monotonic()
         with self._lock:
-            finished = self._scheduler.update(output, sampled, now)
+            finished = self._scheduler.update(output, tokens, now)
             self._publish_pending()
-            done = [(self._futures.pop(s.key), s) for s in finished]
-            for _, state in done:
-                self._counters.finished += 1
-                self._counters.prompt_tokens += state.prompt_tokens
+            for state in finished:
                 self._counters.generation_tokens += len(state.output_token_ids)
-        for future, state in done:
-            future.set_result(self._result(state, now))
+            done = [group for group, _ in deltas.values() if group.done]
+            for group in done:
+                self._groups.pop(id(group), None)
+                self._counters.finished += 1
+                self._counters.prompt_tokens += group.choices[0].prompt_tokens
+        for group, group_deltas in deltas.values():
+            group.stream.put(group.chunk(group_deltas, self.name, now))
+            if group.done:
+                group.stream.close()
+
+    def _drop_cancelled(self) -> list[RequestGroup]:
+        """Remove cancelled requests from the scheduler (blocks freed). Caller holds ``_lock``."""
+        cancelled, self._cancelled = self._cancelled, []
+        dropped = []
+        for group in cancelled:
+            if self._groups.pop(id(group), None) is None:
+                continue  # it finished before the cancel took effect
+            for state in group.choices:
+                if not state.is_finished:
+                    self._scheduler.abort(state)
+                    self._counters.generation_tokens += len(state.output_token_ids)
+            self._counters.aborted += 1
+            dropped.append(group)
+        return dropped
+
+    def _emit(self, cancelled: list[RequestGroup]) -> None:
+        now = time.monotonic()
+        for group in cancelled:
+            group.stream.put(group.chunk(group.abort_deltas(), self.name, now))
+            group.stream.close()
 
     def _recover_from_model_failure(self, exc: Exception) -> None:
         with self._lock:
@@ -320,23 +400,28 @@ class KVWorker:
             cleared = self.block_pool.reset_prefix_cache()
             assert cleared, "no request runs, yet blocks are referenced"
             self._publish_pending()
-            futures = [(self._futures.pop(s.key), s) for s in aborted]
-            self._counters.failed += len(futures)
+            # A request with a choice that ran fails whole; its other choices leave the queue too.
+            groups = {id(_record(s).group): _record(s).group for s in aborted}
+            for group in groups.values():
+                for state in group.choices:
+                    self._scheduler.abort(state)
+                self._groups.pop(id(group), None)
+            self._counters.failed += len(groups)
             self._last_error = f"model step failed: {exc!r}"
-        for future, state in futures:
-            error = RuntimeError(f"worker {self.name}: model step failed for request {state.request_id!r}: {exc!r}")
+        for group in groups.values():
+            error = RuntimeError(f"worker {self.name}: model step failed for request {group.request_id!r}: {exc!r}")
             error.__cause__ = exc
-            future.set_exception(error)
+            group.stream.fail(error)
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:
             self._closed = True
             self._last_error = f"step loop died: {exc!r}"
-            futures = list(self._futures.values())
-            self._futures.clear()
-            self._counters.failed += len(futures)
-        for future in futures:
-            future.set_exception(WorkerShutdownError(f"worker {self.name}: step loop died ({exc!r})"))
+            groups = list(self._groups.values())
+            self._groups.clear()
+            self._counters.failed += len(groups)
+        for group in groups:
+            group.stream.fail(WorkerShutdownError(f"worker {self.name}: step loop died ({exc!r})"))
 
     # ------------------------------------------------------------- internals
 
@@ -360,22 +445,27 @@ class KVWorker:
     def _gauges(self) -> LoopGauges:
         return LoopGauges(len(self._scheduler.running), len(self._scheduler.waiting), self._scheduler.num_preemptions)
 
-    def _result(self, state: RequestState, now: float) -> GenerateResult:
-        assert state.first_scheduled is not None and state.first_token is not None
-        assert state.cached_tokens_by_medium is not None
-        by_medium = dict(state.cached_tokens_by_medium)
-        return GenerateResult(
-            request_id=state.request_id,
-            replica=self.name,
-            prompt_tokens=state.prompt_tokens,
-            output_token_ids=list(state.output_token_ids),
-            cached_tokens=sum(by_medium.values()),
-            cached_tokens_by_medium=by_medium,
-            queue_s=state.first_scheduled - state.arrival,
-            ttft_s=state.first_token - state.arrival,
-            total_s=now - state.arrival,
-            preempted=state.num_preemptions,
-        )
-
     def __repr__(self) -> str:
         return f"KVWorker({self.name!r}, device={self.device}, blocks={self.block_pool.num_blocks})"
+
+
+def _record(state: RequestState) -> ChoiceRecord:
+    record = state.output
+    assert isinstance(record, ChoiceRecord), f"{state} has no choice record"
+    return record
+
+
+def _default_tokenizer(served: ServedModel) -> Tokenizer:
+    return load_tokenizer(served.checkpoint) if served.checkpoint is not None else ByteTokenizer()
+
+
+def sampling_defaults(served: ServedModel) -> SamplingDefaults:
+    """A checkpoint's generation_config over vLLM's defaults; seeded weights (the toy, shapes) are greedy."""
+    if served.checkpoint is None:
+        return GREEDY
+    gen, base = served.generation, SamplingDefaults()
+    return SamplingDefaults(
+        temperature=base.temperature if gen.temperature is None else gen.temperature,
+        top_p=base.top_p if gen.top_p is None else gen.top_p,
+        top_k=base.top_k if gen.top_k is None else gen.top_k,
+    )

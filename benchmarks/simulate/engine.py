@@ -28,8 +28,9 @@ there, drained at ``prefill_tps`` -- the router's ``router.prefill_tps`` --
 and released when the response returns after the last output token) and,
 for ``kvstore`` and ``dynamo``, a real :class:`~kvstore.router.index.PrefixIndex`
 fed with each cache's real ``BlockStored``/``BlockRemoved`` events. The
-``kvstore`` policy is :meth:`kvstore.router.scoring.Scorer.choose` fed exactly as
-the router service feeds it. ``global_cache`` is the hit-rate upper bound:
+``kvstore`` policy is :meth:`kvstore.router.scoring.Scorer.choose` fed as the
+router service feeds it, and the cache-blind baselines are the router's own
+(:mod:`kvstore.router.policies`). ``global_cache`` is the hit-rate upper bound:
 one LRU of the replicas' total capacity that every replica reads, placement
 by least load. The index's predicted prefix is checked against each cache's
 actual hit (``index_mismatches``, always 0).
@@ -63,21 +64,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from kvstore.benchmarks.mooncake import MOONCAKE_BLOCK_TOKENS, MooncakeRequest, TraceExpander
-from kvstore.benchmarks.simulate.policies import (
-    CacheAware,
-    DynamoStyle,
-    FleetView,
-    LeastLoaded,
-    Policy,
-    RandomChoice,
-    RoundRobin,
-)
+from kvstore.benchmarks.simulate.policies import CacheAware, CacheBlind, DynamoStyle, FleetView, Policy
 from kvstore.benchmarks.simulate.replica import BlockCache, PrefillServer
 from kvstore.config import CacheConfig
 from kvstore.errors import ConfigError
 from kvstore.events import EventBatch, KVEvent
 from kvstore.router.config import RouterConfig
 from kvstore.router.index import PrefixIndex
+from kvstore.router.policies import LeastLoaded, make_baseline
 from kvstore.router.scoring import Scorer
 
 POLICIES = ("kvstore", "dynamo", "round_robin", "random", "least_loaded", "global_cache")
@@ -230,13 +224,10 @@ def build_policy(
             return CacheAware(view, index, Scorer(router_config, block_tokens), block_tokens, rng), caches
         return DynamoStyle(view, index, block_tokens, rng), caches
     if policy == "global_cache":
-        return LeastLoaded(view, rng), [BlockCache(blocks * len(names), block_tokens)] * len(names)
-    caches = [BlockCache(blocks, block_tokens) for _ in names]
-    if policy == "round_robin":
-        return RoundRobin(len(names)), caches
-    if policy == "random":
-        return RandomChoice(len(names), rng), caches
-    return LeastLoaded(view, rng), caches
+        return CacheBlind(view, LeastLoaded(rng)), [BlockCache(blocks * len(names), block_tokens)] * len(names)
+    baseline = make_baseline(policy, rng)
+    assert baseline is not None, policy
+    return CacheBlind(view, baseline), [BlockCache(blocks, block_tokens) for _ in names]
 
 
 def simulate_policy(

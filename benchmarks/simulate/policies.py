@@ -1,4 +1,4 @@
-"""Routing policies of the simulator: ours (the router's index and scorer) and baselines.
+"""Routing policies of the simulator: the router's own (its index, scorer and baselines) and Dynamo's.
 
 Every policy answers one question per request -- which replica -- from what
 a router could know at that moment: the request, its block hashes, its own
@@ -6,21 +6,20 @@ dispatch records (:class:`FleetView`) and, for the cache-aware ones, the
 prefix index fed by the replicas' KV events. None of them reads a replica's
 true queue: the simulator keeps that to itself.
 
-- ``kvstore`` (:class:`CacheAware`): :meth:`kvstore.router.scoring.Scorer.choose`,
-  with :class:`~kvstore.router.scoring.ReplicaState` built from
-  :class:`~kvstore.router.load.PrefillLoad` exactly as the router service builds it.
+- ``kvstore`` (:class:`CacheAware`): :meth:`kvstore.router.scoring.Scorer.choose`
+  on the states :func:`kvstore.router.policies.replica_state` builds, as the
+  router service calls them.
+- ``round_robin``, ``random``, ``least_loaded`` (:class:`CacheBlind`): the
+  router's baselines (:mod:`kvstore.router.policies`) on the same states.
 - ``dynamo`` (:class:`DynamoStyle`): modelled on the cost NVIDIA Dynamo's KV
   router publishes, ``overlap_weight * prefill blocks + decode blocks``:
   prefill blocks are the prompt's blocks not cached on the replica's GPU,
   decode blocks the KV blocks of the requests in flight there (a prefix
   block shared by several of them counted once) -- a load signal in memory
   held, not in work queued.
-- ``least_loaded``: :func:`kvstore.router.scoring.least_loaded`, as the router's
-  baseline policy calls it.
-- ``round_robin``, ``random``: blind.
 
-``global_cache`` places with :class:`LeastLoaded`; its one shared cache is
-set up by the simulator.
+``global_cache`` places with the ``least_loaded`` baseline; its one shared
+cache is set up by the simulator.
 """
 
 from __future__ import annotations
@@ -34,7 +33,8 @@ from typing import NamedTuple, Protocol
 from kvstore.benchmarks.mooncake import MooncakeRequest
 from kvstore.router.index import PrefixIndex
 from kvstore.router.load import PrefillLoad
-from kvstore.router.scoring import ReplicaState, Scorer, least_loaded
+from kvstore.router.policies import Baseline, replica_state
+from kvstore.router.scoring import ReplicaState, Scorer
 
 DYNAMO_OVERLAP_WEIGHT = 1.0
 """Dynamo's default ``--kv-overlap-score-weight``."""
@@ -83,50 +83,27 @@ class FleetView:
         self._output_blocks[replica] -= -(-output_tokens // self._block_tokens)
 
     def states(self, now: float) -> dict[str, ReplicaState]:
-        """The router service's ReplicaState per replica (no worker-reported load in the simulation)."""
-        return {
-            name: ReplicaState(outstanding_tokens=load.outstanding(now), running_requests=load.inflight_requests)
-            for name, load in zip(self.names, self.loads, strict=True)
-        }
+        """Each replica's state as the router service builds it, in replica order (no replica reports its load)."""
+        return {name: replica_state(load, None, now) for name, load in zip(self.names, self.loads, strict=True)}
 
     def decode_blocks(self, replica: int) -> int:
         """KV blocks held by the replica's in-flight requests (shared prompt blocks once)."""
         return len(self._prompt_blocks[replica]) + self._output_blocks[replica]
 
 
-class RoundRobin:
-    def __init__(self, num_replicas: int) -> None:
-        self._n = num_replicas
-        self._next = 0
+class CacheBlind:
+    """One of the router's baselines, choosing from the router's view of the fleet."""
 
-    def choose(self, request: MooncakeRequest, block_hashes: list[int], now: float) -> Choice:
-        replica = self._next
-        self._next = (replica + 1) % self._n
-        return Choice(replica, None)
-
-
-class RandomChoice:
-    def __init__(self, num_replicas: int, rng: random.Random) -> None:
-        self._n = num_replicas
-        self._rng = rng
-
-    def choose(self, request: MooncakeRequest, block_hashes: list[int], now: float) -> Choice:
-        return Choice(self._rng.randrange(self._n), None)
-
-
-class LeastLoaded:
-    """The router's ``least_loaded`` baseline over the router's own view."""
-
-    def __init__(self, view: FleetView, rng: random.Random) -> None:
+    def __init__(self, view: FleetView, baseline: Baseline) -> None:
         self._view = view
-        self._rng = rng
+        self._baseline = baseline
 
     def choose(self, request: MooncakeRequest, block_hashes: list[int], now: float) -> Choice:
-        return Choice(self._view.slot[least_loaded(self._view.states(now), self._rng)], None)
+        return Choice(self._view.slot[self._baseline.choose(self._view.states(now))], None)
 
 
 class CacheAware:
-    """Ours: the router's PrefixIndex lookup and Scorer, exactly as the router service calls them."""
+    """Ours: the router's PrefixIndex lookup and Scorer, as the router service calls them."""
 
     def __init__(
         self, view: FleetView, index: PrefixIndex, scorer: Scorer, block_tokens: int, rng: random.Random

@@ -39,15 +39,6 @@ class BlockCache:
     def capacity_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def cached_prefix(self, digests: Sequence[BlockHash]) -> int:
-        """Leading blocks of ``digests`` cached now (no side effect)."""
-        count = 0
-        for digest in digests:
-            if self.pool.get_cached_block(digest) is None:
-                break
-            count += 1
-        return count
-
     def serve(self, digests: Sequence[BlockHash], token_ids: Sequence[int]) -> int:
         """Serve one prompt: count its cached prefix, cache the rest, publish the events.
 

@@ -1,57 +1,157 @@
-"""The router's HTTP request schema and its validation (OpenAI completions, plus ours).
+"""The OpenAI request bodies (completions and chat), checked and turned into what a worker runs.
 
 Bodies are decoded with msgspec rather than pydantic so every rejection
-names the offending field exactly; every failure is an :class:`ApiError`
-that the app renders as an OpenAI-style error body.
+names the offending field. Every field vLLM's server takes for text
+generation is declared; those we serve are checked against vLLM's ranges
+and become a :class:`~kvstore.worker_api.SamplingParams`, and those we do
+not (tools, images, structured output, beam search, ...) are refused with
+a 400 that names them. Unknown fields are refused too (a misspelt
+``temperture`` must not silently sample at the default).
+
+:func:`parse_completion` and :func:`parse_chat` return a
+:class:`ParsedRequest`: the prompt tokenised exactly as the replica will
+tokenise it (completions with ``add_special_tokens`` true, chat prompts
+through the model's chat template with it false, as vLLM does), so the
+router's block hashes match the replica's. The router's faithful path for
+external replicas reads bodies with :mod:`kvstore.openai.routing` instead
+and never rewrites them.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
+from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError
+from kvstore.openai.errors import ApiError
+from kvstore.openai.tokenizer import Tokenizer
+from kvstore.worker_api import SamplingParams
 
-class ApiError(Exception):
-    """An error with an HTTP status and an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.kind = kind or ("invalid_request_error" if status < 500 else "service_unavailable")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_N = 16
+_INT64 = 2**63
 
 
-class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """``POST /v1/completions`` (and ``POST /route``): the OpenAI fields plus vLLM's ``cache_salt``."""
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
 
-    prompt: str | list[Any]  # text or token ids; batches (lists of prompts) are rejected by name
+
+class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields completions and chat share (OpenAI's, then vLLM's extensions)."""
+
     model: str | None = None
-    max_tokens: int = 16
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    best_of: int | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    echo: bool = False
-    logprobs: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    suffix: str | None = None
     user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_token_ids: bool | None = None  # token ids are always returned
+    request_id: str | None = None
     cache_salt: str | None = None
     lora_name: str | None = None
+    # vLLM fields this server does not implement: refused by name when set.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    logits_processors: Any = None
+    priority: int = 0
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    return_tokens_as_token_ids: bool | None = None
 
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed")
+class CompletionRequest(_GenerationFields, forbid_unknown_fields=True, kw_only=True):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
+
+
+class ChatCompletionRequest(_GenerationFields, forbid_unknown_fields=True, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Any]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+
+
+# Set to anything but their default, these are refused (the value names why).
+_UNSUPPORTED: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "response_format": None,
+    "structured_outputs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "logits_processors": None,
+    "priority": 0,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "return_tokens_as_token_ids": None,
+    "suffix": None,
+    "prompt_embeds": None,
+    "functions": None,
+    "function_call": None,
+    "reasoning_effort": None,
+    "mm_processor_kwargs": None,
+    "media_io_kwargs": None,
+}
 
 
 class ModelLimits(NamedTuple):
@@ -59,85 +159,324 @@ class ModelLimits(NamedTuple):
     max_context: int | None
 
 
-class ParsedPrompt(NamedTuple):
+class ParsedRequest(NamedTuple):
+    """A checked request, ready to route and to run."""
+
+    kind: Literal["completion", "chat"]
     token_ids: list[int]
     max_tokens: int
+    sampling: SamplingParams
+    model: str | None
     cache_salt: str | None
     lora_name: str | None
-    model: str | None
-    sampling: dict[str, Any]  # passed through to replicas that sample
+    stream: bool
+    include_usage: bool  # a final chunk with the usage (stream only)
+    continuous_usage: bool  # usage in every chunk (stream only)
+    echo_text: str | None  # text to put before each choice's output (completions' or chat's echo)
+    logprobs: int | None  # top alternatives per token, when logprobs are asked for
 
 
-_decoder = msgspec.json.Decoder(CompletionRequest)
+def decode_completion(body: bytes) -> CompletionRequest:
+    return _decode(body, _completion_decoder, CompletionRequest)
 
 
-def decode_request(body: bytes) -> CompletionRequest:
+def decode_chat(body: bytes) -> ChatCompletionRequest:
+    return _decode(body, _chat_decoder, ChatCompletionRequest)
+
+
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+def _decode(body: bytes, decoder: msgspec.json.Decoder[Any], kind: type[msgspec.Struct]) -> Any:
     try:
-        return _decoder.decode(body)
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:
         text, sep, where = str(exc).rpartition(" - at `")
         if not sep:
             text, where = str(exc), ""
         param = where.rstrip("`").removeprefix("$").lstrip(".") or None
         if text.startswith("Object contains unknown field"):
-            return _raise(400, f"{text}; allowed fields: {', '.join(CompletionRequest.__struct_fields__)}", param)
+            field = text.split("`")[1] if text.count("`") >= 2 else None
+            param = ".".join(p for p in (param, field) if p) or None
+            served = [f for f in kind.__struct_fields__ if f not in _UNSUPPORTED]
+            raise ApiError(400, f"{text}; this server accepts: {', '.join(served)}", param=param) from None
         if param is None and text.startswith("Expected `object`"):
             text = f"request body must be a JSON object: {text}"
-        return _raise(400, text, param)
+        raise ApiError(400, text, param=param) from None
     except msgspec.DecodeError as exc:
-        return _raise(400, f"request body is not valid JSON: {exc}", None)
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     except UnicodeDecodeError as exc:  # msgspec raises it, not DecodeError, for bad UTF-8 inside a string
-        return _raise(400, f"request body is not valid JSON: invalid UTF-8 in a string ({exc.reason})", None)
+        raise ApiError(400, f"request body is not valid JSON: invalid UTF-8 in a string ({exc.reason})") from None
     except RecursionError:  # arrays/objects nested deeper than msgspec's decoder allows
-        return _raise(400, "request body is not valid JSON: nested too deeply", None)
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
 
 
-def _raise(status: int, message: str, param: str | None) -> Any:
-    raise ApiError(status, message, param=param)
+# ------------------------------------------------------------------ completions
 
 
-def validate(req: CompletionRequest, token_ids: list[int], limits: ModelLimits) -> ParsedPrompt:
-    """Check a decoded request against the model; ``token_ids`` is the tokenised prompt."""
-    if req.stream:
-        raise ApiError(400, "stream=true is not supported; send stream=false", param="stream")
-    if req.n != 1 or (req.best_of is not None and req.best_of != 1):
-        raise ApiError(400, "only n=1 (and best_of=1) is supported", param="n")
+def parse_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> ParsedRequest:
+    """Check ``req`` and tokenise its prompt; ApiError(400) naming the field for anything wrong."""
+    _refuse_unsupported(req)
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError(400, "best_of is not supported (vLLM's V1 engine dropped it); use n", param="best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", param="logprobs")
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported; drop one of them", param="echo")
+    token_ids, text = _completion_prompt(req.prompt, tokenizer, req.add_special_tokens)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    sampling = _sampling(req, req.logprobs, limits)
+    _check_lengths(token_ids, max_tokens, sampling, limits)
+    echo = None
     if req.echo:
-        raise ApiError(400, "echo=true is not supported", param="echo")
-    if req.logprobs is not None:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    if req.suffix is not None:
-        raise ApiError(400, "suffix is not supported", param="suffix")
-    if req.max_tokens <= 0:
-        raise ApiError(400, f"max_tokens must be >= 1, got {req.max_tokens}", param="max_tokens")
-    if not token_ids:
-        raise ApiError(400, "prompt must not be empty", param="prompt")
-    upper = limits.vocab_size
-    bad = next((t for t in token_ids if t < 0 or (upper is not None and t >= upper)), None)
-    if bad is not None:
-        bound = "" if upper is None else f", {upper})"
-        raise ApiError(400, f"token id {bad} is out of range [0{bound or ', ...)'}", param="prompt")
-    total = len(token_ids) + req.max_tokens
-    if limits.max_context is not None and total > limits.max_context:
-        raise ApiError(
-            400,
-            f"prompt ({len(token_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} exceeds the model's "
-            f"context of {limits.max_context} tokens",
-            param="prompt",
-        )
-    sampling = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
-    return ParsedPrompt(token_ids, req.max_tokens, req.cache_salt, req.lora_name, req.model, sampling)
+        echo = text if text is not None else tokenizer.decode(token_ids, skip_special_tokens=req.skip_special_tokens)
+    return _parsed("completion", req, token_ids, max_tokens, sampling, echo, req.logprobs)
 
 
-def prompt_token_ids(req: CompletionRequest, encode: Any) -> list[int]:
-    """Tokenise the prompt (text via ``encode``; token ids as given)."""
-    prompt = req.prompt
+def _completion_prompt(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bool) -> tuple[list[int], str | None]:
     if isinstance(prompt, str):
-        return list(encode(prompt))
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens), prompt
     if not prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt")
     if all(type(p) is int for p in prompt):
-        return list(prompt)
+        return list(prompt), None
     if all(isinstance(p, str | list) for p in prompt):
         raise ApiError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
     raise ApiError(400, "prompt must be a string or a list of integer token ids", param="prompt")
+
+
+# ------------------------------------------------------------------------- chat
+
+
+def parse_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> ParsedRequest:
+    """Check ``req``, render its messages through the chat template and tokenise them."""
+    _refuse_unsupported(req)
+    if req.tools:
+        raise ApiError(400, "tools (function calling) are not supported", param="tools")
+    if req.tool_choice not in (None, "none"):
+        raise ApiError(400, "tool_choice is not supported (no tools)", param="tool_choice")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    if not messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    template = _template(req.chat_template, tokenizer)
+    try:
+        text = template.render(
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            special_tokens=tokenizer.special_tokens,
+            documents=req.documents,
+            extra=req.chat_template_kwargs,
+        )
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    if not token_ids:
+        raise ApiError(400, "the rendered conversation is empty", param="messages")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    sampling = _sampling(req, top, limits)
+    explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if explicit is None and limits.max_context is not None:
+        explicit = limits.max_context - len(token_ids)
+        if explicit < 1:
+            raise ApiError(
+                400, f"the conversation ({len(token_ids)} tokens) fills the model's context", param="messages"
+            )
+    max_tokens = explicit if explicit is not None else 16
+    _check_lengths(token_ids, max_tokens, sampling, limits, param="max_completion_tokens")
+    echo = None
+    last = messages[-1]
+    if req.echo and last.get("role") == "assistant" and isinstance(last.get("content"), str):
+        echo = last["content"]
+    return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)
+
+
+def _message(raw: Any, index: int) -> dict[str, Any]:
+    """A message as the template sees it: content flattened to text (vLLM's "string" content format)."""
+    where = f"messages[{index}]"
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"{where} must be an object with role and content", param=where)
+    role = raw.get("role")
+    if not isinstance(role, str) or not role:
+        raise ApiError(400, f"{where}.role must be a non-empty string", param=f"{where}.role")
+    for field in ("tool_calls", "function_call", "audio"):
+        if raw.get(field):
+            raise ApiError(400, f"{where}.{field} is not supported", param=f"{where}.{field}")
+    message = {k: v for k, v in raw.items() if k in ("role", "name", "tool_call_id")}
+    content = raw.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            part_where = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                shown = kind if isinstance(kind, str) else type(part).__name__
+                raise ApiError(400, f"{part_where}: only text content is supported, got {shown!r}", param=part_where)
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{part_where}.text must be a string", param=f"{part_where}.text")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+    message["content"] = content
+    return message
+
+
+def _template(override: str | None, tokenizer: Tokenizer) -> ChatTemplate:
+    if override is not None:
+        try:
+            return ChatTemplate(override)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="chat_template") from None
+    if tokenizer.chat_template is None:
+        raise ApiError(
+            400, "the model has no chat template; send chat_template, or use /v1/completions", param="chat_template"
+        )
+    return tokenizer.chat_template
+
+
+# ---------------------------------------------------------------------- shared
+
+
+def _refuse_unsupported(req: msgspec.Struct) -> None:
+    for field, default in _UNSUPPORTED.items():
+        value = getattr(req, field, default)
+        if value != default:
+            raise ApiError(400, f"{field} is not supported by this server", param=field)
+    if not getattr(req, "spaces_between_special_tokens", True):
+        raise ApiError(
+            400, "spaces_between_special_tokens=false is not supported", param="spaces_between_special_tokens"
+        )
+    options = getattr(req, "stream_options", None)
+    if options is not None and not getattr(req, "stream", False):
+        raise ApiError(400, "stream_options can only be set with stream=true", param="stream_options")
+
+
+def _sampling(req: _GenerationFields, logprobs: int | None, limits: ModelLimits) -> SamplingParams:
+    def bounded(field: str, value: float | None, low: float, high: float, *, low_open: bool = False) -> None:
+        if value is None:
+            return
+        if value != value or value < low or value > high or (low_open and value == low):
+            shown = f"({low}" if low_open else f"[{low}"
+            raise ApiError(400, f"{field} must be in {shown}, {high}], got {value}", param=field)
+
+    bounded("temperature", req.temperature, 0.0, float("inf"))
+    bounded("top_p", req.top_p, 0.0, 1.0, low_open=True)
+    bounded("min_p", req.min_p, 0.0, 1.0)
+    bounded("repetition_penalty", req.repetition_penalty, 0.0, float("inf"), low_open=True)
+    bounded("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    bounded("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    if req.top_k is not None and req.top_k < -1:
+        raise ApiError(400, f"top_k must be -1 (no limit), 0 (no limit) or positive, got {req.top_k}", param="top_k")
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+    if req.seed is not None and not -_INT64 <= req.seed < _INT64:
+        raise ApiError(400, "seed must fit in a signed 64-bit integer", param="seed")
+    if req.min_tokens < 0:
+        raise ApiError(400, f"min_tokens must be >= 0, got {req.min_tokens}", param="min_tokens")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if any(not s for s in stop):
+        raise ApiError(400, "stop strings must not be empty", param="stop")
+    vocab = limits.vocab_size
+    stop_ids = tuple(req.stop_token_ids or ())
+    for token in stop_ids:
+        if token < 0 or (vocab is not None and token >= vocab):
+            raise ApiError(400, f"stop_token_ids: {token} is not a token id of this model", param="stop_token_ids")
+    return SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        n=req.n,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        logit_bias=_logit_bias(req.logit_bias, vocab),
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def _logit_bias(bias: Mapping[str, float] | None, vocab: int | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if token < 0 or (vocab is not None and token >= vocab):
+            raise ApiError(400, f"logit_bias: {token} is not a token id of this model", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise ApiError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def _check_lengths(
+    token_ids: Sequence[int],
+    max_tokens: int,
+    sampling: SamplingParams,
+    limits: ModelLimits,
+    *,
+    param: str = "max_tokens",
+) -> None:
+    if max_tokens <= 0:
+        raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
+    if sampling.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({sampling.min_tokens}) exceeds {param} ({max_tokens})", param="min_tokens")
+    upper = limits.vocab_size
+    bad = next((t for t in token_ids if t < 0 or (upper is not None and t >= upper)), None)
+    if bad is not None:
+        bound = "..." if upper is None else str(upper)
+        raise ApiError(400, f"token id {bad} is out of range [0, {bound})", param="prompt")
+    total = len(token_ids) + max_tokens
+    if limits.max_context is not None and total > limits.max_context:
+        raise ApiError(
+            400,
+            f"prompt ({len(token_ids)} tokens) + {param} ({max_tokens}) = {total} exceeds the model's "
+            f"context of {limits.max_context} tokens",
+            param=param,
+        )
+
+
+def _parsed(
+    kind: Literal["completion", "chat"],
+    req: CompletionRequest | ChatCompletionRequest,
+    token_ids: list[int],
+    max_tokens: int,
+    sampling: SamplingParams,
+    echo: str | None,
+    logprobs: int | None,
+) -> ParsedRequest:
+    options = req.stream_options
+    return ParsedRequest(
+        kind=kind,
+        token_ids=token_ids,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        model=req.model,
+        cache_salt=req.cache_salt,
+        lora_name=req.lora_name,
+        stream=req.stream,
+        include_usage=bool(req.stream and options is not None and options.include_usage),
+        continuous_usage=bool(req.stream and options is not None and options.continuous_usage_stats),
+        echo_text=echo,
+        logprobs=logprobs,
+    )

@@ -11,6 +11,7 @@ from kvstore.benchmarks.mooncake import DEFAULT_TRACE, TraceExpander, read_trace
 from kvstore.benchmarks.simulate import policies as sim_policies
 from kvstore.benchmarks.simulate.engine import (
     POLICIES,
+    PolicyResult,
     SimulationSettings,
     percentile,
     simulate_policy,
@@ -19,9 +20,11 @@ from kvstore.benchmarks.simulate.engine import (
 from kvstore.benchmarks.simulate.replica import PrefillServer
 from kvstore.cli import main
 from kvstore.hashing import BlockHasher
-from kvstore.router import service as router_service
+from kvstore.router import policies as router_policies
+from kvstore.router import routing as router_routing
 from kvstore.router.config import RouterConfig
 from kvstore.router.load import PrefillLoad
+from kvstore.router.policies import LeastLoaded, RandomChoice, RoundRobin
 from kvstore.router.scoring import Decision, ReplicaState, Scorer
 
 FAST = ["--prefill-tps", "20000", "--decode-tps", "1000"]  # skip measuring the worker model
@@ -85,11 +88,19 @@ def test_percentile_interpolates_and_speedup_targets_the_offered_load() -> None:
     assert speedup_for_utilization(trace, 4, 1000.0, 0.5) == pytest.approx(0.5 * 4 * 1000.0 / offered)
 
 
+def simulate_slice(policy: str, replicas: int, requests: int) -> PolicyResult:
+    """``policy`` over the trace's first ``requests`` on ``replicas``, 512-token blocks, fixed rates."""
+    trace = read_trace(DEFAULT_TRACE, requests)
+    settings = SimulationSettings(replicas, 200_000, 512, 20_000.0, 500.0, 2048, 2.0, 10.0, 0)
+    expander = TraceExpander(BlockHasher("sha256_cbor", "kvstore", 512), "derived")
+    return simulate_policy(policy, trace, settings, expander, RouterConfig())
+
+
 def test_the_simulated_router_decides_with_the_production_scoring_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One Scorer, one least_loaded, one PrefillLoad: the simulator and the router service cannot drift apart."""
-    assert sim_policies.Scorer is router_service.Scorer
-    assert sim_policies.least_loaded is router_service.least_loaded
-    assert sim_policies.PrefillLoad is router_service.PrefillLoad
+    """One Scorer, one state builder, one PrefillLoad: the simulator and the router service cannot drift apart."""
+    assert sim_policies.Scorer is router_routing.Scorer
+    assert sim_policies.replica_state is router_routing.replica_state
+    assert sim_policies.PrefillLoad is router_policies.PrefillLoad
     calls: list[tuple[dict[str, ReplicaState], Decision]] = []
     production_choose = Scorer.choose
 
@@ -99,14 +110,42 @@ def test_the_simulated_router_decides_with_the_production_scoring_code(monkeypat
         return decision
 
     monkeypatch.setattr(Scorer, "choose", spy)
-    trace = read_trace(DEFAULT_TRACE, 150)
-    settings = SimulationSettings(4, 200_000, 512, 20_000.0, 500.0, 2048, 2.0, 10.0, 0)
-    expander = TraceExpander(BlockHasher("sha256_cbor", "kvstore", 512), "derived")
-    result = simulate_policy("kvstore", trace, settings, expander, RouterConfig())
-    assert len(calls) == len(trace) == result.requests
+    result = simulate_slice("kvstore", replicas=4, requests=150)
+    assert len(calls) == result.requests == 150
     assert result.index_mismatches == 0
     assert any(state.outstanding_tokens > 0 for states, _ in calls for state in states.values())
     assert all(set(states) == {f"replica-{i}" for i in range(4)} for states, _ in calls)
+
+
+@pytest.mark.parametrize(
+    ("policy", "baseline"),
+    [
+        ("round_robin", RoundRobin),
+        ("random", RandomChoice),
+        ("least_loaded", LeastLoaded),
+        ("global_cache", LeastLoaded),
+    ],
+)
+def test_the_simulated_baselines_are_the_routers(
+    monkeypatch: pytest.MonkeyPatch, policy: str, baseline: type[router_policies.Baseline]
+) -> None:
+    """The simulator's cache-blind policies are the router's baseline classes, as the router service makes them."""
+    assert router_routing.make_baseline is router_policies.make_baseline
+    calls: list[tuple[list[str], str]] = []
+    production_choose = baseline.choose
+
+    def spy(self: router_policies.Baseline, states):  # type: ignore[no-untyped-def]
+        choice = production_choose(self, states)
+        calls.append((list(states), choice))
+        return choice
+
+    monkeypatch.setattr(baseline, "choose", spy)
+    result = simulate_slice(policy, replicas=12, requests=40)
+    names = [f"replica-{i}" for i in range(12)]
+    assert len(calls) == result.requests == 40
+    assert all(candidates == names for candidates, _ in calls)  # every replica, in the simulator's order
+    if policy == "round_robin":
+        assert [choice for _, choice in calls] == [names[i % 12] for i in range(40)]
 
 
 def test_simulate_slice_reports_ttft_and_imbalance_per_policy(

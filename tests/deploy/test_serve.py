@@ -2,7 +2,8 @@
 
 Brings the service up with the real CLI, sends completions through the URL
 it prints (a repeated shared-prefix request must report cached tokens),
-reads /metrics, sends SIGINT, and checks that nothing is left behind: no
+reads /metrics, runs the official openai client's checks (models,
+completions and chat, plain and streamed), sends SIGINT, and checks that nothing is left behind: no
 process of the service's tree, no listening port it printed, no new
 shared-memory segment.
 """
@@ -21,6 +22,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
+from tests import openai_conformance as check
 
 READY = re.compile(r"kvstore is serving \d+ workers at (http://\S+)")
 ENDPOINT = re.compile(r"tcp://127\.0\.0\.1:(\d+)")
@@ -106,6 +109,19 @@ def test_serve_embedded_then_sigint_leaves_nothing_behind(tmp_path: Path) -> Non
                          "kvstore_tier_usage_bytes", "kvstore_tier_hits_total",
                          "kvstore_offload_bytes_total"):  # fmt: skip
                 assert name in metrics, name
+
+        # The official openai client, against the service a user runs: models, completions and chat, plain and
+        # streamed, a cached repeated chat prompt, seeded sampling, a 404 for an unknown model.
+        for behaviour in (
+            check.models_list,
+            check.completions_plain_and_streamed,
+            check.chat_plain_and_streamed_and_cached,
+            check.seeded_sampling_is_reproducible,
+            check.async_client_streams,
+            check.unknown_model_is_404,
+            check.unsupported_fields_are_named,
+        ):
+            behaviour(url, "kvstore-toy")
 
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=90)

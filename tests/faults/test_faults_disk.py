@@ -30,7 +30,7 @@ from faults_helpers import tokens
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-import kvstore.tiers.disk as disk_module
+import kvstore.tiers.disk_files as disk_files
 from kvstore.deploy.config import Config, config_from_dict
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.metrics import render
@@ -238,7 +238,7 @@ def test_full_disk_stops_storing_and_is_counted_while_every_output_stays_exact(
 
         # The file system fills up: every block file write fails (ENOSPC, and EIO now and then).
         failing = FailingWrites(eio_every=5)
-        monkeypatch.setattr(disk_module, "_write_all", failing)
+        monkeypatch.setattr(disk_files, "write_all", failing)
         for i, prompt in enumerate(late, start=len(early)):
             assert worker.generate(GenerateRequest(prompt, MAX_TOKENS)).output_token_ids == expected[i]
         full = client.stats()

@@ -155,7 +155,7 @@ def test_bearer_token_is_required_when_configured() -> None:
                 response = fleet.client.request(method, path, json=body if method == "POST" else None, headers=headers)
                 assert response.status_code == 401, (headers, path, response.text)
                 error = response.json()["error"]
-                assert error["type"] == "authentication_error" and error["message"]
+                assert error["type"] == "AuthenticationError" and error["message"]
         assert fleet.client.get("/healthz").status_code == 200  # the liveness probe stays open
         auth = {"Authorization": "Bearer s3cret-token"}
         response = fleet.client.post("/v1/completions", json=body, headers=auth)

@@ -76,7 +76,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
-    f = Fleet(["a", "b"], vocab_size=512, max_context=1024)
+    f = Fleet(["a", "b"], vocab_size=512, max_context=1024, tokenizer="bytes")
     yield f
     f.close()
 
@@ -124,29 +124,39 @@ def test_text_prompts_use_the_byte_tokenizer(fleet: Fleet) -> None:
         ({"prompt": [], "max_tokens": 4}, "prompt", "must not be empty"),
         ({"prompt": [1, 600], "max_tokens": 4}, "prompt", "out of range"),
         ({"prompt": [1, -3], "max_tokens": 4}, "prompt", "out of range"),
-        ({"prompt": [1] * 1020, "max_tokens": 8}, "prompt", "exceeds the model's context"),
+        ({"prompt": [1] * 1020, "max_tokens": 8}, "max_tokens", "exceeds the model's context"),
         ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "must be >= 1"),
         ({"prompt": [1, 2], "max_tokens": -5}, "max_tokens", "must be >= 1"),
-        ({"prompt": [1, 2], "max_tokens": "many"}, "max_tokens", "Expected `int`"),
+        ({"prompt": [1, 2], "max_tokens": "many"}, "max_tokens", "Expected `int"),
         ({"prompt": 42, "max_tokens": 4}, "prompt", "Expected `str | array`"),
         ({"prompt": [1, "x"], "max_tokens": 4}, "prompt", "list of integer token ids"),
         ({"prompt": [[1, 2], [3]], "max_tokens": 4}, "prompt", "batched prompts"),
-        ({"prompt": [1, 2], "max_tokens": 4, "stream": True}, "stream", "not supported"),
-        ({"prompt": [1, 2], "max_tokens": 4, "bogus": 1}, None, "unknown field `bogus`"),
+        ({"prompt": [1, 2], "max_tokens": 4, "bogus": 1}, "bogus", "unknown field `bogus`"),
         ({"max_tokens": 4}, None, "missing required field `prompt`"),
     ],
 )
-def test_bad_input_gets_400_with_a_message(
+def test_bad_input_gets_the_replicas_own_400_passed_through(
     fleet: Fleet, body: dict[str, Any], param: str | None, fragment: str
 ) -> None:
-    for path in ("/v1/completions", "/route"):
-        response = fleet.client.post(path, json=body)
-        assert response.status_code == 400, (path, response.text)
-        error = response.json()["error"]
-        assert fragment in error["message"], error
-        assert error["type"] == "invalid_request_error"
-        if param is not None:
-            assert error["param"] == param
+    """The router forwards the body as sent, so the replica judges it and its answer comes back unchanged."""
+    response = complete_raw(fleet, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"], error
+    assert error["type"] == "BadRequestError" and error["param"] == param
+    assert response.headers["x-kvstore-replica"] in ("a", "b")
+
+
+def test_route_refuses_only_what_it_cannot_read(fleet: Fleet) -> None:
+    response = fleet.client.post("/route", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON object" in response.json()["error"]["message"]
+    for body in ({"max_tokens": 4}, {"prompt": 42}, {"messages": []}, {"prompt": [1, 600]}):
+        decision = fleet.client.post("/route", json=body)  # routed on load: the replica will judge the body
+        assert decision.status_code == 200 and decision.json()["replica"] in ("a", "b"), decision.text
+
+
+def complete_raw(fleet: Fleet, body: dict[str, Any]) -> httpx.Response:
+    return fleet.client.post("/v1/completions", json=body)
 
 
 def test_without_configured_limits_the_replica_rejects_and_its_message_is_returned() -> None:

@@ -8,7 +8,8 @@ import pytest
 
 from kvstore.config import CacheConfig
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from kvstore.router.index import NO_MATCH, MediumCounts, PrefixIndex
+from kvstore.router.index import PrefixIndex
+from kvstore.router.index_lookup import NO_MATCH, MediumCounts
 
 
 def stored(hashes: list[int], parent: int | None = None, medium: str | None = "GPU") -> BlockStored:
@@ -57,7 +58,8 @@ def test_gpu_prefixes_per_replica(index: PrefixIndex) -> None:
     assert index.lookup([7, 1]) == {}
     assert index.lookup([]) == {}
     assert len(index) == 4
-    assert index.parent(9) == 1 and index.children(1) == {2, 9} and index.children(2) == {3}
+    # Branches are separate prefixes: r0 holds 3 but not 9, so its prefix ends at 9.
+    assert index.lookup([1, 9, 3]) == {"r0": one, "r1": one, "r2": MediumCounts(2, 0, 0)}
 
 
 def test_prefix_ends_at_first_block_no_medium_holds(index: PrefixIndex) -> None:
@@ -136,15 +138,19 @@ def test_remove_producer_forgets_replica_and_blocks(index: PrefixIndex) -> None:
     assert index.lookup([1, 2]) == {"r2": MediumCounts(1, 0, 0)}
 
 
-def test_children_stay_exact_when_parents_come_and_go(index: PrefixIndex) -> None:
-    apply(index, "w0", stored([2], parent=1))  # child first: an orphan
-    assert index.children(1) == {2}
-    apply(index, "w1", stored([1]))  # the parent appears and adopts it
-    assert index.children(1) == {2} and index.parent(2) == 1
-    apply(index, "w1", removed([1]))  # the parent goes: its child is an orphan again
-    assert index.children(1) == {2}
-    with pytest.raises(KeyError):
-        index.parent(1)
+def test_blocks_outlive_their_parents_and_stay_removable(index: PrefixIndex) -> None:
+    apply(index, "w0", stored([2], parent=1))  # the child first: found alone, but no prefix reaches it
+    assert index.lookup([2]) == {"r0": MediumCounts(1, 0, 0)} and index.lookup([1, 2]) == {}
+    apply(index, "w1", stored([1]))  # the parent appears on another replica
+    assert index.lookup([1, 2]) == {"r1": MediumCounts(1, 0, 0)}
+    apply(index, "w0", stored([1]))  # and on the child's replica: r0's prefix now spans both
+    assert index.lookup([1, 2]) == {"r0": MediumCounts(2, 0, 0), "r1": MediumCounts(1, 0, 0)}
+    apply(index, "w1", removed([1]), removed([1]))  # the second removal is of nothing w1 holds
+    apply(index, "w0", removed([1]))  # the parent goes everywhere: its child is still indexed
+    assert index.lookup([1, 2]) == {} and index.lookup([2]) == {"r0": MediumCounts(1, 0, 0)}
+    assert len(index) == 1 and index.stats().per_producer["w1"].unknown_removals == 1
+    apply(index, "w0", removed([2]))  # ...and still removable on its own
+    assert len(index) == 0 and index.dump() == {}
 
 
 def test_unusable_input_is_counted_not_raised(index: PrefixIndex) -> None:
@@ -154,7 +160,7 @@ def test_unusable_input_is_counted_not_raised(index: PrefixIndex) -> None:
     stats = index.stats()
     assert stats.unknown_producer_batches == 1
     assert stats.per_producer["tier-a"].rejected_events == 3
-    assert index.parent(5) is None
+    assert index.lookup([5]) == {"r0": MediumCounts(1, 0, 0)}
     assert stats.nodes == 1 and stats.per_producer["w0"].held_blocks == 1
 
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvstore.router.index import MediumCounts, PrefixIndex
+from kvstore.router.index import PrefixIndex
+from kvstore.router.index_lookup import MediumCounts
 
 # producer -> (kind, media it may publish, replicas it serves per medium)
 GPU_PRODUCERS = {"w0": ("r0", "a"), "w1": ("r1", "a"), "w2": ("r2", "b")}
@@ -40,12 +41,18 @@ class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.index = PrefixIndex()
-        for producer, (replica, node) in GPU_PRODUCERS.items():
-            self.index.add_producer(producer, "gpu", [replica], node)
-        for producer, (node, shared) in TIERS.items():
-            self.index.add_producer(producer, "tier", node=node, shared_storage=shared)
+        for producer in [*GPU_PRODUCERS, *TIERS]:
+            self._register(producer)
         self.model: dict[tuple[str, str], Counter[int]] = {}
         self.seq = 0
+
+    def _register(self, producer: str) -> None:
+        if producer in GPU_PRODUCERS:
+            replica, node = GPU_PRODUCERS[producer]
+            self.index.add_producer(producer, "gpu", [replica], node)
+        else:
+            node, shared = TIERS[producer]
+            self.index.add_producer(producer, "tier", node=node, shared_storage=shared)
 
     def _apply(self, producer: str, *events: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
         self.index.apply_batch(producer, self.seq, EventBatch(0.0, list(events)))
@@ -95,6 +102,15 @@ class IndexMachine(RuleBasedStateMachine):
             self._apply(producer, AllBlocksCleared())
         else:
             self.index.reset_producer(producer)
+        for medium in MEDIA:
+            self.model.pop((producer, medium), None)
+
+    @rule(producer=st.sampled_from(sorted([*GPU_PRODUCERS, *TIERS])))
+    def reregister(self, producer: str) -> None:
+        """Remove a producer (its blocks, and a gpu producer's replica) and register it again: slots get reused."""
+        assert self.index.remove_producer(producer)
+        self.index.check_invariants()
+        self._register(producer)
         for medium in MEDIA:
             self.model.pop((producer, medium), None)
 

@@ -13,7 +13,8 @@ from kvstore.config import CacheConfig
 from kvstore.events import EventBatch, KVEvent
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.router.config import RouterConfig
-from kvstore.router.index import MediumCounts, PrefixIndex
+from kvstore.router.index import PrefixIndex
+from kvstore.router.index_lookup import MediumCounts
 from kvstore.router.load import PrefillLoad
 from kvstore.router.scoring import ReplicaState, Scorer
 

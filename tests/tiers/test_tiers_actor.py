@@ -1,4 +1,4 @@
-"""TierActor on a local Ray cluster: placement and name, the store's methods through Ray, the arena from outside."""
+"""TierActor on a local Ray cluster: placement and name, the lease protocol through Ray, the arena from outside."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiers_helpers import IDENTITY, LOOPBACK, all_events, hashes, make_blocks, tier_config
+from tiers_helpers import IDENTITY, LOOPBACK, all_events, hashes, make_blocks, promote_all, spill_all, tier_config
 
 from kvstore.config import EventsConfig
 from kvstore.events import BlockStored
@@ -31,17 +31,15 @@ def test_tier_actor_on_the_local_node(ray_session: Any, tmp_path: Path) -> None:
         named = ray.get_actor(tier_actor_name(node_id), namespace=TIER_NAMESPACE)
         assert named._actor_id == handle._actor_id
 
-        # The whole-block API, tensors through Ray.
-        metas, data = make_blocks(6)
-        assert ray.get(handle.put.remote(metas, data), timeout=60) == 6
-        assert ray.get(handle.lookup.remote(hashes(metas)), timeout=30) == (6, ("STORAGE",) * 2 + ("CPU",) * 4)
-        got = ray.get(handle.get.remote(metas), timeout=60)
-        assert got.num_blocks == 6 and torch.equal(got.data, data)
-
-        # A worker's path: this process maps the actor's arena by name and copies itself.
+        # A worker's path: this process maps the actor's arena by name and copies itself; no KV crosses Ray.
         info = ray.get(handle.arena_info.remote(), timeout=30)
         assert os.path.exists(os.path.join(info.shm_dir, info.name)) and info.tag == IDENTITY.digest()
         link = TierLink(RayTierClient(handle), IDENTITY)
+        metas, data = make_blocks(6)
+        assert spill_all(link, metas, data) == 6
+        assert ray.get(handle.lookup.remote(hashes(metas)), timeout=30) == (6, ("STORAGE",) * 2 + ("CPU",) * 4)
+        promoted_all, got = promote_all(link, metas)
+        assert len(promoted_all.block_ids) == 6 and torch.equal(got, data)
         more, more_data = make_blocks(3, first_token=1000, seed=2)
         assert link.spill(more, more_data, [0, 1, 2]) == 3
         pool = torch.zeros_like(more_data)

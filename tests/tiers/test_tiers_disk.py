@@ -17,7 +17,8 @@ import pytest
 import torch
 from tiers_helpers import IDENTITY, ODD_IDENTITY, make_blocks
 
-import kvstore.tiers.disk as disk_module
+import kvstore.tiers.disk_capacity as capacity_module
+import kvstore.tiers.disk_files as files_module
 from kvstore.events import BlockRemoved, BlockStored
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.disk import DiskTier
@@ -337,7 +338,7 @@ def test_capacity_below_one_file_stores_nothing(tmp_path: Path) -> None:
 
 
 def test_enospc_degrades_to_not_stored_and_shrinks_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_write_all = disk_module._write_all
+    real_write_all = files_module.write_all
 
     async def scenario() -> None:
         tier = new_tier(tmp_path, files=8)
@@ -349,20 +350,20 @@ def test_enospc_degrades_to_not_stored_and_shrinks_the_limit(tmp_path: Path, mon
             raise OSError(errno.ENOSPC, "No space left on device")
 
         # The file system is full: writes fail and statvfs reports no room.
-        monkeypatch.setattr(disk_module, "_write_all", disk_full)
-        monkeypatch.setattr(disk_module, "_fs_room", lambda directory: 0)
+        monkeypatch.setattr(files_module, "write_all", disk_full)
+        monkeypatch.setattr(capacity_module, "fs_room", lambda directory: 0)
         settled = Settles()
         assert not await tier.write(metas[2], views[2], settled)  # no exception reaches the caller
         assert settled.calls == [False]
         assert dict(tier.counters.not_stored) == {"disk_full": 1}
         assert tier.limit_bytes == 2 * FILE_BYTES  # what it holds
         assert list(tier.path_of(metas[2].block_hash).parent.glob("*.tmp")) == []  # the temporary is gone
-        monkeypatch.setattr(disk_module, "_write_all", real_write_all)
+        monkeypatch.setattr(files_module, "write_all", real_write_all)
         assert await tier.write(metas[3], views[3])  # room is made by evicting the LRU block
         assert tier.lru_hashes() == [metas[1].block_hash, metas[3].block_hash]
         assert tier.limit_bytes == 2 * FILE_BYTES
         # The file system has room again: the configured capacity is back, nothing is evicted.
-        monkeypatch.setattr(disk_module, "_fs_room", lambda directory: 100 * FILE_BYTES)
+        monkeypatch.setattr(capacity_module, "fs_room", lambda directory: 100 * FILE_BYTES)
         assert await tier.write(metas[4], views[4])
         assert tier.limit_bytes == tier.capacity_bytes == 8 * FILE_BYTES
         assert tier.lru_hashes() == [metas[1].block_hash, metas[3].block_hash, metas[4].block_hash]
@@ -386,7 +387,7 @@ def test_enospc_while_the_file_system_reports_room_evicts_nothing(
         metas, views = payloads(6)
         for meta, view in zip(metas[:3], views[:3], strict=True):
             assert await tier.write(meta, view)
-        monkeypatch.setattr(disk_module, "_write_all", disk_full)
+        monkeypatch.setattr(files_module, "write_all", disk_full)
         for meta, view in zip(metas[3:], views[3:], strict=True):
             assert not await tier.write(meta, view)
         assert dict(tier.counters.not_stored) == {"disk_full": 3} and tier.counters.evictions == 0
@@ -408,7 +409,7 @@ def test_other_write_errors_are_counted_by_errno(tmp_path: Path, monkeypatch: py
     async def scenario() -> None:
         tier = new_tier(tmp_path)
         metas, views = payloads(1)
-        monkeypatch.setattr(disk_module, "_write_all", broken)
+        monkeypatch.setattr(files_module, "write_all", broken)
         assert not await tier.write(metas[0], views[0])
         assert dict(tier.counters.not_stored) == {"io_error": 1} and dict(tier.counters.io_errors) == {"EIO": 1}
         assert tier.limit_bytes == tier.capacity_bytes
@@ -418,7 +419,7 @@ def test_other_write_errors_are_counted_by_errno(tmp_path: Path, monkeypatch: py
 
 
 def test_write_deadline_answers_in_time_and_settles_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_write_all = disk_module._write_all
+    real_write_all = files_module.write_all
     release = threading.Event()
 
     def stuck(*args: Any) -> None:  # runs on an I/O thread: a disk that hangs
@@ -428,7 +429,7 @@ def test_write_deadline_answers_in_time_and_settles_later(tmp_path: Path, monkey
     async def scenario() -> None:
         tier = new_tier(tmp_path, deadline_s=0.2, max_concurrent_io=1)
         metas, views = payloads(2)
-        monkeypatch.setattr(disk_module, "_write_all", stuck)
+        monkeypatch.setattr(files_module, "write_all", stuck)
         first, second = Settles(), Settles()
         started = time.monotonic()
         results = await asyncio.gather(tier.write(metas[0], views[0], first), tier.write(metas[1], views[1], second))
@@ -451,7 +452,7 @@ def test_write_deadline_answers_in_time_and_settles_later(tmp_path: Path, monkey
 def test_read_deadline_is_a_miss_and_the_buffer_is_handed_back_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_read_full = disk_module._read_full
+    real_read_full = files_module.read_full
     release = threading.Event()
 
     def slow(*args: Any) -> int:
@@ -462,7 +463,7 @@ def test_read_deadline_is_a_miss_and_the_buffer_is_handed_back_later(
         tier = new_tier(tmp_path, deadline_s=0.2)
         metas, views = payloads(1)
         assert await tier.write(metas[0], views[0])
-        monkeypatch.setattr(disk_module, "_read_full", slow)
+        monkeypatch.setattr(files_module, "read_full", slow)
         out, settled = out_buffer(), Settles()
         assert not await tier.read_into(metas[0], out, settled)
         assert settled.calls == [] and tier.counters.deadline_expired["read"] == 1
@@ -470,6 +471,36 @@ def test_read_deadline_is_a_miss_and_the_buffer_is_handed_back_later(
         await loop_until(lambda: bool(settled.calls))
         assert settled.calls == [True] and bytes(out) == bytes(views[0])
         assert metas[0].block_hash in tier  # a slow read is not a corrupt file
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_block_evicted_while_it_is_read_is_still_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another batch's write evicts the block a read has open: the bytes read were verified, so the read is a hit
+    (it used to raise KeyError, touching an index entry that was gone)."""
+    real_read_full = files_module.read_full
+    reading, release = threading.Event(), threading.Event()
+
+    def held(*args: Any) -> int:
+        reading.set()
+        release.wait(10)
+        return real_read_full(*args)
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=2)
+        metas, views = payloads(3)
+        assert await tier.write_many([(metas[i], views[i], Settles()) for i in range(2)]) == [True, True]
+        monkeypatch.setattr(files_module, "read_full", held)
+        out, settled = out_buffer(), Settles()
+        read = asyncio.create_task(tier.read_into(metas[0], out, settled))
+        await loop_until(reading.is_set)
+        assert await tier.write(metas[2], views[2])  # the tier is full: evicts the LRU block, the one being read
+        assert tier.lru_hashes() == [metas[1].block_hash, metas[2].block_hash]
+        release.set()
+        assert await read and settled.calls == [True] and bytes(out) == bytes(views[0])
+        assert tier.lru_hashes() == [metas[1].block_hash, metas[2].block_hash] and tier.counters.evictions == 1
+        tier.check_invariants()
         await tier.aclose()
 
     asyncio.run(scenario())
@@ -582,7 +613,7 @@ def test_batches_answer_each_block_in_order(tmp_path: Path) -> None:
 def test_batch_deadline_answers_finished_now_abandons_queued_and_settles_running_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_read_full = disk_module._read_full
+    real_read_full = files_module.read_full
     release = threading.Event()
     calls = 0
 
@@ -598,7 +629,7 @@ def test_batch_deadline_answers_finished_now_abandons_queued_and_settles_running
         metas, views = payloads(3)
         for meta, view in zip(metas, views, strict=True):
             assert await tier.write(meta, view)
-        monkeypatch.setattr(disk_module, "_read_full", second_hangs)
+        monkeypatch.setattr(files_module, "read_full", second_hangs)
         outs = [out_buffer() for _ in range(3)]
         settles = [Settles() for _ in range(3)]
         started = time.monotonic()
@@ -621,7 +652,7 @@ def test_batch_deadline_answers_finished_now_abandons_queued_and_settles_running
 def test_a_bug_in_an_io_is_raised_after_every_io_in_the_batch_settled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_read_full = disk_module._read_full
+    real_read_full = files_module.read_full
     calls = 0
 
     def first_breaks(*args: Any) -> int:
@@ -636,7 +667,7 @@ def test_a_bug_in_an_io_is_raised_after_every_io_in_the_batch_settled(
         metas, views = payloads(2)
         for meta, view in zip(metas, views, strict=True):
             assert await tier.write(meta, view)
-        monkeypatch.setattr(disk_module, "_read_full", first_breaks)
+        monkeypatch.setattr(files_module, "read_full", first_breaks)
         settles = [Settles(), Settles()]
         with pytest.raises(RuntimeError, match="a bug"):
             await tier.read_many([(m, out_buffer(), s) for m, s in zip(metas, settles, strict=True)])

@@ -10,6 +10,7 @@ import torch
 from tiers_helpers import IDENTITY, arena_name, hashes, make_blocks, tier_config
 
 from kvstore.tiers.client import LocalTierClient
+from kvstore.tiers.errors import InvalidBlockError
 from kvstore.tiers.link import Promoted, TierLink
 
 
@@ -59,6 +60,29 @@ def test_failed_allocation_releases_the_leases(tmp_path: Path) -> None:
         assert client.store.cpu.num_leased_slots == 0
         client.check_invariants()
         assert link.promote(make_blocks(1, first_token=99)[0], data, no_room) == Promoted((), ())
+    finally:
+        link.close()
+        client.close()
+
+
+def test_a_pool_that_does_not_fit_is_the_callers_error_and_leaves_no_lease(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=4), IDENTITY, arena_name=arena_name())
+    link = TierLink(client, IDENTITY)
+    try:
+        metas, data = make_blocks(2)
+        with pytest.raises(InvalidBlockError, match="row 2"):  # a row beyond the pool
+            link.spill(metas, data, [0, 2])
+        with pytest.raises(InvalidBlockError, match="bytes"):  # blocks of another size
+            link.spill(metas, torch.zeros((2, 10)), [0, 1])
+        with pytest.raises(ValueError, match="2 blocks but 1 block ids"):
+            link.spill(metas, data, [0])
+        assert link.spill(metas, data, [0, 1]) == 2  # the refused calls stored nothing
+        with pytest.raises(InvalidBlockError, match="row 5"):
+            link.promote(metas, data, lambda n: [5, 0][:n])
+        with pytest.raises(ValueError, match="returned 1 block ids"):
+            link.promote(metas, data, lambda n: [0])
+        assert client.store.cpu.num_leased_slots == 0
+        client.check_invariants()
     finally:
         link.close()
         client.close()

@@ -1,4 +1,4 @@
-"""Helpers of the tier tests: a small identity, chained blocks with random KV, real stores.
+"""Helpers of the tier tests: a small identity, chained blocks with random KV, real stores and links.
 
 The default identity's block is exactly 4096 bytes, so on a file system
 that takes O_DIRECT the disk tier uses it (tmp_path is on the real disk);
@@ -8,7 +8,9 @@ that takes O_DIRECT the disk tier uses it (tmp_path is on the real disk);
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,11 @@ from kvstore.hashing import BlockHasher
 from kvstore.kv_layout import KVLayout
 from kvstore.publisher import END_SEQ
 from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.disk_format import header_len
 from kvstore.tiers.identity import CacheIdentity
+from kvstore.tiers.link import Promoted, TierLink
 from kvstore.tiers.store import TierStore
 
 IDENTITY = CacheIdentity(
@@ -69,6 +73,39 @@ def new_store(
     config: TierConfig, *, identity: CacheIdentity = IDENTITY, events: EventsConfig | None = None
 ) -> TierStore:
     return TierStore(config, identity, events=events, arena_name=arena_name())
+
+
+@contextmanager
+def linked_tier(
+    config: TierConfig, *, identity: CacheIdentity = IDENTITY, events: EventsConfig | None = None
+) -> Iterator[tuple[LocalTierClient, TierLink]]:
+    """A node's tier in process and a worker's link to it: the path a worker's spills and promotions take.
+
+    ``client.store`` may be inspected between calls (the store's loop is idle then).
+    """
+    client = LocalTierClient(config, identity, events=events, arena_name=arena_name())
+    try:
+        link = TierLink(client, identity)
+        try:
+            yield client, link
+        finally:
+            link.close()
+    finally:
+        client.close()
+
+
+def spill_all(link: TierLink, metas: Sequence[BlockMeta], data: torch.Tensor) -> int:
+    """Spill ``metas[i]`` from row ``i`` of ``data`` in one call; how many the tier newly stored."""
+    return link.spill(metas, data, range(len(metas)))
+
+
+def promote_all(link: TierLink, metas: Sequence[BlockMeta]) -> tuple[Promoted, torch.Tensor]:
+    """Promote the longest held prefix of ``metas`` into rows 0, 1, ... of a new pool; what came, and those rows."""
+    identity = link.identity
+    pool = torch.zeros((len(metas), *identity.layout.block_shape), dtype=identity.torch_dtype)
+    rows = iter(range(len(metas)))
+    promoted = link.promote(metas, pool, lambda n: list(islice(rows, n)))
+    return promoted, pool[: len(promoted.block_ids)]
 
 
 def hashes(metas: Sequence[BlockMeta]) -> list[int]:

@@ -56,8 +56,8 @@ def test_a_failing_model_step_fails_running_requests_drops_the_cache_and_the_wor
 
 def test_info_health_and_endpoints(make_worker: WorkerFactory) -> None:
     worker = make_worker(events=True)
-    assert worker.info() == ModelInfo(vocab_size=512, max_context=2048, block_size=16, hash_algo="sha256_cbor",
-                                      hash_seed="kvstore")  # fmt: skip
+    assert worker.info() == ModelInfo(model_name="kvstore-toy", vocab_size=512, max_context=2048, block_size=16,
+                                      hash_algo="sha256_cbor", hash_seed="kvstore")  # fmt: skip
     endpoints = worker.event_endpoints()
     assert endpoints.endpoint.startswith("tcp://127.0.0.1:") and endpoints.replay_endpoint.startswith(
         "tcp://127.0.0.1:"

@@ -14,6 +14,7 @@ from kvstore.workers.config import WorkerConfig
 from kvstore.workers.kv_tensor_pool import KVTensorPool
 from kvstore.workers.model import DecoderModel
 from kvstore.workers.model_runner import ModelRunner
+from kvstore.workers.model_source import describe_model, load_model
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -77,11 +78,13 @@ def test_metadata_rejects_short_block_tables_and_empty_slices() -> None:
         build_metadata([SequenceSlice([], 0, [0])], BLOCK, torch.device("cpu"))
 
 
+def toy(config: WorkerConfig) -> DecoderModel:
+    return load_model(describe_model(config, torch.device("cpu")), torch.device("cpu"))
+
+
 def test_weights_depend_only_on_seed_and_shape() -> None:
     config = WorkerConfig(device="cpu")
-    a = DecoderModel(config, device=torch.device("cpu"), dtype=torch.float32)
-    b = DecoderModel(config, device=torch.device("cpu"), dtype=torch.float32)
-    c = DecoderModel(WorkerConfig(device="cpu", seed=1), device=torch.device("cpu"), dtype=torch.float32)
+    a, b, c = toy(config), toy(config), toy(WorkerConfig(device="cpu", seed=1))
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(pa, pb), name
         if not name.endswith("norm.weight"):
@@ -92,19 +95,18 @@ def greedy(runner: ModelRunner, prompt: list[int], chunks: list[int], table: lis
     """Prefill ``prompt`` in the given chunk sizes, then decode ``steps`` tokens, one sequence alone."""
     tokens, start, out = list(prompt), 0, []
     for n in chunks:
-        token = runner.execute([SequenceSlice(tokens[start : start + n], start, table)])[0]
+        token = int(runner.execute([SequenceSlice(tokens[start : start + n], start, table)])[0].argmax())
         start += n
     for _ in range(steps):
         out.append(token)
         tokens.append(token)
-        token = runner.execute([SequenceSlice(tokens[start : start + 1], start, table)])[0]
+        token = int(runner.execute([SequenceSlice(tokens[start : start + 1], start, table)])[0].argmax())
         start += 1
     return out
 
 
 def test_output_is_independent_of_prefill_chunking_and_block_placement() -> None:
-    runner = ModelRunner(WorkerConfig(device="cpu"), num_blocks=64, block_size=16, device=torch.device("cpu"),
-                         dtype=torch.float32)  # fmt: skip
+    runner = ModelRunner(WorkerConfig(device="cpu"), num_blocks=64, block_size=16, device=torch.device("cpu"))
     prompt = [random.Random(3).randrange(512) for _ in range(100)]
     whole = greedy(runner, prompt, [100], list(range(8)), 12)
     assert greedy(runner, prompt, [37, 1, 62], [40, 9, 33, 20, 8, 61, 12, 50], 12) == whole

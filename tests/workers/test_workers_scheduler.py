@@ -10,7 +10,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.events import BlockRemoved
 from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import KVCacheManager
-from kvstore.worker_api import GenerateRequest
+from kvstore.worker_api import FinishReason, GenerateRequest
 from kvstore.workers.scheduler import RequestState, Scheduler, SchedulerOutput
 
 
@@ -32,8 +32,17 @@ def plan(output: SchedulerOutput) -> list[tuple[str, int, int]]:
 
 
 def step(scheduler: Scheduler, token: int) -> tuple[SchedulerOutput, list[RequestState]]:
+    """One step, with the worker's side played as the worker does it: every row that reached its
+    sequence's end samples ``token``, which ends the request at max_tokens."""
     output = scheduler.schedule(0.0)
-    finished = scheduler.update(output, [token] * len(output.scheduled), 0.0)
+    sampled = {}
+    for row, work in enumerate(output.scheduled):
+        if work.samples:
+            sampled[row] = token
+            work.state.output_token_ids.append(token)
+            if len(work.state.output_token_ids) >= work.state.max_tokens:
+                work.state.finish(FinishReason.LENGTH)
+    finished = scheduler.update(output, sampled, 0.0)
     scheduler.check_invariants()
     return output, finished
 

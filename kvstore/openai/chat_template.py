@@ -1,0 +1,145 @@
+"""Chat templates rendered as Hugging Face renders them, so a prompt hashes as the replica will see it.
+
+A model's chat template is Jinja. transformers' ``apply_chat_template``
+renders it in a sandboxed environment with ``trim_blocks`` and
+``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}``
+block (which only marks assistant text), a ``tojson`` filter that keeps
+non-ASCII text, and two globals: ``raise_exception`` (a template's way to
+refuse a conversation) and ``strftime_now``. Its variables are the
+messages, ``add_generation_prompt``, the tokenizer's special tokens
+(``bos_token``, ``eos_token``, ...) and any extra keyword arguments. Any
+difference here would change the rendered text, the tokens, and so every
+block hash the router computes: tests compare our rendering with
+transformers' on real templates.
+
+Errors: a template that does not compile, or that calls ``raise_exception``,
+raises :class:`ChatTemplateError`, which the HTTP layer turns into a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kvstore.errors import KVStoreError
+
+
+class ChatTemplateError(KVStoreError, ValueError):
+    """The template is broken, or it refused these messages (its ``raise_exception``)."""
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body (transformers uses it to mark assistant text)."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"the chat template refused the conversation: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_ENV = _environment()
+
+
+class ChatTemplate:
+    """One compiled template. Thread-safe: rendering keeps no state between calls."""
+
+    def __init__(self, source: str) -> None:
+        try:
+            self._template = _ENV.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
+        self.source = source
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        special_tokens: Mapping[str, str],
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for ``messages``, as transformers' ``apply_chat_template(tokenize=False)`` gives it.
+
+        ``continue_final_message`` leaves the last message open (the model
+        continues it): the rendering is cut right after that message's text.
+        """
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
+        variables: dict[str, Any] = {**special_tokens, **(extra or {})}
+        variables.update(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tools=list(tools) if tools is not None else None,
+            documents=list(documents) if documents is not None else None,
+        )
+        try:
+            rendered = self._template.render(**variables)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template failed to render these messages: {exc}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+            raise ChatTemplateError(f"the chat template failed on these messages: {problem}") from None
+        if continue_final_message:
+            rendered = _cut_after_final_message(rendered, messages)
+        return rendered
+
+
+def _cut_after_final_message(rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    if not messages:
+        raise ChatTemplateError("continue_final_message needs at least one message")
+    final = messages[-1].get("content")
+    if isinstance(final, list):
+        final = final[-1].get("text") if final and isinstance(final[-1], Mapping) else None
+    if not isinstance(final, str):
+        raise ChatTemplateError("continue_final_message needs the last message to have text content")
+    for needle in (final, final.strip()):
+        index = rendered.rfind(needle)
+        if index >= 0:
+            return rendered[: index + len(needle)]
+    raise ChatTemplateError("continue_final_message: the template does not render the final message's text")
+
+
+# The built-in model reads UTF-8 bytes; its conversations use ChatML markers, written out as text.
+BYTE_MODEL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)

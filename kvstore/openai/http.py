@@ -1,0 +1,121 @@
+"""Serving one request's output over HTTP, plain or streamed, and noticing a client that leaves.
+
+Both fronts that run our workers (the router, and a worker's own HTTP app)
+answer the same way: :func:`respond` takes the request's chunks as an async
+iterator and either streams them as SSE events the moment each arrives, or
+waits for the whole result. In both cases a client that disconnects stops
+the work: the chunk iterator is closed, which is how its producer learns to
+cancel the request (the worker then frees its blocks within one step).
+
+Contract for ``chunks``: an async generator whose ``aclose()`` cancels the
+request if it is still running, and which raises
+:class:`~kvstore.openai.errors.ApiError` for failures a client should see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvstore.openai.errors import ApiError
+from kvstore.openai.responses import DONE, ResponseBuilder, sse
+from kvstore.worker_api import GenerateResult, StreamChunk, fold_stream
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """At most ``limit`` bytes (a chunked body has no Content-Length to check up front); 413 beyond."""
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientDisconnected.
+
+    Call after the body was read: the next ASGI message is then the disconnect.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def respond(
+    request: Request,
+    builder: ResponseBuilder,
+    chunks: AsyncGenerator[StreamChunk, None],
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    """The response for one request whose output is ``chunks`` (see the module docstring)."""
+    if builder.parsed.stream:
+        return StreamingResponse(_events(builder, chunks), media_type="text/event-stream", headers=headers)
+    try:
+        result = await until_disconnected(request, _fold(chunks, builder.parsed.sampling.n))
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the status is for logs and metrics
+    finally:
+        await chunks.aclose()
+    return JSONResponse(builder.body(result), headers=headers)
+
+
+async def _fold(chunks: AsyncIterator[StreamChunk], n: int) -> GenerateResult:
+    return fold_stream([chunk async for chunk in chunks], n)
+
+
+async def _events(builder: ResponseBuilder, chunks: AsyncGenerator[StreamChunk, None]) -> AsyncIterator[bytes]:
+    # A client that goes away cancels this generator (Starlette); closing ``chunks`` cancels the request.
+    try:
+        async for chunk in chunks:
+            for event in builder.events(chunk):
+                yield event
+    except ApiError as exc:
+        yield sse(exc.body())
+    except Exception as exc:
+        logger.exception("stream %s failed", builder.id)
+        yield sse(ApiError(500, f"the stream failed: {type(exc).__name__}: {exc}").body())
+    finally:
+        await chunks.aclose()
+    yield DONE
+
+
+def error_response(exc: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def model_card(name: str, max_context: int | None, owned_by: str = "kvstore") -> dict[str, Any]:
+    """One ``/v1/models`` entry, with vLLM's fields."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": owned_by, "root": name, "parent": None,
+            "max_model_len": max_context, "permission": []}  # fmt: skip

@@ -1,0 +1,191 @@
+"""OpenAI response bodies and server-sent-event chunks, built from a worker's output.
+
+One :class:`ResponseBuilder` per request turns the worker's
+:class:`~kvstore.worker_api.StreamChunk` deltas (streamed) or its
+:class:`~kvstore.worker_api.GenerateResult` (plain) into the bodies vLLM's
+server sends for ``/v1/completions`` and ``/v1/chat/completions``:
+
+- plain: ``text_completion`` / ``chat.completion`` with ``usage`` (and
+  ``prompt_tokens_details.cached_tokens``);
+- streamed: one ``data: {json}`` event per choice per step that produced
+  text or ended, a chat stream opening each choice with its
+  ``{"role": "assistant"}`` delta, an optional usage chunk (``choices``
+  empty) when ``stream_options.include_usage``, then ``data: [DONE]``.
+
+Beyond vLLM, choices carry ``token_ids`` and the body (or the stream's
+last chunk) a ``kvstore`` object the caller supplies: which replica served
+the request, cached tokens per medium, timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from kvstore.openai.protocol import ParsedRequest
+from kvstore.openai.tokenizer import Tokenizer
+from kvstore.worker_api import ChoiceDelta, GenerateResult, RequestStats, StreamChunk, TokenLogprob
+
+DONE = b"data: [DONE]\n\n"
+_encoder = msgspec.json.Encoder()
+
+Extras = Callable[[RequestStats], dict[str, Any]]
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+def usage(stats: RequestStats) -> dict[str, Any]:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+class ResponseBuilder:
+    """Bodies for one request (see the module docstring). Not thread-safe: one per request."""
+
+    def __init__(
+        self,
+        parsed: ParsedRequest,
+        tokenizer: Tokenizer,
+        *,
+        model: str,
+        request_id: str,
+        extras: Extras | None = None,
+    ) -> None:
+        self.parsed = parsed
+        self.chat = parsed.kind == "chat"
+        self._tokenizer = tokenizer
+        self.model = model
+        self.id = request_id
+        self.created = int(time.time())
+        self._extras = extras
+        self._started: set[int] = set()  # choices whose first chunk went out
+        self._offsets: dict[int, int] = {}  # completions' logprobs text_offset, per choice
+
+    # ------------------------------------------------------------------ plain
+
+    def body(self, result: GenerateResult) -> dict[str, Any]:
+        choices = []
+        for choice in result.choices:
+            text = (self.parsed.echo_text or "") + choice.text
+            entry: dict[str, Any] = {"index": choice.index}
+            if self.chat:
+                entry["message"] = {"role": "assistant", "content": text}
+            else:
+                entry["text"] = text
+            entry["logprobs"] = self._logprobs(choice.index, choice.logprobs)
+            entry["finish_reason"] = str(choice.finish_reason)
+            entry["stop_reason"] = choice.stop_reason
+            entry["token_ids"] = choice.token_ids
+            choices.append(entry)
+        body = {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(result.stats),
+        }
+        if self._extras is not None:
+            body["kvstore"] = self._extras(result.stats)
+        return body
+
+    # ---------------------------------------------------------------- streamed
+
+    def events(self, chunk: StreamChunk) -> list[bytes]:
+        """The SSE events for one worker chunk (its stats, if any, end the stream's content)."""
+        payloads = []
+        for delta in chunk.deltas:
+            payloads.extend(self._delta_payloads(delta))
+        if self.parsed.continuous_usage and chunk.stats is not None:
+            for payload in payloads:
+                payload["usage"] = usage(chunk.stats)
+        if chunk.stats is not None:
+            if self.parsed.include_usage:
+                payloads.append(self._envelope([], usage=usage(chunk.stats)))
+            if self._extras is not None and payloads:
+                payloads[-1]["kvstore"] = self._extras(chunk.stats)
+        return [sse(p) for p in payloads]
+
+    def _delta_payloads(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        out = []
+        text = delta.text
+        first = delta.index not in self._started
+        if first:
+            self._started.add(delta.index)
+            text = (self.parsed.echo_text or "") + text
+            if self.chat:
+                role = {"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}  # fmt: skip
+                out.append(self._envelope([role]))
+        logprobs = self._logprobs(delta.index, delta.logprobs)
+        if not text and delta.finish_reason is None and logprobs is None:
+            return out
+        choice: dict[str, Any] = {"index": delta.index}
+        if self.chat:
+            choice["delta"] = {"content": text} if text else {}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = None if delta.finish_reason is None else str(delta.finish_reason)
+        choice["stop_reason"] = delta.stop_reason
+        choice["token_ids"] = delta.token_ids
+        out.append(self._envelope([choice]))
+        return out
+
+    def _envelope(self, choices: list[dict[str, Any]], *, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            payload["usage"] = usage
+        return payload
+
+    # ---------------------------------------------------------------- logprobs
+
+    def _logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        if self.parsed.logprobs is None or entries is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_entry(e) for e in entries]}
+        tokens, offsets = [], []
+        offset = self._offsets.get(index, len(self.parsed.echo_text or ""))
+        for entry in entries:
+            token = self._token(entry.token_id)
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+        self._offsets[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token(t): lp for t, lp in e.top} or None for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, entry: TokenLogprob) -> dict[str, Any]:
+        token = self._token(entry.token_id)
+        return {
+            "token": token,
+            "logprob": entry.logprob,
+            "bytes": list(token.encode()),
+            "top_logprobs": [
+                {"token": (t := self._token(i)), "logprob": lp, "bytes": list(t.encode())} for i, lp in entry.top
+            ],
+        }
+
+    def _token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,107 @@
+"""What a router reads from a client's body to route it to an external replica (vLLM, SGLang), touching nothing.
+
+In front of replicas it does not run, the router forwards the client's bytes
+unchanged: every field and value, vendor extensions included, a text prompt
+still as text. It only needs the prompt's tokens, tokenised exactly as the
+replica will tokenise them, to look up which replica holds the longest
+prefix: completions with ``add_special_tokens`` (default true), chat through
+the chat template (the body's ``chat_template`` if it sends one, with its
+``tools``, ``documents`` and ``chat_template_kwargs``) with
+``add_special_tokens`` false -- vLLM's defaults.
+
+A body the router cannot tokenise exactly (no prompt, a field of the wrong
+type, images in a message, a template that refuses the conversation) is
+still forwarded, and routed on load alone (``token_ids`` None): the replica
+answers it, errors included, as it would without a router. What the router
+refuses itself: a body that is not a JSON object, and any text when no
+tokenizer is configured -- byte ids would be garbage to a real model, and
+routing on them would be routing on noise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import msgspec
+
+from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError
+from kvstore.openai.errors import ApiError
+from kvstore.openai.tokenizer import Tokenizer
+
+NO_TOKENIZER = (
+    "this router has no tokenizer for the replicas' model, so it cannot read a text prompt: set router.tokenizer "
+    "to the model directory (or its tokenizer.json), or send the prompt as token ids"
+)
+
+
+class RoutingView(NamedTuple):
+    token_ids: list[int] | None  # None: routed on load alone (see the module docstring)
+    model: str | None
+    cache_salt: str | None
+    stream: bool
+
+
+def read_for_routing(body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None) -> RoutingView:
+    """The routing view of ``body``; ApiError(400) only for what no replica could serve (module docstring)."""
+    try:
+        data = msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    model = data.get("model") if isinstance(data.get("model"), str) else None
+    salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) and data.get("cache_salt") else None
+    stream = data.get("stream") is True
+    tokens = _completion_tokens(data, tokenizer) if kind == "completion" else _chat_tokens(data, tokenizer)
+    return RoutingView(tokens, model, salt, stream)
+
+
+def _completion_tokens(data: dict[str, Any], tokenizer: Tokenizer | None) -> list[int] | None:
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt):
+        prompt = prompt[0]  # a batch: route on its first prompt (the replica serves them all)
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return list(prompt)
+    if not isinstance(prompt, str) or not prompt:
+        return None
+    if tokenizer is None:
+        raise ApiError(400, NO_TOKENIZER, param="prompt")
+    add_special = data.get("add_special_tokens", True) is not False
+    return tokenizer.encode(prompt, add_special_tokens=add_special)
+
+
+def _chat_tokens(data: dict[str, Any], tokenizer: Tokenizer | None) -> list[int] | None:
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    if tokenizer is None:
+        raise ApiError(400, NO_TOKENIZER, param="messages")
+    flat = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):  # fmt: skip
+                return None  # images, audio: the replica's processor expands them; we cannot
+            content = "\n".join(p["text"] for p in content)
+        flat.append({**message, "content": content if content is not None else ""})
+    try:
+        template = ChatTemplate(data["chat_template"]) if isinstance(data.get("chat_template"), str) else None
+        template = template or tokenizer.chat_template
+        if template is None:
+            return None
+        extra = data.get("chat_template_kwargs") if isinstance(data.get("chat_template_kwargs"), dict) else None
+        text = template.render(
+            flat,
+            add_generation_prompt=data.get("add_generation_prompt", True) is not False,
+            continue_final_message=data.get("continue_final_message") is True,
+            special_tokens=tokenizer.special_tokens,
+            tools=data.get("tools") if isinstance(data.get("tools"), list) else None,
+            documents=data.get("documents") if isinstance(data.get("documents"), list) else None,
+            extra=extra,
+        )
+    except ChatTemplateError:
+        return None
+    return tokenizer.encode(text, add_special_tokens=data.get("add_special_tokens") is True)

@@ -1,0 +1,78 @@
+"""Choosing a replica for a prompt: hash its blocks, look them up, score the candidates.
+
+The candidates are the healthy replicas; each is seen as a
+:class:`~kvstore.router.scoring.ReplicaState` built by
+:func:`~kvstore.router.policies.replica_state`. The Scorer always runs, so
+every decision carries its per-candidate costs; under a baseline policy the
+baseline picks the replica and the costs stay for comparison.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvstore.hashing import BlockHasher, to_external
+from kvstore.openai.errors import ApiError
+from kvstore.router.config import PolicyName
+from kvstore.router.index import PrefixIndex
+from kvstore.router.index_lookup import NO_MATCH, MediumCounts
+from kvstore.router.policies import Baseline, make_baseline, replica_state
+from kvstore.router.replicas import Replica
+from kvstore.router.scoring import Decision, Scorer
+
+
+class Prompt(NamedTuple):
+    """What routing reads of a request: its tokens (as the replica tokenises them) and what salts its hashes.
+
+    No tokens (a body the router cannot tokenise exactly) routes on load alone.
+    """
+
+    token_ids: Sequence[int]
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+class RouteResult(NamedTuple):
+    decision: Decision
+    matched: dict[str, MediumCounts]  # per candidate: leading blocks it holds, by medium
+    prompt_blocks: int  # blocks of the prompt, a trailing partial one included
+    route_s: float
+
+
+class Router:
+    """Routes prompts with one hasher, index and scorer; baselines are made on first use and keep their state."""
+
+    def __init__(self, hasher: BlockHasher, index: PrefixIndex, scorer: Scorer, rng: random.Random) -> None:
+        self._hasher = hasher
+        self._index = index
+        self._scorer = scorer
+        self._rng = rng
+        self._baselines: dict[PolicyName, Baseline | None] = {}
+
+    def route(self, prompt: Prompt, candidates: Sequence[Replica], policy: PolicyName) -> RouteResult:
+        """Choose one of ``candidates`` for the prompt under ``policy``. Raises ApiError(503) when there is none."""
+        start = time.perf_counter()
+        if not candidates:
+            raise ApiError(503, "no healthy replica is available; retry later")
+        hashes = self._hasher.hash_blocks(
+            list(prompt.token_ids), lora_name=prompt.lora_name, cache_salt=prompt.cache_salt
+        )
+        matches = self._index.lookup([to_external(h) for h in hashes])
+        now = time.monotonic()
+        states = {r.spec.name: replica_state(r.prefill, r.load, now) for r in candidates}
+        num_blocks = -(-len(prompt.token_ids) // self._hasher.block_size)
+        decision = self._scorer.choose(states, matches, num_blocks, self._rng)
+        baseline = self._baseline(policy)
+        if baseline is not None:
+            replica = baseline.choose({name: states[name] for name in sorted(states)})
+            decision = Decision(replica, decision.scores, matches.get(replica, NO_MATCH))
+        matched = {name: matches.get(name, NO_MATCH) for name in states}
+        return RouteResult(decision, matched, num_blocks, time.perf_counter() - start)
+
+    def _baseline(self, policy: PolicyName) -> Baseline | None:
+        if policy not in self._baselines:
+            self._baselines[policy] = make_baseline(policy, self._rng)
+        return self._baselines[policy]

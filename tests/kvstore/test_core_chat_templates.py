@@ -1,0 +1,150 @@
+"""Chat templates and tokenizers against transformers: the rendered text and the token ids must be identical.
+
+Each family (Llama-3, ChatML as Qwen2.5 writes it, Mistral) gets a small
+byte-level BPE tokenizer trained here with that family's special tokens,
+wrapped by transformers and saved as a model directory; kvstore's
+:class:`HFTokenizer` loads the same directory. transformers'
+``apply_chat_template`` is the oracle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError
+from kvstore.openai.detokenizer import IncrementalDetokenizer
+from kvstore.openai.tokenizer import HFTokenizer, load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "fixtures" / "chat_templates"
+CORPUS = [
+    "The KV cache keeps computed attention keys and values so a repeated prefix is not recomputed.",
+    "Blocks spill from the GPU to a CPU arena and on to disk files, and come back on a hit.",
+    "Grüße aus Zürich: naïve café déjà vu — 東京 🙂",
+] * 20
+
+
+class Family(NamedTuple):
+    template: str
+    bos: str | None
+    eos: str
+    specials: tuple[str, ...]
+
+
+FAMILIES = {
+    "llama3": Family("llama3.jinja", "<|begin_of_text|>", "<|eot_id|>",
+                     ("<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>")),
+    "qwen2.5": Family("chatml_qwen25.jinja", None, "<|im_end|>", ("<|im_start|>", "<|im_end|>", "<|endoftext|>")),
+    "mistral": Family("mistral.jinja", "<s>", "</s>", ("<s>", "</s>", "[INST]", "[/INST]")),
+}  # fmt: skip
+
+CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "What is a KV cache?"}],
+    [
+        {"role": "system", "content": "  You answer in one sentence. "},
+        {"role": "user", "content": "What spills to disk?"},
+        {"role": "assistant", "content": "Blocks evicted from the CPU arena."},
+        {"role": "user", "content": "Grüße — 東京 🙂?"},
+    ],
+]
+
+
+def _model_dir(root: Path, family: Family) -> tuple[Path, Any]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=list(family.specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    if family.bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{family.bos} $A", special_tokens=[(family.bos, tok.token_to_id(family.bos))]
+        )
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=family.bos, eos_token=family.eos)
+    hf.chat_template = (TEMPLATES / family.template).read_text()
+    hf.save_pretrained(root)
+    return root, hf
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[HFTokenizer, Any]:
+    directory, hf = _model_dir(tmp_path_factory.mktemp(request.param), FAMILIES[request.param])
+    ours = load_tokenizer(str(directory))
+    assert isinstance(ours, HFTokenizer)
+    return ours, hf
+
+
+def _ids(encoded: Any) -> list[int]:
+    """transformers returns a list, or a BatchEncoding whose input_ids may be batched."""
+    ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_rendered_text_and_ids_equal_transformers(
+    family: tuple[HFTokenizer, Any], conversation: int, add_generation_prompt: bool
+) -> None:
+    ours, hf = family
+    messages = CONVERSATIONS[conversation]
+    if "[INST]" in hf.chat_template and messages[-1]["role"] != "user":
+        pytest.skip("the Mistral template renders only conversations ending with the user")
+    assert ours.chat_template is not None
+    text = ours.chat_template.render(
+        messages, add_generation_prompt=add_generation_prompt, special_tokens=ours.special_tokens
+    )
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert text == expected
+    oracle_ids = _ids(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt))
+    assert ours.encode(text, add_special_tokens=False) == oracle_ids
+
+
+def test_completions_tokenise_with_special_tokens_and_decode_as_transformers(family: tuple[HFTokenizer, Any]) -> None:
+    ours, hf = family
+    for text in ("The KV cache spills to disk.", "Grüße — 東京 🙂"):
+        assert ours.encode(text, add_special_tokens=True) == _ids(hf(text))
+        ids = _ids(hf(text))
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False)
+    assert ours.eos_token_ids == (hf.convert_tokens_to_ids(hf.eos_token),)
+
+
+def test_incremental_detokenizing_equals_decoding_the_whole(family: tuple[HFTokenizer, Any]) -> None:
+    ours, _ = family
+    ids = ours.encode("Blocks spill: Grüße — 東京 🙂 and come back on a hit.")
+    detok = IncrementalDetokenizer(ours)
+    shown = "".join(detok.push([i])[0] for i in ids) + detok.finish()
+    assert shown == ours.decode(ids)
+    assert "\ufffd" not in shown
+
+
+def test_continue_final_message_equals_transformers(family: tuple[HFTokenizer, Any]) -> None:
+    ours, hf = family
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, the cache"}]
+    if "[INST]" in hf.chat_template:
+        pytest.skip("the Mistral template ends assistant turns with EOS, which continue_final_message cuts")
+    assert ours.chat_template is not None
+    text = ours.chat_template.render(
+        messages, add_generation_prompt=False, continue_final_message=True, special_tokens=ours.special_tokens
+    )
+    expected = hf.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text == expected and text.endswith("Hi, the cache")
+
+
+def test_a_template_that_refuses_raises_a_clear_error() -> None:
+    template = ChatTemplate((TEMPLATES / "mistral.jinja").read_text())
+    bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        template.render(bad, add_generation_prompt=True, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate("{% for m in messages %}")
+    with pytest.raises(ChatTemplateError, match="both"):
+        template.render([], add_generation_prompt=True, continue_final_message=True, special_tokens={})

@@ -1,0 +1,103 @@
+"""Response bodies and SSE chunks built from worker output: exact shapes, as vLLM's server sends them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstore.events import Medium
+from kvstore.openai.errors import ApiError
+from kvstore.openai.protocol import (
+    ModelLimits,
+    decode_chat,
+    decode_completion,
+    parse_chat,
+    parse_completion,
+)
+from kvstore.openai.responses import DONE, ResponseBuilder
+from kvstore.openai.tokenizer import ByteTokenizer
+from kvstore.worker_api import ChoiceDelta, FinishReason, RequestStats, StreamChunk, TokenLogprob, fold_stream
+
+TOK = ByteTokenizer()
+LIMITS = ModelLimits(512, 2048)
+STATS = RequestStats("w0", 5, 3, {Medium.GPU: 4, Medium.CPU: 0, Medium.STORAGE: 0}, 0.0, 0.01, 0.02, 0)
+
+
+def completion(**body: object) -> ResponseBuilder:
+    raw = json.dumps({"prompt": "hello", **body}).encode()
+    return ResponseBuilder(parse_completion(decode_completion(raw), TOK, LIMITS), TOK, model="m", request_id="cmpl-1")
+
+
+def chat(**body: object) -> ResponseBuilder:
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}).encode()
+    return ResponseBuilder(parse_chat(decode_chat(raw), TOK, LIMITS), TOK, model="m", request_id="chatcmpl-1")
+
+
+def events(builder: ResponseBuilder, chunks: list[StreamChunk]) -> list[dict[str, object]]:
+    out = []
+    for chunk in chunks:
+        for event in builder.events(chunk):
+            assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event != DONE
+            out.append(json.loads(event[6:]))
+    return out
+
+
+LP = [TokenLogprob(ord("a"), -0.5, [(ord("a"), -0.5), (ord("b"), -1.5)]), TokenLogprob(ord("c"), -0.25, [])]
+CHUNKS = [
+    StreamChunk("r", [ChoiceDelta(0, [ord("a")], "a", LP[:1])]),
+    StreamChunk("r", [ChoiceDelta(0, [ord("c")], "c", LP[1:], FinishReason.STOP, "x")], STATS),
+]
+
+
+def test_completion_body_with_logprobs_echo_and_usage() -> None:
+    builder = completion(logprobs=1, max_tokens=2)
+    body = builder.body(fold_stream(CHUNKS, 1))
+    choice = body["choices"][0]  # type: ignore[index]
+    assert body["object"] == "text_completion" and choice["text"] == "ac"
+    assert choice["logprobs"] == {
+        "tokens": ["a", "c"], "token_logprobs": [-0.5, -0.25], "top_logprobs": [{"a": -0.5, "b": -1.5}, None],
+        "text_offset": [0, 1],
+    }  # fmt: skip
+    assert (choice["finish_reason"], choice["stop_reason"], choice["token_ids"]) == ("stop", "x", [97, 99])
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+    echoed = completion(echo=True).body(fold_stream(CHUNKS, 1))
+    assert echoed["choices"][0]["text"] == "helloac"  # type: ignore[index]
+
+
+def test_chat_stream_opens_with_the_role_and_ends_with_usage() -> None:
+    out = events(chat(stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=2), CHUNKS)
+    assert [e["object"] for e in out] == ["chat.completion.chunk"] * 4
+    assert out[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}]  # fmt: skip
+    assert out[1]["choices"][0]["delta"] == {"content": "a"}  # type: ignore[index]
+    assert out[1]["choices"][0]["logprobs"]["content"][0] == {  # type: ignore[index]
+        "token": "a", "logprob": -0.5, "bytes": [97],
+        "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]},
+                         {"token": "b", "logprob": -1.5, "bytes": [98]}],
+    }  # fmt: skip
+    assert out[2]["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
+    assert out[3]["choices"] == [] and out[3]["usage"]["completion_tokens"] == 3  # type: ignore[index]
+    plain = events(chat(stream=True), CHUNKS)
+    assert len(plain) == 3 and "usage" not in plain[-1]
+
+
+def test_parse_rejects_by_field_and_fills_vllm_defaults() -> None:
+    parsed = parse_chat(decode_chat(b'{"messages": [{"role": "user", "content": "hi"}]}'), TOK, LIMITS)
+    assert parsed.max_tokens == 2048 - len(parsed.token_ids)  # chat: the rest of the context, as vLLM
+    assert parsed.sampling.temperature is None  # the model's default decides
+    assert parse_completion(decode_completion(b'{"prompt": [1, 2]}'), TOK, LIMITS).max_tokens == 16
+    for body, param in [
+        (b'{"prompt": "x", "logit_bias": {"9999": 1}}', "logit_bias"),
+        (b'{"prompt": "x", "stop_token_ids": [600]}', "stop_token_ids"),
+        (b'{"prompt": "x", "min_tokens": 20, "max_tokens": 4}', "min_tokens"),
+        (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
+        (b'{"prompt": "x", "best_of": 3}', "best_of"),
+        (b'{"prompt": "x", "suffix": "y"}', "suffix"),
+        (b'{"prompt": [1, 2], "echo": true, "logprobs": 2}', "echo"),
+        (b'{"prompt": "x", "max_tokens": 4000}', "max_tokens"),
+    ]:
+        with pytest.raises(ApiError) as info:
+            parse_completion(decode_completion(body), TOK, LIMITS)
+        assert info.value.param == param and info.value.status == 400

@@ -1,0 +1,156 @@
+"""Checks with the official ``openai`` client that any kvstore OpenAI front must pass.
+
+Each function takes the server's base URL (``http://host:port``) and its
+model name, and asserts one behaviour; the test modules for a worker's own
+front, for ``kvstore serve`` and for ``kvstore router`` call them, so all
+three are held to the same contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+
+import httpx
+import openai
+
+Behaviour = Callable[[str, str], None]
+
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name the three tiers of the KV cache, and say which one is fastest."},
+]
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def models_list(base_url: str, model: str) -> None:
+    listed = client(base_url).models.list()
+    assert [m.id for m in listed.data] == [model]
+    assert client(base_url).models.retrieve(model).id == model
+
+
+def completions_plain_and_streamed(base_url: str, model: str) -> None:
+    c = client(base_url)
+    prompt = "The quick brown fox jumps over the lazy dog, "
+    plain = c.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    choice = plain.choices[0]
+    assert choice.finish_reason in ("length", "stop") and plain.usage is not None
+    tokens = plain.usage.completion_tokens
+    assert 1 <= tokens <= 12 and (tokens == 12) == (choice.finish_reason == "length")
+    events = list(
+        c.completions.create(
+            model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(e.choices[0].text for e in events if e.choices)
+    assert text == choice.text, "greedy streamed text equals the plain text"
+    assert events[-1].choices == [] and events[-1].usage is not None and events[-1].usage.completion_tokens == tokens
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == choice.finish_reason
+
+
+def chat_plain_and_streamed_and_cached(base_url: str, model: str) -> None:
+    c = client(base_url)
+    first = c.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+    message = first.choices[0].message
+    assert message.role == "assistant" and isinstance(message.content, str)
+    again = c.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+    assert again.choices[0].message.content == message.content
+    details = again.usage.prompt_tokens_details if again.usage else None
+    assert details is not None and (details.cached_tokens or 0) > 0, "a repeated chat prompt is served from cache"
+    stream = c.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=10,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == message.content
+    assert chunks[-1].choices[0].finish_reason == first.choices[0].finish_reason
+
+
+def seeded_sampling_is_reproducible(base_url: str, model: str) -> None:
+    c = client(base_url)
+
+    def draw(seed: int) -> str:
+        out = c.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed)
+        return out.choices[0].text
+
+    assert draw(7) == draw(7)
+    assert len({draw(7), draw(8), draw(9)}) > 1
+
+
+def async_client_streams(base_url: str, model: str) -> None:
+    async def run() -> str:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as c:
+            stream = await c.chat.completions.create(
+                model=model,
+                messages=CHAT,
+                max_tokens=6,
+                temperature=0,
+                stream=True,  # type: ignore[arg-type]
+            )
+            return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+    plain = client(base_url).chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    assert asyncio.run(run()) == plain.choices[0].message.content
+
+
+def unknown_model_is_404(base_url: str, model: str) -> None:
+    c = client(base_url)
+    try:
+        c.completions.create(model=f"{model}-nope", prompt="x", max_tokens=1)
+    except openai.NotFoundError as exc:
+        assert exc.status_code == 404
+        body = exc.body if isinstance(exc.body, dict) else {}
+        assert "does not exist" in str(body.get("message", exc)) and body.get("param") == "model"
+    else:
+        raise AssertionError("an unknown model must be a 404")
+    response = httpx.get(f"{base_url}/v1/models/{model}-nope")
+    assert response.status_code == 404 and response.json()["error"]["type"] == "NotFoundError"
+
+
+def unsupported_fields_are_named(base_url: str, model: str) -> None:
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+         "tools"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages[0].content[0]"),
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {"prompt": "x", "temperture": 0.5}, "temperture"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ]  # fmt: skip
+    for path, body, param in cases:
+        response = httpx.post(f"{base_url}{path}", json={"model": model, **body}, timeout=30)
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and error["type"] == "BadRequestError", (body, error)
+
+
+def disconnect_mid_stream(base_url: str, model: str) -> None:
+    """Open a long stream, read its first event, drop the connection."""
+    host, port = base_url.removeprefix("http://").split(":")
+    body = (
+        b'{"model": "' + model.encode() + b'", "prompt": "Tell me everything", "max_tokens": 1500, '
+        b'"temperature": 0, "ignore_eos": true, "stream": true}'
+    )
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        received = b""
+        deadline = time.monotonic() + 30
+        while b"data: " not in received and time.monotonic() < deadline:
+            received += sock.recv(65536)
+        assert b"data: " in received

@@ -1,0 +1,83 @@
+"""A worker's own HTTP front (``kvstore worker``, no Ray) against the official ``openai`` client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from workers_testlib import make_config
+
+from kvstore.workers.http import create_worker_app
+from kvstore.workers.worker import KVWorker
+from tests import openai_conformance as check
+from tests.checkpoints import TinyCheckpoint
+from tests.http_servers import ServerThread
+
+MODEL = "kvstore-toy"
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, KVWorker]]:
+    worker = KVWorker("http-0", make_config(num_blocks=512))
+    server = ServerThread(create_worker_app(worker)).start()
+    yield server.url, worker
+    server.stop()
+    worker.shutdown()
+
+
+BEHAVIOURS = [
+    check.models_list,
+    check.completions_plain_and_streamed,
+    check.chat_plain_and_streamed_and_cached,
+    check.seeded_sampling_is_reproducible,
+    check.async_client_streams,
+    check.unknown_model_is_404,
+    check.unsupported_fields_are_named,
+]
+
+
+@pytest.mark.parametrize("behaviour", BEHAVIOURS, ids=lambda f: f.__name__)
+def test_openai_client(served: tuple[str, KVWorker], behaviour: check.Behaviour) -> None:
+    behaviour(served[0], MODEL)
+
+
+@pytest.fixture(scope="module")
+def served_checkpoint(qwen2_checkpoint: TinyCheckpoint) -> Iterator[tuple[str, KVWorker]]:
+    """A transformers-written Qwen2 checkpoint: its own tokenizer, ChatML template and EOS ids."""
+    worker = KVWorker("http-qwen", make_config(num_blocks=256, model=str(qwen2_checkpoint.path)))
+    server = ServerThread(create_worker_app(worker)).start()
+    yield server.url, worker
+    server.stop()
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("behaviour", BEHAVIOURS, ids=lambda f: f.__name__)
+def test_openai_client_on_a_checkpoint(served_checkpoint: tuple[str, KVWorker], behaviour: check.Behaviour) -> None:
+    url, worker = served_checkpoint
+    assert worker.info().model_name == qwen2_checkpoint_name(worker)
+    behaviour(url, worker.info().model_name)
+
+
+def qwen2_checkpoint_name(worker: KVWorker) -> str:
+    assert worker.served.checkpoint is not None
+    return Path(worker.served.checkpoint).name  # the served name defaults to the directory's
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_request(served: tuple[str, KVWorker]) -> None:
+    url, worker = served
+    before = _aborted(worker)
+    check.disconnect_mid_stream(url, MODEL)
+    deadline = time.monotonic() + 10
+    while (_aborted(worker) == before or worker.load().running) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _aborted(worker) == before + 1 and worker.load().running == 0
+    worker.check_invariants()
+
+
+def _aborted(worker: KVWorker) -> float:
+    for line in worker.metrics_text().decode().splitlines():
+        if line.startswith("kvstore_requests_total") and 'outcome="aborted"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

@@ -1,0 +1,143 @@
+"""Sampling on a real worker: vLLM's parameters, each checked against greedy output or an exact property."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from workers_testlib import Reference, WorkerFactory, make_config, random_tokens
+
+from kvstore.openai.tokenizer import ByteTokenizer
+from kvstore.worker_api import FinishReason, GenerateRequest, SamplingParams
+from kvstore.workers.sampler import GREEDY, ChoiceSampling
+from kvstore.workers.worker import KVWorker
+
+PROMPT = random_tokens(random.Random(7), 40)
+
+
+def run(worker: KVWorker, max_tokens: int = 16, prompt: list[int] = PROMPT, **sampling: object) -> object:
+    return worker.generate(GenerateRequest(prompt, max_tokens, sampling=SamplingParams(**sampling)))  # type: ignore[arg-type]
+
+
+def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(make_worker: WorkerFactory) -> None:
+    worker = make_worker()
+    first = run(worker, temperature=1.0, seed=11).output_token_ids  # type: ignore[attr-defined]
+    crowd = [
+        worker.submit(
+            GenerateRequest(random_tokens(random.Random(i), 30), 20, sampling=SamplingParams(temperature=1.0))
+        )
+        for i in range(4)
+    ]
+    again = worker.submit(GenerateRequest(PROMPT, 16, sampling=SamplingParams(temperature=1.0, seed=11)))
+    assert again.result(timeout=60).output_token_ids == first
+    for stream in crowd:
+        stream.result(timeout=60)
+    other = make_worker("w1")  # another replica of the same model
+    assert run(other, temperature=1.0, seed=11).output_token_ids == first  # type: ignore[attr-defined]
+    assert run(worker, temperature=1.0, seed=12).output_token_ids != first  # type: ignore[attr-defined]
+
+
+def test_truncation_to_one_token_is_greedy(make_worker: WorkerFactory, reference: Reference) -> None:
+    worker = make_worker()
+    greedy = reference(GenerateRequest(PROMPT, 16))
+    assert run(worker, temperature=1.0, top_k=1, seed=1).output_token_ids == greedy  # type: ignore[attr-defined]
+    assert run(worker, temperature=1.0, top_p=1e-9, seed=2).output_token_ids == greedy  # type: ignore[attr-defined]
+    assert run(worker, temperature=1.0, min_p=1.0, seed=3).output_token_ids == greedy  # type: ignore[attr-defined]
+
+
+def test_logit_bias_and_penalties_change_the_greedy_choice(make_worker: WorkerFactory, reference: Reference) -> None:
+    worker = make_worker()
+    greedy = reference(GenerateRequest(PROMPT, 16))
+    assert run(worker, logit_bias={300: 100.0}).output_token_ids == [300] * 16  # type: ignore[attr-defined]
+    assert greedy != [300] * 16
+    fox = list(b"The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again.")
+    looping = run(worker, 24, fox).output_token_ids  # type: ignore[attr-defined]
+    assert looping[:8] == [looping[0]] * 8, "the toy model repeats itself here: penalties have work to do"
+    penalised = run(worker, 24, fox, frequency_penalty=2.0, presence_penalty=2.0).output_token_ids  # type: ignore[attr-defined]
+    assert len(set(penalised)) > len(set(looping))
+    assert run(worker, 24, fox, repetition_penalty=2.0).output_token_ids != looping  # type: ignore[attr-defined]
+
+
+def test_penalty_arithmetic_is_vllms() -> None:
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={4: 1.0})
+    choice = ChoiceSampling(params, GREEDY, index=0, prompt_ids=[0, 1], eos_token_ids=())
+    choice.record(1)
+    choice.record(1)
+    choice.record(2)
+    row = torch.tensor([4.0, -4.0, 4.0, 4.0, 4.0])
+    choice.process(row)
+    # 0: prompt, positive -> /2. 1: prompt+output x2, negative -> *2, then -(0.5*2 + 0.25). 2: output x1, /2 - 0.75.
+    # 3: untouched. 4: bias +1.
+    assert row.tolist() == [2.0, -9.25, 1.25, 4.0, 5.0]
+
+
+def test_stop_strings_cut_the_text_and_the_held_back_tail_is_never_shown(make_worker: WorkerFactory) -> None:
+    worker = make_worker()
+    prompt = list(b"The KV cache makes the second request faster. ")
+    plain = run(worker, 24, prompt).choices[0]  # type: ignore[attr-defined]
+    assert len(plain.text) >= 10
+    stop = plain.text[6:9]
+    cut = plain.text[: plain.text.find(stop)]
+    result = run(worker, 24, prompt, stop=(stop, "never-appears")).choices[0]  # type: ignore[attr-defined]
+    assert (result.text, result.finish_reason, result.stop_reason) == (cut, FinishReason.STOP, stop)
+    kept = run(worker, 24, prompt, stop=(stop,), include_stop_str_in_output=True).choices[0]  # type: ignore[attr-defined]
+    assert kept.text == cut + stop
+    stream = worker.submit(GenerateRequest(prompt, 24, sampling=SamplingParams(stop=(stop,))))
+    shown = [d.text for chunk in stream for d in chunk.deltas]
+    assert "".join(shown) == cut  # nothing of the stop string was streamed, then taken back
+
+
+class _EosTokenizer(ByteTokenizer):
+    def __init__(self, eos: int) -> None:
+        super().__init__()
+        self.eos_token_ids = (eos,)
+
+
+def test_eos_stop_ids_min_tokens_and_ignore_eos(reference: Reference) -> None:
+    greedy = reference(GenerateRequest(PROMPT, 16))
+    eos = greedy[3]
+    first = greedy.index(eos)
+    worker = KVWorker("eos", make_config(), tokenizer=_EosTokenizer(eos))
+    try:
+        ended = run(worker).choices[0]  # type: ignore[attr-defined]
+        assert ended.token_ids == greedy[: first + 1]
+        assert (ended.finish_reason, ended.stop_reason) == (FinishReason.STOP, None)
+        assert run(worker, ignore_eos=True).output_token_ids == greedy  # type: ignore[attr-defined]
+        by_id = run(worker, ignore_eos=True, stop_token_ids=(eos,)).choices[0]  # type: ignore[attr-defined]
+        assert by_id.token_ids == greedy[: first + 1] and by_id.stop_reason == eos
+        late = run(worker, min_tokens=first + 3).choices[0]  # type: ignore[attr-defined]
+        assert len(late.token_ids) >= first + 3 and eos not in late.token_ids[: first + 2]
+    finally:
+        worker.shutdown()
+
+
+def test_logprobs_are_the_raw_distribution_with_or_without_cache(make_worker: WorkerFactory) -> None:
+    cached = make_worker()
+    run(cached, 4)  # the prompt's blocks are now cached
+    fresh = make_worker("fresh", caching=False)
+    a = run(cached, 8, logprobs=3).choices[0]  # type: ignore[attr-defined]
+    b = run(fresh, 8, logprobs=3).choices[0]  # type: ignore[attr-defined]
+    assert a.token_ids == b.token_ids and len(a.logprobs) == 8
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert x.token_id == x.top[0][0] and x.logprob == pytest.approx(x.top[0][1])  # greedy: the best one
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert sum(math.exp(lp) for _, lp in x.top) <= 1.0 + 1e-6
+        assert x.top[0][1] >= x.top[1][1] >= x.top[2][1]
+    assert run(cached, 4).choices[0].logprobs is None  # type: ignore[attr-defined]
+
+
+def test_n_choices_share_the_prompt_blocks_and_each_equals_its_seed(make_worker: WorkerFactory) -> None:
+    worker = make_worker()
+    prompt = random_tokens(random.Random(3), 64)  # 4 blocks: a later choice hits 3 of them (the last is recomputed)
+    result = worker.generate(GenerateRequest(prompt, 12, sampling=SamplingParams(n=3, temperature=1.0, seed=40)))
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert worker._manager.prefix_cache_stats.hits == 2 * 48  # choices 1 and 2 hit choice 0's blocks
+    alone = make_worker("alone")
+    for index, choice in enumerate(result.choices):
+        single = run(alone, 12, prompt, temperature=1.0, seed=40 + index).output_token_ids  # type: ignore[attr-defined]
+        assert choice.token_ids == single
+    assert result.stats.completion_tokens == 36 and result.prompt_tokens == 64
+    worker.check_invariants()

@@ -1,0 +1,72 @@
+"""Streams: chunks as tokens are produced, equal to the plain result, and cancellation that frees blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from workers_testlib import WorkerFactory, random_tokens
+
+from kvstore.worker_api import FinishReason, GenerateRequest, SamplingParams
+
+PROMPT = random_tokens(random.Random(5), 50)
+
+
+def test_a_stream_is_the_result_told_token_by_token(make_worker: WorkerFactory) -> None:
+    worker = make_worker()
+    plain = worker.generate(GenerateRequest(PROMPT, 20))
+    chunks = list(worker.submit(GenerateRequest(PROMPT, 20)))
+    assert [len(c.deltas) for c in chunks] == [1] * 20  # one token per step, the first as soon as it exists
+    assert [t for c in chunks for d in c.deltas for t in d.token_ids] == plain.output_token_ids
+    assert "".join(d.text for c in chunks for d in c.deltas) == plain.choices[0].text
+    assert all(c.stats is None for c in chunks[:-1]) and chunks[-1].stats is not None
+    assert chunks[-1].deltas[0].finish_reason == FinishReason.LENGTH
+    assert chunks[-1].stats.completion_tokens == 20 and chunks[-1].stats.prompt_tokens == 50
+
+
+def test_an_asyncio_consumer_reads_the_same_stream(make_worker: WorkerFactory) -> None:
+    worker = make_worker()
+    plain = worker.generate(GenerateRequest(PROMPT, 10, sampling=SamplingParams(n=2, temperature=1.0, seed=3)))
+
+    async def consume() -> list[int]:
+        stream = worker.submit(GenerateRequest(PROMPT, 10, sampling=SamplingParams(n=2, temperature=1.0, seed=3)))
+        return (await stream.aresult()).choices[1].token_ids
+
+    assert asyncio.run(consume()) == plain.choices[1].token_ids
+
+
+def test_cancel_drops_the_request_within_a_step_and_frees_its_blocks(make_worker: WorkerFactory) -> None:
+    worker = make_worker(num_blocks=64)
+    stream = worker.submit(GenerateRequest(PROMPT, 900))
+    chunks = iter(stream)
+    next(chunks)  # running: its blocks are held
+    assert worker.load().running == 1
+    stream.cancel()
+    rest = list(chunks)
+    assert rest[-1].deltas[-1].finish_reason == FinishReason.ABORT and rest[-1].stats is not None
+    assert len(rest) < 5  # dropped within a step or two, not run to its 900 tokens
+    deadline = time.monotonic() + 5
+    while worker.load().running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    load = worker.load()
+    assert (load.running, load.waiting) == (0, 0)
+    worker.check_invariants()
+    assert 'kvstore_requests_total{outcome="aborted",replica="w0"} 1.0' in worker.metrics_text().decode()
+    # Only cached blocks are left: a new request can take the whole pool's free blocks.
+    assert worker.generate(GenerateRequest(PROMPT, 4)).cached_tokens > 0
+
+
+def test_cancel_of_a_waiting_request_and_after_the_end_are_harmless(make_worker: WorkerFactory) -> None:
+    worker = make_worker(max_num_seqs=1)
+    running = worker.submit(GenerateRequest(PROMPT, 200))
+    waiting = worker.submit(GenerateRequest(PROMPT[:20], 5))
+    waiting.cancel()
+    assert waiting.result(timeout=30).choices[0].finish_reason == FinishReason.ABORT
+    running.cancel()
+    running.result(timeout=30)
+    done = worker.submit(GenerateRequest(PROMPT, 3))
+    done.result(timeout=30)
+    done.cancel()  # already finished: nothing happens
+    worker.check_invariants()
+    assert worker.load().running == 0

@@ -1,0 +1,115 @@
+"""The lease protocol: how processes outside the tier copy into and out of arena slots safely.
+
+A worker never touches the tier's index. It maps the arena by name and
+asks the store for slots; what it gets back are leases
+(:class:`~kvstore.tiers.blocks.SlotGrant`):
+
+- spill: ``reserve`` -> write grants on free slots -> the worker copies
+  into them -> ``commit`` publishes them as cached blocks (or ``release``
+  abandons them);
+- promote: ``acquire`` -> read grants on cached slots -> the worker copies
+  out -> ``release``.
+
+A leased slot is never evicted or reused (:mod:`~kvstore.tiers.cpu_arena`
+keeps that), which is what makes a copy in another process safe while the
+index changes around it. The rules kept here, by :class:`LeaseBook`:
+
+- **The arena incarnation.** Every grant is for the arena incarnation the
+  caller mapped. A restarted tier re-creates its arena under the same
+  name, and Ray may route an old handle's calls to the new actor without
+  any error: a worker still mapping the dead arena would copy through it --
+  promotions serving another block's KV, spills committing slots nobody
+  wrote. A call naming another incarnation raises ArenaMovedError before
+  any lease is granted.
+- **Each lease ends once, the right way.** ``commit`` takes write leases
+  only; a batch naming an unknown or ended lease, one id twice, or a lease
+  of the wrong kind raises LeaseError and changes nothing.
+- **What is measured.** A batch's offload latency runs from its first grant
+  to its commit (spill) or release (promote): the time a worker's copy
+  holds the slots, which is what the ``spill`` / ``promote`` histograms
+  show.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvstore.events import Medium
+from kvstore.tiers.blocks import SlotGrant
+from kvstore.tiers.cpu_arena import CpuArena, Lease, LeaseKind
+from kvstore.tiers.errors import ArenaMovedError, LeaseError
+from kvstore.tiers.stats import PROMOTE, SPILL, StoreCounters
+
+
+class LeaseBook:
+    """The grants handed out on one arena: their incarnation check, their ending, their timing.
+
+    Mutates the arena's leases and the store's ``counters`` (bytes and seconds
+    of spills and promotions). Drive it from the store's event loop.
+    """
+
+    def __init__(self, cpu: CpuArena, counters: StoreCounters, block_bytes: int) -> None:
+        self._cpu = cpu
+        self._counters = counters
+        self._block_bytes = block_bytes
+        self._started: dict[int, float] = {}  # lease id -> when its batch was granted
+
+    def check_arena(self, arena: int | None) -> None:
+        """Raise ArenaMovedError unless ``arena`` is None or the incarnation of the arena the store holds."""
+        incarnation = self._cpu.slots.incarnation
+        if arena is not None and arena != incarnation:
+            raise ArenaMovedError(
+                f"the caller mapped arena incarnation {arena:#x}, the tier's is {incarnation:#x}: remap it"
+            )
+
+    def grant(self, lease: Lease, medium: Medium, now: float) -> SlotGrant:
+        """Hand ``lease`` out (``medium``: where its block was found), its batch granted at ``now``."""
+        self._started[lease.lease_id] = now
+        return SlotGrant(lease.lease_id, lease.slot, lease.meta.block_hash, medium)
+
+    def commit(self, lease_ids: Sequence[int]) -> list[Lease]:
+        """Publish written slots as cached blocks; returns their leases (now ended).
+
+        Raises LeaseError (changing nothing) if any id is not a live write lease.
+        """
+        leases = self._take(lease_ids)
+        for lease in leases:
+            if lease.kind is not LeaseKind.WRITE:
+                raise LeaseError(f"lease {lease.lease_id} is a {lease.kind.value} lease; this call takes write")
+        now = time.perf_counter()
+        for lease in leases:
+            self._cpu.commit(lease.lease_id)
+        self._counters.offload_bytes[SPILL] += len(leases) * self._block_bytes
+        self._observe(SPILL, [lease.lease_id for lease in leases], now)
+        return leases
+
+    def release(self, lease_ids: Sequence[int]) -> None:
+        """End leases: read leases after copying out, write leases to abandon a reservation.
+
+        Raises LeaseError (changing nothing) if any id is unknown or ended.
+        """
+        leases = self._take(lease_ids)
+        now = time.perf_counter()
+        reads = [lease.lease_id for lease in leases if lease.kind is LeaseKind.READ]
+        self._counters.offload_bytes[PROMOTE] += len(reads) * self._block_bytes
+        self._observe(PROMOTE, reads, now)
+        for lease in leases:
+            self._started.pop(lease.lease_id, None)
+            self._cpu.release(lease.lease_id)
+
+    def check_invariants(self) -> None:
+        """Assert that only live leases are being timed; raises AssertionError."""
+        assert all(self._cpu.holds(lease_id) for lease_id in self._started), "timing kept for an ended lease"
+
+    def _take(self, lease_ids: Sequence[int]) -> list[Lease]:
+        """The live leases ``lease_ids``; raises LeaseError for an unknown or ended one, or one named twice."""
+        leases = [self._cpu.lease(lease_id) for lease_id in lease_ids]
+        if len({lease.lease_id for lease in leases}) != len(leases):
+            raise LeaseError("a lease id is listed twice")
+        return leases
+
+    def _observe(self, direction: str, lease_ids: list[int], now: float) -> None:
+        starts = [self._started.pop(lease_id) for lease_id in lease_ids if lease_id in self._started]
+        if starts:
+            self._counters.offload_seconds[direction].observe(now - min(starts))

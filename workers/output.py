@@ -1,0 +1,121 @@
+"""From sampled tokens to a request's stream: finish rules, text, and the per-step chunk.
+
+A request of ``n`` choices is a :class:`RequestGroup` of ``n`` scheduler
+states (:class:`~kvstore.workers.scheduler.RequestState`), each carrying a
+:class:`ChoiceRecord`: its sampling state and its detokenizer. After each
+model step the worker hands every sampled token to :meth:`ChoiceRecord.accept`,
+which decides, as vLLM does, whether the choice ends:
+
+- an EOS id (unless ``ignore_eos``) or one of ``stop_token_ids`` ends it
+  with ``stop`` (the token stays in ``token_ids``; special tokens are not
+  in the text);
+- a stop string ends it with ``stop``, the text cut before it (after it
+  with ``include_stop_str_in_output``);
+- none of these count before ``min_tokens`` tokens exist (the sampler
+  masks EOS and stop ids until then; stop strings are not searched);
+- ``max_tokens`` tokens end it with ``length``.
+
+Not thread-safe: the step loop owns every record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.events import MEDIA, Medium
+from kvstore.openai.detokenizer import IncrementalDetokenizer
+from kvstore.openai.tokenizer import Tokenizer
+from kvstore.worker_api import ChoiceDelta, FinishReason, RequestStats, SamplingParams, StreamChunk, TokenLogprob
+from kvstore.workers.sampler import ChoiceSampling, SamplingDefaults
+from kvstore.workers.scheduler import RequestState
+from kvstore.workers.stream import RequestStream
+
+
+class ChoiceRecord:
+    """One choice's sampling and text (``RequestState.output``)."""
+
+    def __init__(
+        self,
+        group: RequestGroup,
+        index: int,
+        params: SamplingParams,
+        defaults: SamplingDefaults,
+        tokenizer: Tokenizer,
+        eos_token_ids: Sequence[int],
+        prompt_ids: Sequence[int],
+    ) -> None:
+        self.group = group
+        self.index = index
+        self.sampling = ChoiceSampling(
+            params, defaults, index=index, prompt_ids=prompt_ids, eos_token_ids=eos_token_ids
+        )
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            context=prompt_ids,
+        )
+        self.want_logprobs = params.logprobs is not None
+
+    def accept(self, state: RequestState, token: int, logprob: TokenLogprob | None) -> ChoiceDelta:
+        """Record a sampled token; returns what to stream, with the finish reason once the choice is done."""
+        state.output_token_ids.append(token)
+        count = len(state.output_token_ids)
+        counts = count >= self.sampling.min_tokens
+        if counts and token in self.sampling.eos_token_ids:
+            state.finish(FinishReason.STOP)
+        elif counts and token in self.sampling.stop_token_ids:
+            state.finish(FinishReason.STOP, token)
+        text, stop = self.detokenizer.push([token], search_stop=counts and not state.is_finished)
+        if stop is not None:
+            state.finish(FinishReason.STOP, stop)
+        elif count >= state.max_tokens:
+            state.finish(FinishReason.LENGTH)
+        if state.is_finished:
+            text += self.detokenizer.finish()
+        logprobs = [logprob] if self.want_logprobs and logprob is not None else None
+        return ChoiceDelta(self.index, [token], text, logprobs, state.finish_reason, state.stop_reason)
+
+
+class RequestGroup:
+    """The choices of one request, its stream, and the numbers its stats are made of."""
+
+    def __init__(self, request_id: str, stream: RequestStream, arrival: float) -> None:
+        self.request_id = request_id
+        self.stream = stream
+        self.arrival = arrival
+        self.choices: list[RequestState] = []
+
+    @property
+    def done(self) -> bool:
+        return all(state.is_finished for state in self.choices)
+
+    def chunk(self, deltas: list[ChoiceDelta], replica: str, now: float) -> StreamChunk:
+        """This step's deltas, with the stats once every choice is done."""
+        return StreamChunk(self.request_id, deltas, self.stats(replica, now) if self.done else None)
+
+    def abort_deltas(self) -> list[ChoiceDelta]:
+        """Close every unfinished choice with ``abort`` (the request was cancelled or the worker stops)."""
+        deltas = []
+        for index, state in enumerate(self.choices):
+            if not state.is_finished:
+                state.finish(FinishReason.ABORT)
+                deltas.append(ChoiceDelta(index, [], "", None, FinishReason.ABORT))
+        return deltas
+
+    def stats(self, replica: str, now: float) -> RequestStats:
+        first = self.choices[0]
+        scheduled = [s.first_scheduled for s in self.choices if s.first_scheduled is not None]
+        tokens = [s.first_token for s in self.choices if s.first_token is not None]
+        by_medium: dict[Medium, int] = dict(first.cached_tokens_by_medium or dict.fromkeys(MEDIA, 0))
+        return RequestStats(
+            replica=replica,
+            prompt_tokens=first.prompt_tokens,
+            completion_tokens=sum(len(s.output_token_ids) for s in self.choices),
+            cached_tokens_by_medium=by_medium,
+            queue_s=(min(scheduled) if scheduled else now) - self.arrival,
+            ttft_s=(min(tokens) if tokens else now) - self.arrival,
+            total_s=now - self.arrival,
+            preempted=sum(s.num_preemptions for s in self.choices),
+        )

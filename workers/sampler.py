@@ -1,0 +1,180 @@
+"""Picking each choice's next token from the model's logits, with vLLM's sampling semantics.
+
+Per row (one choice that reached the end of its sequence this step), in
+vLLM's order: ``logit_bias`` is added; EOS and the stop token ids are
+masked while fewer than ``min_tokens`` tokens exist; the repetition
+penalty (prompt and output tokens: divide a positive logit, multiply a
+negative one) and the frequency and presence penalties (output tokens,
+OpenAI's subtraction) apply; then temperature 0 takes the argmax, and any
+other temperature scales, drops tokens under ``min_p`` x the best one's
+probability, keeps the ``top_k`` best and the smallest set reaching
+``top_p``, and draws from what is left.
+
+Reproducibility: a seeded choice draws only from its own
+``torch.Generator`` (seed + choice index), one draw per token, so its
+output does not depend on what else shares the batch or which replica
+serves it. Unseeded choices share the sampler's generator.
+
+Logprobs are those of the raw model distribution (before any of the
+above), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvstore.worker_api import SamplingParams, TokenLogprob
+
+
+class SamplingDefaults(NamedTuple):
+    """A model's defaults for the fields a request leaves unset (``generation_config.json``, or greedy)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+GREEDY = SamplingDefaults(temperature=0.0)
+
+
+class ChoiceSampling:
+    """One choice's resolved parameters and the state penalties need. Owned by the step loop."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        defaults: SamplingDefaults,
+        *,
+        index: int,
+        prompt_ids: Sequence[int],
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        def pick(value: float | int | None, default: float | int) -> float:
+            return float(default if value is None else value)
+
+        self.temperature = pick(params.temperature, defaults.temperature)
+        self.top_p = pick(params.top_p, defaults.top_p)
+        top_k = int(pick(params.top_k, defaults.top_k))
+        self.top_k = top_k if top_k > 0 else 0
+        self.min_p = pick(params.min_p, defaults.min_p)
+        self.repetition_penalty = pick(params.repetition_penalty, defaults.repetition_penalty)
+        self.presence_penalty = params.presence_penalty
+        self.frequency_penalty = params.frequency_penalty
+        self.logprobs = params.logprobs
+        self.min_tokens = params.min_tokens
+        self.logit_bias = dict(params.logit_bias or {})
+        self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
+        self.stop_token_ids = tuple(params.stop_token_ids)
+        self._blocked = sorted({*self.eos_token_ids, *self.stop_token_ids})
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device="cpu").manual_seed((params.seed + index) % 2**63)
+        self._prompt = frozenset(prompt_ids)
+        self.output_counts: Counter[int] = Counter()
+        self.num_output = 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits: nothing here changes them."""
+        return (
+            self.temperature == 0.0
+            and self.repetition_penalty == 1.0
+            and not self.presence_penalty
+            and not self.frequency_penalty
+            and not self.logit_bias
+            and not (self._blocked and self.num_output < self.min_tokens)
+        )
+
+    def record(self, token_id: int) -> None:
+        self.output_counts[token_id] += 1
+        self.num_output += 1
+
+    def process(self, row: torch.Tensor) -> None:
+        """Bias, min_tokens and penalties, in place on one row of float32 logits."""
+        if self.logit_bias:
+            ids = torch.tensor(list(self.logit_bias), dtype=torch.long)
+            row.index_add_(0, ids, torch.tensor(list(self.logit_bias.values()), dtype=row.dtype))
+        if self._blocked and self.num_output < self.min_tokens:
+            row[self._blocked] = float("-inf")
+        if self.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(self._prompt | self.output_counts.keys()), dtype=torch.long)
+            values = row[seen]
+            penalty = self.repetition_penalty
+            row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+        if (self.presence_penalty or self.frequency_penalty) and self.output_counts:
+            ids = torch.tensor(list(self.output_counts), dtype=torch.long)
+            counts = torch.tensor(list(self.output_counts.values()), dtype=row.dtype)
+            row[ids] -= self.frequency_penalty * counts + self.presence_penalty
+
+    def draw(self, row: torch.Tensor, shared: torch.Generator) -> int:
+        """Temperature, min_p, top_k and top_p on processed logits, then one draw."""
+        if self.temperature == 0.0:
+            return int(row.argmax())
+        row = row / self.temperature
+        if self.min_p > 0.0:
+            probs = torch.softmax(row, dim=-1)
+            row = row.masked_fill(probs < self.min_p * probs.max(), float("-inf"))
+        if self.top_k and self.top_k < row.numel():
+            kth = torch.topk(row, self.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if self.top_p < 1.0:
+            ordered, order = torch.sort(row)
+            cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+            drop = cumulative <= 1.0 - self.top_p
+            drop[-1] = False  # the best token always stays
+            row = row.clone()
+            row[order[drop]] = float("-inf")
+        probs = torch.softmax(row, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator or shared))
+
+
+class Sampler:
+    """Samples one token per row. Not thread-safe: the worker's step loop owns it."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._shared = torch.Generator(device="cpu")
+        if seed is None:
+            self._shared.seed()
+        else:
+            self._shared.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[ChoiceSampling]) -> list[tuple[int, TokenLogprob | None]]:
+        """``logits`` is float ``[len(rows), vocab]``; returns each row's token and, when asked, its logprobs."""
+        assert logits.shape[0] == len(rows), "one row of logits per choice"
+        if not rows:
+            return []
+        logits = logits.float().cpu()
+        raw = torch.log_softmax(logits, dim=-1) if any(r.logprobs is not None for r in rows) else None
+        if all(r.plain_greedy for r in rows):
+            tokens = [int(t) for t in logits.argmax(dim=-1).tolist()]
+        else:
+            tokens = []
+            for index, choice in enumerate(rows):
+                if choice.plain_greedy:
+                    tokens.append(int(logits[index].argmax()))
+                    continue
+                row = logits[index].clone()
+                choice.process(row)
+                tokens.append(choice.draw(row, self._shared))
+        out: list[tuple[int, TokenLogprob | None]] = []
+        for index, (choice, token) in enumerate(zip(rows, tokens, strict=True)):
+            choice.record(token)
+            logprob = None
+            if raw is not None and choice.logprobs is not None:
+                logprob = _logprob(raw[index], token, choice.logprobs)
+            out.append((token, logprob))
+        return out
+
+
+def _logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    alternatives: list[tuple[int, float]] = []
+    if top > 0:
+        values, ids = torch.topk(row, min(top, row.numel()))
+        alternatives = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return TokenLogprob(token, float(row[token]), alternatives)
