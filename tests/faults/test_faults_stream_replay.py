@@ -12,6 +12,7 @@ complete replay, or no end marker and falls back to a snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -65,55 +66,52 @@ def read_reply(
     return seqs, False
 
 
+@contextlib.contextmanager
+def replay_asked(
+    ctx: zmq.Context[zmq.Socket[bytes]], batches: int, tokens: int = PAYLOAD_TOKENS
+) -> Iterator[tuple[ZmqEventPublisher, zmq.Socket[bytes]]]:
+    """A publisher holding ``batches`` batches (its whole buffer), and a DEALER that has asked for all of them."""
+    publisher = ZmqEventPublisher(EventsConfig(buffer_batches=batches), context=ctx)
+    dealer = None
+    try:
+        for i in range(batches):
+            publisher.publish(batch(i, tokens))
+        assert publisher.flush(30)
+        dealer = ask_replay(ctx, publisher.replay_endpoint, 0)
+        yield publisher, dealer
+    finally:
+        if dealer is not None:
+            dealer.close(linger=0)
+        publisher.close()
+
+
+def missing(seqs: list[int]) -> int:
+    """Batches missing before the last one received."""
+    return len(set(range(seqs[-1] + 1)) - set(seqs)) if seqs else 0
+
+
 def test_a_consumer_that_reads_late_gets_every_buffered_batch_then_the_end(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    publisher = ZmqEventPublisher(EventsConfig(buffer_batches=5_000), context=ctx)
-    dealer = None
-    try:
-        for i in range(5_000):
-            publisher.publish(batch(i))
-        assert publisher.flush(30)
-        dealer = ask_replay(ctx, publisher.replay_endpoint, 0)
+    with replay_asked(ctx, 5_000) as (_, dealer):
         time.sleep(1.0)  # reads late: the reply piles up against the socket's high-water mark
         seqs, ended = read_reply(dealer, quiet_s=3.0)
         print(f"\nlate reader: {len(seqs)} of 5,000 batches, end marker {'received' if ended else 'missing'}")
         assert seqs == list(range(5_000)), f"{len(seqs)} of 5,000, first missing {min(set(range(5_000)) - set(seqs))}"
         assert ended
-    finally:
-        if dealer is not None:
-            dealer.close(linger=0)
-        publisher.close()
 
 
 def test_a_consumer_slower_than_the_replay_gets_no_silent_hole(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    publisher = ZmqEventPublisher(EventsConfig(buffer_batches=20_000), context=ctx)
-    dealer = None
-    try:
-        for i in range(20_000):
-            publisher.publish(batch(i, tokens=64))
-        assert publisher.flush(30)
-        dealer = ask_replay(ctx, publisher.replay_endpoint, 0)
+    with replay_asked(ctx, 20_000, tokens=64) as (_, dealer):
         seqs, ended = read_reply(dealer, quiet_s=3.0, pace_s=0.00005)
-        holes = len(set(range(seqs[-1] + 1)) - set(seqs))
-        print(f"\nslow reader: {len(seqs)} of 20,000 batches, {holes} missing before the last one received, "
+        print(f"\nslow reader: {len(seqs)} of 20,000 batches, {missing(seqs)} missing before the last one received, "
               f"end marker {'received' if ended else 'missing'}")  # fmt: skip
-        assert seqs == list(range(len(seqs))), f"a hole in the replay: {holes} batches missing"
+        assert seqs == list(range(len(seqs))), f"a hole in the replay: {missing(seqs)} batches missing"
         assert ended and len(seqs) == 20_000
-    finally:
-        if dealer is not None:
-            dealer.close(linger=0)
-        publisher.close()
 
 
 def test_a_replay_that_cannot_be_completed_sends_no_end_marker(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    publisher = ZmqEventPublisher(EventsConfig(buffer_batches=5_000), context=ctx)
-    dealer = None
-    try:
-        for i in range(5_000):
-            publisher.publish(batch(i))
-        assert publisher.flush(30)
-        dealer = ask_replay(ctx, publisher.replay_endpoint, 0)
+    with replay_asked(ctx, 5_000) as (publisher, dealer):
         head, _ = read_reply(dealer, quiet_s=3.0, limit=5)
         assert head == [0, 1, 2, 3, 4]
         # The consumer stalls while the producer publishes a whole buffer's worth more: the batches
@@ -124,12 +122,7 @@ def test_a_replay_that_cannot_be_completed_sends_no_end_marker(ctx: zmq.Context[
         time.sleep(0.5)
         rest, ended = read_reply(dealer, quiet_s=3.0)
         seqs = head + rest
-        holes = len(set(range(seqs[-1] + 1)) - set(seqs))
-        print(f"\nstalled reader: {len(seqs)} of 5,000 batches, {holes} missing before the last one received, "
-              f"end marker {'received' if ended else 'missing'}")  # fmt: skip
-        assert seqs == list(range(len(seqs))), f"a hole in the replay: {holes} batches missing"
+        print(f"\nstalled reader: {len(seqs)} of 5,000 batches, {missing(seqs)} missing before the last one "
+              f"received, end marker {'received' if ended else 'missing'}")  # fmt: skip
+        assert seqs == list(range(len(seqs))), f"a hole in the replay: {missing(seqs)} batches missing"
         assert not ended or len(seqs) == 5_000, "the end marker after an incomplete replay"
-    finally:
-        if dealer is not None:
-            dealer.close(linger=0)
-        publisher.close()
