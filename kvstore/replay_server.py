@@ -245,16 +245,18 @@ class SyncServer:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        timeout: int | None = None
         while True:
-            timeout = None
-            if self._active:
-                timeout = 0 if self._send_round() else _BLOCKED_POLL_MS
             ready = dict(poller.poll(timeout))
             if self._wake_rx in ready:
                 return
             if self._socket in ready:
                 self._accept()
             self._fill_slots()
+            timeout = None
+            if self._active:
+                timeout = 0 if self._send_round() else _BLOCKED_POLL_MS
+                self._fill_slots()  # the slots finished replies freed: each round ends with the limits' invariant
 
     def _accept(self) -> None:
         for _ in range(_ACCEPT):

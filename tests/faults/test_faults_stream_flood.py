@@ -3,9 +3,10 @@
 The producer is a real ZmqEventPublisher with the default EventsConfig, in
 its own process (:class:`PublisherProcess`): its replay buffer is full
 (10,000 batches, so every replay is long) and it publishes a live batch
-every 10 ms. Two DEALERs flood its ROUTER socket with requests as fast as
-ZeroMQ takes them -- one reads every reply, one never reads -- while a
-plain SUB socket times the live batches. Live batches must keep arriving
+every 10 ms. Two DEALERs, each in a process of its own, flood its ROUTER
+socket with requests as fast as ZeroMQ takes them -- one reads every reply,
+one never reads -- while a plain SUB socket in this process times the live
+batches (with the flooders elsewhere, nothing here competes with it). Live batches must keep arriving
 during the flood and after it, and the flood must not grow the producer's
 memory without bound.
 """
@@ -13,17 +14,17 @@ memory without bound.
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 import time
 
 import zmq
 from faults_helpers import PublisherProcess
 
-from kvstore.publisher import SNAPSHOT_REQUEST
-
 FLOOD_S = 3.0
 AFTER_S = 2.0
-MAX_LIVE_GAP_S = 1.0  # "a few seconds" at most, the issue says; the stream normally ticks every 10 ms
+MAX_LIVE_GAP_S = 1.5  # "a few seconds" at most, says the issue; ticks are 10 ms apart, up to 0.5 s on a loaded host
 MAX_RSS_GROWTH = 128 * 2**20
 
 
@@ -57,25 +58,31 @@ class LiveClock:
         self._sub.close(linger=0)
 
 
-def flood(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, until: float, *, read: bool, sent: list[int]) -> None:
-    """Send replay-from-0 and snapshot requests on one DEALER until ``until``; ``read``: drain the replies."""
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    requests = [(b"", (0).to_bytes(8, "big")), (b"", SNAPSHOT_REQUEST)]
-    count = 0
+_FLOOD = """
+import sys, time, zmq
+endpoint, seconds, read = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "read"
+dealer = zmq.Context.instance().socket(zmq.DEALER)
+dealer.setsockopt(zmq.LINGER, 0)
+dealer.connect(endpoint)
+requests = [(b"", (0).to_bytes(8, "big")), (b"", b"snapshot")]
+count, until = 0, time.monotonic() + seconds
+while time.monotonic() < until:
     try:
-        while time.monotonic() < until:
-            try:
-                dealer.send_multipart(requests[count % 2], zmq.NOBLOCK)
-                count += 1
-            except zmq.Again:
-                time.sleep(0.001)
-            while read and dealer.poll(0):
-                dealer.recv_multipart()
-    finally:
-        sent.append(count)
-        dealer.close(linger=0)
+        dealer.send_multipart(requests[count % 2], zmq.NOBLOCK)
+        count += 1
+    except zmq.Again:
+        time.sleep(0.001)
+    while read and dealer.poll(0):
+        dealer.recv_multipart()
+print(count, flush=True)
+"""
+
+
+def flood(endpoint: str, seconds: float, *, read: bool) -> subprocess.Popen[str]:
+    """A process sending replay-from-0 and snapshot requests on one DEALER for ``seconds``; prints how many.
+    ``read``: it also drains the replies (else it never reads one)."""
+    args = [sys.executable, "-c", _FLOOD, endpoint, str(seconds), "read" if read else "ignore"]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
 
 
 def test_a_replay_flood_does_not_starve_the_live_stream() -> None:
@@ -85,22 +92,15 @@ def test_a_replay_flood_does_not_starve_the_live_stream() -> None:
     try:
         time.sleep(1.0)  # the SUB joins; the live stream ticks
         rss_before = producer.rss()
+        flooders = [flood(producer.replay_endpoint, FLOOD_S, read=read) for read in (True, False)]
         start = time.monotonic()
-        sent: list[int] = []
-        flooders = [
-            threading.Thread(target=flood, args=(ctx, producer.replay_endpoint, start + FLOOD_S),
-                             kwargs={"read": read, "sent": sent}, daemon=True)
-            for read in (True, False)
-        ]  # fmt: skip
-        for thread in flooders:
-            thread.start()
-        for thread in flooders:
-            thread.join(timeout=FLOOD_S + 5)
+        sent = [int(process.communicate(timeout=FLOOD_S + 30)[0]) for process in flooders]
+        flood_end = time.monotonic()
         time.sleep(AFTER_S)
         end = time.monotonic()
         rss_growth = producer.rss() - rss_before
-        during = clock.longest_gap(start, start + FLOOD_S)
-        after = clock.longest_gap(start + FLOOD_S, end)
+        during = clock.longest_gap(start, flood_end)
+        after = clock.longest_gap(flood_end, end)
         in_window = [seq for t, seq in clock.arrivals if start <= t <= end]
         print(
             f"\nflood: {sum(sent)} requests in {FLOOD_S:.0f} s from 2 DEALERs; live batches in the window: "
