@@ -51,7 +51,8 @@ SNAPSHOT_REQUEST = b"snapshot"
 MAX_ACTIVE = 4
 MAX_WAITING = 64
 STALL_S = 2.0
-"""A session whose consumer accepts nothing for this long is abandoned (as long as a subscriber waits for a reply)."""
+"""A session whose consumer accepts nothing for this long is abandoned: our subscribers give a reply that long
+(``EventListener``'s default ``sync_timeout_s``) before they ask again on a new socket."""
 _SLICE = 64  # messages one session sends before the next session's turn
 _ACCEPT = 64  # requests read per round, so that reading a flood is bounded work too
 _BLOCKED_POLL_MS = 2  # how long the thread sleeps while every reply waits for its consumer to read
