@@ -8,14 +8,15 @@ each owner registers its collectors in the registry it serves.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvstore.kv_cache_manager import KVCacheManager
-from kvstore.subscriber import EventListener
+from kvstore.subscriber import LAG_BUCKETS_S, EventListener
 
 # The load signals a worker exports and the router's HTTP backend reads (beside vLLM's names for them).
 REQUESTS_RUNNING = "kvstore_requests_running"
@@ -59,7 +60,11 @@ class CacheCollector(Collector):
 
 
 class EventStreamCollector(Collector):
-    """Per-producer health of an EventListener: events, gaps, decode errors, lag."""
+    """Per-producer health of an EventListener: events, gaps, decode errors, lag and staleness.
+
+    Lag is a histogram of every applied batch's lag, so an idle producer adds
+    nothing to it; how long a producer has been silent is the staleness gauge.
+    """
 
     def __init__(self, listener: EventListener, prefix: str = "kvstore_router") -> None:
         self._listener = listener
@@ -73,16 +78,27 @@ class EventStreamCollector(Collector):
             f"{p}_decode_errors", "Frames or events that could not be decoded.", labels=["producer"]
         )
         resyncs = CounterMetricFamily(f"{p}_resyncs", "Replays and snapshots requested.", labels=["producer", "kind"])
-        lag = GaugeMetricFamily(f"{p}_event_lag_seconds", "Age of the last applied batch.", labels=["producer"])
+        lag = HistogramMetricFamily(
+            f"{p}_event_lag_seconds",
+            "Time from a batch's timestamp (the producer's clock) to its application in the index, per batch.",
+            labels=["producer"],
+        )
+        staleness = GaugeMetricFamily(
+            f"{p}_event_staleness_seconds",
+            "Seconds since the producer's last batch was applied (since it was subscribed, before any).",
+            labels=["producer"],
+        )
+        bounds = [repr(bound) for bound in LAG_BUCKETS_S] + ["+Inf"]
         for h in self._listener.health():
             events.add_metric([h.producer], h.events)
             gaps.add_metric([h.producer], h.gaps)
             errors.add_metric([h.producer], h.decode_errors + h.skipped_events)
             resyncs.add_metric([h.producer, "replay"], h.replays)
             resyncs.add_metric([h.producer, "snapshot"], h.snapshots)
-            if h.lag_s is not None:
-                lag.add_metric([h.producer], h.lag_s)
-        yield from (events, gaps, errors, resyncs, lag)
+            cumulative = [float(c) for c in itertools.accumulate(h.lag_counts)]
+            lag.add_metric([h.producer], list(zip(bounds, cumulative, strict=True)), sum_value=h.lag_sum_s)
+            staleness.add_metric([h.producer], h.staleness_s)
+        yield from (events, gaps, errors, resyncs, lag, staleness)
 
 
 def render(registry: CollectorRegistry) -> bytes:

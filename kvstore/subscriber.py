@@ -20,10 +20,21 @@ A replay or snapshot whose reply pauses for ``sync_timeout_s`` (the producer
 stalled, or gave the reply up without its end marker) is asked for again, as
 :class:`~kvstore.producer_stream.ProducerStream` says; what the consumer
 holds meanwhile is never reset.
+
+Two clocks per producer, kept apart because they answer different
+questions. Lag is per applied batch: from the batch's ``ts`` (the
+producer's wall clock when it published) to the moment the sink has applied
+it -- network, queueing, a replay's wait and the apply itself. It compares
+two machines' wall clocks, so it is as exact as they agree (NTP: a few
+milliseconds); skew that would make it negative counts as 0. Staleness is
+how long the producer has been silent: time since its last batch was
+applied. An idle producer has growing staleness and no new lag, so an alert
+on lag stays quiet while the fleet is.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import threading
@@ -41,6 +52,25 @@ from kvstore.producer_stream import Action, Apply, ProducerStream, RequestReplay
 from kvstore.publisher import END_SEQ, SNAPSHOT_REQUEST
 
 logger = logging.getLogger(__name__)
+
+LAG_BUCKETS_S: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+"""Upper bounds of the lag histogram: live batches land in milliseconds; replayed ones can be a minute old."""
 
 
 class CurveKeyPair(NamedTuple):
@@ -88,9 +118,12 @@ class ProducerHealth(NamedTuple):
 
     producer: str
     endpoint: str
-    connected_since: float  # monotonic
-    last_batch_at: float | None  # monotonic time of the last applied batch
-    lag_s: float | None  # wall clock now - ts of the last applied batch
+    connected_since: float  # wall clock (Unix seconds) when it was subscribed
+    last_batch_at: float | None  # wall clock when its last batch was applied
+    lag_s: float | None  # of its last applied batch: applied at - the batch's ts (>= 0)
+    lag_counts: tuple[int, ...]  # applied batches per lag bucket (LAG_BUCKETS_S, then +Inf), not cumulative
+    lag_sum_s: float  # the lags of all applied batches, summed
+    staleness_s: float  # seconds since its last batch was applied (since it was subscribed, before any)
     next_seq: int
     batches: int
     events: int
@@ -130,13 +163,30 @@ class _Producer:
         self.monitor: zmq.Socket[bytes] | None = None  # the SUB's connection events (disconnects)
         self.dealer: zmq.Socket[bytes] | None = None
         self.sync_deadline: float | None = None
-        self.connected_since = time.monotonic()
-        self.last_batch_at: float | None = None
-        self.last_ts: float | None = None
+        self.connected_since = time.time()
+        self.connected_mono = time.monotonic()
+        self.last_batch_at: float | None = None  # wall clock, for people (/workers)
+        self.last_batch_mono: float | None = None  # for staleness: immune to the wall clock's steps
+        self.last_lag_s: float | None = None
+        self.lag_counts = [0] * (len(LAG_BUCKETS_S) + 1)
+        self.lag_sum_s = 0.0
         self.batches = 0
         self.events = 0
         self.skipped_events = 0
         self.decode_errors = 0
+
+    def applied(self, ts: float) -> None:
+        """Time a batch the sink has just applied; ``ts``: its timestamp (the producer's wall clock)."""
+        now = time.time()
+        self.last_batch_at = now
+        self.last_batch_mono = time.monotonic()
+        lag = max(0.0, now - ts)
+        self.last_lag_s = lag
+        self.lag_counts[bisect.bisect_left(LAG_BUCKETS_S, lag)] += 1
+        self.lag_sum_s += lag
+
+    def staleness_s(self, now_mono: float) -> float:
+        return max(0.0, now_mono - (self.connected_mono if self.last_batch_mono is None else self.last_batch_mono))
 
 
 class EventListener:
@@ -216,16 +266,17 @@ class EventListener:
         self._producers.clear()
 
     def health(self) -> list[ProducerHealth]:
-        now_wall = time.time()
+        """Every producer's stream now; read from another thread, so counters may be a batch apart."""
+        now = time.monotonic()
         out = []
         for p in list(self._producers.values()):
             s = p.stream
             out.append(
                 ProducerHealth(
-                    p.name, p.endpoint, p.connected_since, p.last_batch_at,
-                    None if p.last_ts is None else max(0.0, now_wall - p.last_ts),
-                    s.next_seq, p.batches, p.events, p.skipped_events, p.decode_errors,
-                    s.gaps, s.replays, s.snapshots, s.restarts, s.stale, s.lossy, s.syncing, s.sync_timeouts,
+                    p.name, p.endpoint, p.connected_since, p.last_batch_at, p.last_lag_s, tuple(p.lag_counts),
+                    p.lag_sum_s, p.staleness_s(now), s.next_seq, p.batches, p.events, p.skipped_events,
+                    p.decode_errors, s.gaps, s.replays, s.snapshots, s.restarts, s.stale, s.lossy, s.syncing,
+                    s.sync_timeouts,
                 )
             )  # fmt: skip
         return out
@@ -414,6 +465,5 @@ class EventListener:
         producer.batches += 1
         producer.events += len(decoded.batch.events)
         producer.skipped_events += decoded.skipped
-        producer.last_batch_at = time.monotonic()
-        producer.last_ts = decoded.batch.ts
         self._sink.apply_batch(producer.name, seq, decoded.batch)
+        producer.applied(decoded.batch.ts)

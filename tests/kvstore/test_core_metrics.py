@@ -11,7 +11,7 @@ from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager
 from kvstore.metrics import CacheCollector, EventStreamCollector, render
 from kvstore.producer_stream import SyncState
-from kvstore.subscriber import ProducerHealth
+from kvstore.subscriber import LAG_BUCKETS_S, ProducerHealth
 
 
 def make_manager(num_blocks: int) -> KVCacheManager:
@@ -60,8 +60,12 @@ def test_cache_collector_renders_usage_queries_and_hits() -> None:
 
 
 def test_event_stream_collector_renders_listener_health() -> None:
+    # 12 batches: 10 of them under 1 ms, 1 at 0.5 s, 1 past the last bound (a replay two minutes late).
+    counts = [0] * (len(LAG_BUCKETS_S) + 1)
+    counts[0], counts[LAG_BUCKETS_S.index(0.5)], counts[-1] = 10, 1, 1
     health = ProducerHealth(
-        producer="w0", endpoint="tcp://127.0.0.1:1", connected_since=0.0, last_batch_at=None, lag_s=0.5,
+        producer="w0", endpoint="tcp://127.0.0.1:1", connected_since=1.7e9, last_batch_at=1.7e9 + 9, lag_s=0.5,
+        lag_counts=tuple(counts), lag_sum_s=120.5, staleness_s=7.25,
         next_seq=12, batches=12, events=40, skipped_events=1, decode_errors=2, gaps=3, replays=4,
         snapshots=5, restarts=0, stale=0, lossy=0, syncing=None,
     )  # fmt: skip
@@ -78,12 +82,21 @@ def test_event_stream_collector_renders_listener_health() -> None:
     assert get("kvstore_router_decode_errors_total", {"producer": "w0"}) == 3
     assert get("kvstore_router_resyncs_total", {"producer": "w0", "kind": "replay"}) == 4
     assert get("kvstore_router_resyncs_total", {"producer": "w0", "kind": "snapshot"}) == 5
-    assert get("kvstore_router_event_lag_seconds", {"producer": "w0"}) == 0.5
+    # Lag is a histogram of applied batches (cumulative buckets); an idle producer's silence is its staleness.
+    assert get("kvstore_router_event_lag_seconds_bucket", {"producer": "w0", "le": "0.001"}) == 10
+    assert get("kvstore_router_event_lag_seconds_bucket", {"producer": "w0", "le": "0.25"}) == 10
+    assert get("kvstore_router_event_lag_seconds_bucket", {"producer": "w0", "le": "0.5"}) == 11
+    assert get("kvstore_router_event_lag_seconds_bucket", {"producer": "w0", "le": "60.0"}) == 11
+    assert get("kvstore_router_event_lag_seconds_bucket", {"producer": "w0", "le": "+Inf"}) == 12
+    assert get("kvstore_router_event_lag_seconds_count", {"producer": "w0"}) == 12
+    assert get("kvstore_router_event_lag_seconds_sum", {"producer": "w0"}) == 120.5
+    assert get("kvstore_router_event_staleness_seconds", {"producer": "w0"}) == 7.25
 
 
 def test_producer_health_reports_the_sync_state_as_its_plain_string() -> None:
     health = ProducerHealth(
         producer="w0", endpoint="tcp://127.0.0.1:1", connected_since=0.0, last_batch_at=None, lag_s=None,
+        lag_counts=(0,) * (len(LAG_BUCKETS_S) + 1), lag_sum_s=0.0, staleness_s=0.0,
         next_seq=3, batches=3, events=3, skipped_events=0, decode_errors=0, gaps=1, replays=1,
         snapshots=0, restarts=0, stale=0, lossy=0, syncing=SyncState.REPLAY,
     )  # fmt: skip
