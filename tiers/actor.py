@@ -80,7 +80,7 @@ class TierActor:
     async def metrics_text(self) -> bytes:
         """The store's metrics in Prometheus text format."""
         registry = CollectorRegistry()
-        registry.register(TierCollector(self._store.stats))
+        registry.register(TierCollector(self._store.stats, ray.get_runtime_context().get_node_id()))
         return render(registry)
 
     async def event_endpoints(self) -> EventEndpoints | None:

@@ -303,18 +303,18 @@ def test_metrics_names_and_values(tmp_path: Path) -> None:
         spill_all(link, metas, data)
         promote_all(link, metas[2:])
         registry = CollectorRegistry()
-        registry.register(TierCollector(client.stats))
+        registry.register(TierCollector(client.stats, "n0"))
         text = render(registry).decode()
         for line in (
-            'kvstore_tier_usage_bytes{medium="CPU"} 8192.0',
-            'kvstore_tier_hits_total{medium="CPU"} 1.0',
-            'kvstore_offload_bytes_total{direction="spill"} 12288.0',
-            'kvstore_offload_bytes_total{direction="disk_write"} 4096.0',
-            'kvstore_offload_seconds_count{direction="spill"} 2.0',  # one commit per arena-sized chunk: 2 blocks, 1
-            'kvstore_tier_evictions_total{medium="CPU"} 1.0',
+            'kvstore_tier_usage_bytes{medium="CPU",node="n0"} 8192.0',
+            'kvstore_tier_hits_total{medium="CPU",node="n0"} 1.0',
+            'kvstore_offload_bytes_total{direction="spill",node="n0"} 12288.0',
+            'kvstore_offload_bytes_total{direction="disk_write",node="n0"} 4096.0',
+            'kvstore_offload_seconds_count{direction="spill",node="n0"} 2.0',  # a commit per arena-sized chunk: 2, 1
+            'kvstore_tier_evictions_total{medium="CPU",node="n0"} 1.0',
         ):
             assert line in text, line
-        assert 'kvstore_tier_usage_bytes{medium="STORAGE"}' in text
+        assert 'kvstore_tier_usage_bytes{medium="STORAGE",node="n0"}' in text
 
 
 def test_callers_mistakes_raise_typed_errors(tmp_path: Path) -> None:
