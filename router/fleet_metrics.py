@@ -1,11 +1,19 @@
-"""One Prometheus page for the fleet: the replicas' own ``kvstore_*`` metrics, merged.
+"""One Prometheus page for the fleet: the replicas' and tiers' own ``kvstore_*`` metrics, merged.
 
-Each replica serves its metrics (pool usage, prefix-cache hits, preemptions,
-tier bandwidth) labelled with its name; the router's health loop keeps the
-last page of each. At scrape time these pages are parsed and merged family by
-family -- concatenating them would repeat HELP/TYPE lines, which Prometheus
-rejects. Only ``kvstore_`` families are merged, so a vLLM replica's own
-metrics stay on its own page.
+This page is the only place Prometheus finds kvstore's metrics: workers and
+tier actors serve theirs to the router (each replica labels its series
+``replica``, each node's tier ``node``), and the router's health loop keeps
+the last page of each. At scrape time these pages are parsed and merged
+family by family -- concatenating them would repeat HELP/TYPE lines, which
+Prometheus rejects. Only ``kvstore_`` families are merged, so a vLLM
+replica's own metrics stay on its own page.
+
+Two pages must never carry the same series: Prometheus would keep one value
+and drop the other without a word. The labels above prevent it; should a
+page lack them (say, a tier actor of an older version), the merge keeps the
+first page's sample and counts the rest in
+``kvstore_router_merge_dropped_total{reason="duplicate_series"}``, beside
+the pages that did not parse (``reason="unparsable_page"``).
 """
 
 from __future__ import annotations
@@ -14,24 +22,28 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "kvstore_"
+DROPPED = "kvstore_router_merge_dropped"
 
 
 class MergedPagesCollector(Collector):
-    """Yields the ``kvstore_`` families of every page ``pages()`` returns, merged by name."""
+    """Yields the ``kvstore_`` families of every page ``pages()`` returns, merged by name, each series once."""
 
     def __init__(self, pages: Callable[[], list[str]]) -> None:
         self._pages = pages
-        self.unparsable_pages = 0
+        self.unparsable_pages = 0  # pages that did not parse, over every scrape
+        self.duplicate_samples = 0  # samples dropped because an earlier page had the same series
+        self._warned: set[str] = set()  # families already logged as colliding (once each, not every scrape)
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
+        seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
         for page in self._pages():
             try:
                 families = list(text_string_to_metric_families(page))
@@ -44,8 +56,25 @@ class MergedPagesCollector(Collector):
                 into = merged.get(family.name)
                 if into is None:
                     into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
-                into.samples.extend(family.samples)
+                for sample in family.samples:
+                    key = (sample.name, frozenset(sample.labels.items()))
+                    if key in seen:
+                        self.duplicate_samples += 1
+                        if family.name not in self._warned:
+                            self._warned.add(family.name)
+                            logger.warning(
+                                "two metrics pages carry %s%s: the first is kept", sample.name, sample.labels
+                            )
+                        continue
+                    seen.add(key)
+                    into.samples.append(sample)
         yield from merged.values()
+        dropped = CounterMetricFamily(
+            DROPPED, "Samples and pages the merge of the fleet's pages left out.", labels=["reason"]
+        )
+        dropped.add_metric(["duplicate_series"], self.duplicate_samples)
+        dropped.add_metric(["unparsable_page"], self.unparsable_pages)
+        yield dropped
 
 
 class PageSources:
