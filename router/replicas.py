@@ -13,6 +13,7 @@ asyncio loop; the index and listener it drives are locked on their own.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -150,7 +151,7 @@ class ReplicaSet(Mapping[str, Replica]):
                     "inflight_prefill_tokens": r.prefill.inflight_tokens,
                     "outstanding_prefill_tokens": round(r.prefill.outstanding(now), 1),
                     "prefill_tokens_per_s": round(r.prefill.tokens_per_s, 1),
-                    "events": events._asdict() if events is not None else None,
+                    "events": _stream_json(events) if events is not None else None,
                 }
             )
         return out
@@ -159,3 +160,16 @@ class ReplicaSet(Mapping[str, Replica]):
         """Close every replica's backend."""
         for replica in self._replicas.values():
             await replica.spec.backend.close()
+
+
+def _stream_json(health: ProducerHealth) -> dict[str, Any]:
+    """A replica's event stream for people: times as UTC ISO 8601 (the lag histogram is on /metrics)."""
+    out = health._asdict()
+    del out["lag_counts"], out["lag_sum_s"]
+    out["connected_since"] = _utc(health.connected_since)
+    out["last_batch_at"] = None if health.last_batch_at is None else _utc(health.last_batch_at)
+    return out
+
+
+def _utc(unix_s: float) -> str:
+    return datetime.datetime.fromtimestamp(unix_s, datetime.UTC).isoformat(timespec="milliseconds")
