@@ -51,7 +51,7 @@ def test_tier_actor_on_the_local_node(ray_session: Any, tmp_path: Path) -> None:
         assert stats.offload_bytes["spill"] == 9 * IDENTITY.block_bytes and stats.blocks["CPU"] == 4
         ray.get(handle.check_invariants.remote(), timeout=30)
         text = ray.get(handle.metrics_text.remote(), timeout=30).decode()
-        assert 'kvstore_tier_usage_bytes{medium="CPU"}' in text
+        assert f'kvstore_tier_usage_bytes{{medium="CPU",node="{node_id}"}}' in text  # its node's, as merged
 
         endpoints = ray.get(handle.event_endpoints.remote(), timeout=30)
         assert ray.get(handle.flush_events.remote(), timeout=30)
