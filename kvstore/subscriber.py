@@ -53,23 +53,11 @@ from kvstore.publisher import END_SEQ, SNAPSHOT_REQUEST
 
 logger = logging.getLogger(__name__)
 
+# fmt: off
 LAG_BUCKETS_S: tuple[float, ...] = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
 )
+# fmt: on
 """Upper bounds of the lag histogram: live batches land in milliseconds; replayed ones can be a minute old."""
 
 
