@@ -50,7 +50,7 @@ def _drip(sock: socket.socket, data: bytes) -> None:
 
 
 def _idle_after_a_request(sock: socket.socket) -> None:
-    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
 
 
 CLIENTS: dict[str, Callable[[socket.socket], None]] = {
