@@ -112,15 +112,7 @@ def test_serve_embedded_then_sigint_leaves_nothing_behind(tmp_path: Path) -> Non
 
         # The official openai client, against the service a user runs: models, completions and chat, plain and
         # streamed, a cached repeated chat prompt, seeded sampling, a 404 for an unknown model.
-        for behaviour in (
-            check.models_list,
-            check.completions_plain_and_streamed,
-            check.chat_plain_and_streamed_and_cached,
-            check.seeded_sampling_is_reproducible,
-            check.async_client_streams,
-            check.unknown_model_is_404,
-            check.unsupported_fields_are_named,
-        ):
+        for behaviour in check.every_behaviour():
             behaviour(url, "kvstore-toy")
 
         proc.send_signal(signal.SIGINT)
