@@ -75,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
             supervisor = WorkerSupervisor(deployment)
             app = create_app(deployment.service, tasks=[supervisor.run])
             server = uvicorn.Server(server_config(app, config.router, lifespan="on"))
-            server.run(sockets=[sock])  # a signal ends it (uvicorn drains, then re-raises the signal to us)
+            # uvicorn catches SIGINT/SIGTERM itself while it serves, drains, and re-raises the signal on its way
+            # out, still inside its event loop: raising there would tear down its lifespan task mid-shutdown.
+            with signals.shielded():
+                server.run(sockets=[sock])
         except KeyboardInterrupt:  # StopRequested, or what Ray made of it inside a blocking call
             pass
         finally:
@@ -92,7 +95,7 @@ def _banner(config: Config, deployment: Deployment, url: str, arena: str) -> Non
     print(f"kvstore is serving {count} worker{'s' if count != 1 else ''} at {url}", flush=True)
     print(f"  model:       {config.router.model_name}", flush=True)
     print(f"  tiers:       {arena}", flush=True)
-    print(f"  completions: {url}/v1/completions   route: {url}/route", flush=True)
+    print(f"  openai api:  {url}/v1  (completions, chat/completions, models)   route: {url}/route", flush=True)
     print(f"  workers:     {url}/workers   health: {url}/healthz   metrics: {url}/metrics", flush=True)
     for worker in deployment.workers:
         print(f"  events {worker.name}: {worker.endpoint} (replay {worker.replay_endpoint})", flush=True)
