@@ -16,6 +16,12 @@ answers it, errors included, as it would without a router. What the router
 refuses itself: a body that is not a JSON object, and any text when no
 tokenizer is configured -- byte ids would be garbage to a real model, and
 routing on them would be routing on noise.
+
+Bounds: the body has already passed :mod:`kvstore.openai.bounds` (the
+router reads it with :func:`kvstore.openai.http.read_body`), so decoding it
+here, generically, builds a bounded number of values. A ``cache_salt`` longer
+than any name (:data:`~kvstore.openai.protocol.Name`) is not hashed: the body
+is routed on load alone and the replica judges it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import msgspec
 
 from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError
 from kvstore.openai.errors import ApiError
+from kvstore.openai.protocol import MAX_NAME_CHARS
 from kvstore.openai.tokenizer import Tokenizer
 
 NO_TOKENIZER = (
@@ -52,6 +59,8 @@ def read_for_routing(body: bytes, kind: Literal["completion", "chat"], tokenizer
     model = data.get("model") if isinstance(data.get("model"), str) else None
     salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) and data.get("cache_salt") else None
     stream = data.get("stream") is True
+    if salt is not None and len(salt) > MAX_NAME_CHARS:
+        return RoutingView(None, model, None, stream)
     tokens = _completion_tokens(data, tokenizer) if kind == "completion" else _chat_tokens(data, tokenizer)
     return RoutingView(tokens, model, salt, stream)
 
