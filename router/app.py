@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import hmac
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.http import ClientDisconnected, error_response, read_body, respond, until_disconnected
@@ -66,17 +68,7 @@ def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> Fast
 
     app = FastAPI(title="kvstore router", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if config.api_key and request.url.path not in _OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            expected = f"Bearer {config.api_key}"
-            if not hmac.compare_digest(header.encode(), expected.encode()):
-                return error_response(ApiError(401, "missing or wrong bearer token"))
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
-            return error_response(ApiError(413, f"request body larger than {config.max_body_bytes} bytes"))
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -150,6 +142,38 @@ def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> Fast
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class _Guard:
+    """The bearer token and the body size, checked before any route runs.
+
+    Plain ASGI on purpose: Starlette's ``@app.middleware("http")`` would pass
+    every chunk of every stream through an extra task and memory channel, a
+    large share of what relaying a stream costs the router.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str, max_body_bytes: int) -> None:
+        self._app = app
+        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refused = self._refusal(scope)
+            if refused is not None:
+                await error_response(refused)(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        headers = Headers(scope=scope)
+        expected, token = self._expected, headers.get("authorization", "").encode()
+        if expected is not None and scope["path"] not in _OPEN_PATHS and not hmac.compare_digest(token, expected):
+            return ApiError(401, "missing or wrong bearer token")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self._max_body_bytes):
+            return ApiError(413, f"request body larger than {self._max_body_bytes} bytes")
+        return None
 
 
 def _parse(service: RouterService, kind: Kind, body: bytes) -> ParsedRequest:

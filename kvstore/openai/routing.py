@@ -41,8 +41,35 @@ class RoutingView(NamedTuple):
     stream: bool
 
 
+class _TokenIdsBody(msgspec.Struct):
+    """A completion whose prompt is one list of token ids, the common case decoded in one typed pass.
+
+    Any other body fails this type and is read by the general path, which gives the same view.
+    """
+
+    prompt: list[int]
+    model: str | None = None
+    cache_salt: str | None = None
+    stream: Any = None
+
+
+_TOKEN_IDS_BODY = msgspec.json.Decoder(_TokenIdsBody)
+
+
 def read_for_routing(body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None) -> RoutingView:
     """The routing view of ``body``; ApiError(400) only for what no replica could serve (module docstring)."""
+    if kind == "completion":
+        try:  # a fifth of the general path's time for a 1k-token prompt: it is on every request's TTFT
+            ids = _TOKEN_IDS_BODY.decode(body)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            pass
+        else:
+            return RoutingView(ids.prompt, ids.model, ids.cache_salt or None, ids.stream is True)
+    return _read_any(body, kind, tokenizer)
+
+
+def _read_any(body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None) -> RoutingView:
+    """The general path of :func:`read_for_routing`, for every body."""
     try:
         data = msgspec.json.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
