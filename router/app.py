@@ -14,7 +14,9 @@ Two ways to serve a completion, by the kind of fleet:
 - external servers (vLLM, SGLang): the body is only read, to route it
   (:mod:`kvstore.openai.routing`), and forwarded byte for byte; status,
   body and SSE chunks come back as the replica sent them, and what the
-  router adds travels in ``x-kvstore-*`` headers.
+  router adds travels in ``x-kvstore-*`` headers. This path is plain ASGI
+  in front of the app (:mod:`kvstore.router.relay`), off the framework's
+  per-request and per-chunk costs.
 
 Every failure of the router's own is an OpenAI-style error body: 400 for bad
 input, 401 without the configured bearer token, 413 for an oversized body,
@@ -28,10 +30,9 @@ import hmac
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -42,14 +43,13 @@ from kvstore.openai.http import ClientDisconnected, error_response, read_body, r
 from kvstore.openai.protocol import ParsedRequest, decode_chat, decode_completion, parse_chat, parse_completion
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.routing import read_for_routing
+from kvstore.router.relay import Kind, RelayMiddleware
 from kvstore.router.response import kvstore_extras, medium_dict, routing_headers
 from kvstore.router.routing import Prompt
 from kvstore.router.service import RouterService
 from kvstore.worker_api import GenerateRequest
 
 _OPEN_PATHS = frozenset({"/healthz"})
-Kind = Literal["completion", "chat"]
-_PATHS: dict[Kind, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> FastAPI:
@@ -68,6 +68,8 @@ def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> Fast
 
     app = FastAPI(title="kvstore router", lifespan=lifespan, docs_url=None, redoc_url=None)
 
+    # Outermost first: the guard, then the relay (which serves the completion routes of an external fleet).
+    app.add_middleware(RelayMiddleware, service=service)
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
@@ -80,8 +82,6 @@ def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> Fast
 
     async def completion(request: Request, kind: Kind) -> Response:
         body = await read_body(request, config.max_body_bytes)
-        if service.forwards:
-            return await _relay(service, request, kind, body)
         try:
             parsed = _parse(service, kind, body)
         except ApiError:
@@ -215,27 +215,3 @@ async def _run(service: RouterService, request: Request, parsed: ParsedRequest) 
     )
     headers = routing_headers(opened.replica, opened.retried, routed)
     return await respond(request, builder, opened.chunks, headers=headers)
-
-
-async def _relay(service: RouterService, request: Request, kind: Kind, body: bytes) -> Response:
-    """Forward the client's body to an external replica and its answer back, both unchanged."""
-    view = read_for_routing(body, kind, service.tokenizer)
-    prompt = Prompt(view.token_ids or [], view.cache_salt)
-    routed = service.route(prompt)
-    relayed = await service.relay(prompt, routed, _PATHS[kind], body, request.headers)
-    upstream = relayed.upstream
-    headers = routing_headers(relayed.replica, relayed.retried, routed)
-    media_type = upstream.headers.get("content-type")
-    if media_type and media_type.startswith("text/event-stream"):
-        return StreamingResponse(upstream.body, status_code=upstream.status, headers=headers, media_type=media_type)
-    try:
-        content = await until_disconnected(request, _read_all(upstream.body))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        await upstream.body.aclose()  # type: ignore[attr-defined]
-    return Response(content, status_code=upstream.status, headers=headers, media_type=media_type)
-
-
-async def _read_all(body: AsyncIterator[bytes]) -> bytes:
-    return b"".join([data async for data in body])

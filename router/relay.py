@@ -1,0 +1,119 @@
+"""Completions in front of external replicas (vLLM, SGLang): the client's body forwarded, the answer relayed.
+
+The body is only read, to route it (:func:`~kvstore.openai.routing.read_for_routing`),
+and goes to the chosen replica byte for byte; the replica's status, body
+and SSE chunks come back as it sent them, with what the router adds in
+``x-kvstore-*`` headers (:func:`~kvstore.router.response.routing_headers`).
+
+This runs as plain ASGI in front of the FastAPI app rather than as one of
+its routes: every request and every chunk of every stream passes here, and
+the framework's request handling, response classes and per-chunk send
+wrappers would add a good part of what the router costs a stream's first
+token. What it answers itself: 400 for a body no replica could serve, 413
+beyond ``router.max_body_bytes``, 503 when no replica can take it (all as
+OpenAI error bodies). A client that disconnects -- mid-stream, or while a
+plain answer is still being computed -- closes the upstream connection,
+which is how the replica learns to abort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvstore.openai.errors import ApiError
+from kvstore.openai.http import ClientDisconnected, error_response, read_body, until_disconnected
+from kvstore.openai.routing import read_for_routing
+from kvstore.router.backends import Forwarded
+from kvstore.router.response import routing_headers
+from kvstore.router.routing import Prompt
+from kvstore.router.service import RouterService
+
+Kind = Literal["completion", "chat"]
+KINDS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
+
+class RelayMiddleware:
+    """Serves the completion routes itself while the fleet is external (:attr:`RouterService.forwards`)."""
+
+    def __init__(self, app: ASGIApp, *, service: RouterService) -> None:
+        self._app = app
+        self._service = service
+        self._max_body_bytes = service.config.router.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = KINDS.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if kind is None or not self._service.forwards:
+            await self._app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            answer, headers = await self._forward(request, kind)
+        except ApiError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        if headers.get("content-type", "").startswith("text/event-stream"):
+            await _stream(request, send, answer, headers)
+        else:
+            await _whole(request, send, answer, headers)
+
+    async def _forward(self, request: Request, kind: Kind) -> tuple[Forwarded, dict[str, str]]:
+        service = self._service
+        body = await read_body(request, self._max_body_bytes)
+        view = read_for_routing(body, kind, service.tokenizer)
+        prompt = Prompt(view.token_ids or [], view.cache_salt)
+        routed = service.route(prompt)
+        relayed = await service.relay(prompt, routed, request.scope["path"], body, request.headers)
+        headers = routing_headers(relayed.replica, relayed.retried, routed)
+        media_type = relayed.upstream.headers.get("content-type")
+        if media_type:
+            headers["content-type"] = media_type
+        return relayed.upstream, headers
+
+
+async def _stream(request: Request, send: Send, answer: Forwarded, headers: dict[str, str]) -> None:
+    """Each chunk to the client as it arrives; a client that leaves ends the relay (and the upstream request)."""
+    await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
+
+    async def pump() -> None:
+        async for data in answer.body:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    try:
+        await until_disconnected(request, pump())
+    except ClientDisconnected:
+        pass  # the upstream connection closes below: the replica aborts the request
+    finally:
+        await _close(answer.body)
+
+
+async def _whole(request: Request, send: Send, answer: Forwarded, headers: dict[str, str]) -> None:
+    """The whole answer, once the replica finished it (a client that leaves first closes the upstream request)."""
+    try:
+        content = await until_disconnected(request, _read_all(answer.body))
+    except ClientDisconnected:
+        await Response(status_code=499)(request.scope, request.receive, send)  # nobody reads it; for logs
+        return
+    finally:
+        await _close(answer.body)
+    headers["content-length"] = str(len(content))
+    await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
+    await send({"type": "http.response.body", "body": content, "more_body": False})
+
+
+def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+
+
+async def _read_all(body: AsyncIterator[bytes]) -> bytes:
+    return b"".join([data async for data in body])
+
+
+async def _close(body: AsyncIterator[bytes]) -> None:
+    """Close the relayed body (the dispatcher's generator: it settles the replica's books and the connection)."""
+    await body.aclose()  # type: ignore[attr-defined]
