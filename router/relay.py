@@ -18,6 +18,7 @@ which is how the replica learns to abort.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -27,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvstore.openai.errors import ApiError
 from kvstore.openai.http import ClientDisconnected, error_response, read_body, until_disconnected
-from kvstore.openai.routing import read_for_routing
+from kvstore.openai.routing import read_for_routing, read_token_ids
 from kvstore.router.backends import Forwarded
 from kvstore.router.response import routing_headers
 from kvstore.router.routing import Prompt
@@ -35,6 +36,7 @@ from kvstore.router.service import RouterService
 
 Kind = Literal["completion", "chat"]
 KINDS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+_INLINE_TEXT_BYTES = 2048  # shorter text tokenises faster than a hop to a thread and back
 
 
 class RelayMiddleware:
@@ -64,7 +66,13 @@ class RelayMiddleware:
     async def _forward(self, request: Request, kind: Kind) -> tuple[Forwarded, dict[str, str]]:
         service = self._service
         body = await read_body(request, self._max_body_bytes)
-        view = read_for_routing(body, kind, service.tokenizer)
+        view = read_token_ids(body) if kind == "completion" else None
+        if view is None and service.tokenizer is not None and len(body) > _INLINE_TEXT_BYTES:
+            # Tokenising releases the GIL: in a thread it runs beside the loop, which meanwhile relays
+            # every other stream's chunks instead of holding them back for milliseconds.
+            view = await asyncio.to_thread(read_for_routing, body, kind, service.tokenizer)
+        elif view is None:
+            view = read_for_routing(body, kind, service.tokenizer)
         prompt = Prompt(view.token_ids or [], view.cache_salt)
         routed = service.route(prompt)
         relayed = await service.relay(prompt, routed, request.scope["path"], body, request.headers)

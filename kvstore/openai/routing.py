@@ -59,13 +59,23 @@ _TOKEN_IDS_BODY = msgspec.json.Decoder(_TokenIdsBody)
 def read_for_routing(body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None) -> RoutingView:
     """The routing view of ``body``; ApiError(400) only for what no replica could serve (module docstring)."""
     if kind == "completion":
-        try:  # a fifth of the general path's time for a 1k-token prompt: it is on every request's TTFT
-            ids = _TOKEN_IDS_BODY.decode(body)
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-            pass
-        else:
-            return RoutingView(ids.prompt, ids.model, ids.cache_salt or None, ids.stream is True)
+        view = read_token_ids(body)
+        if view is not None:
+            return view
     return _read_any(body, kind, tokenizer)
+
+
+def read_token_ids(body: bytes) -> RoutingView | None:
+    """The routing view of a completion whose prompt is one list of token ids; None for any other body.
+
+    What :func:`read_for_routing` answers for such a body, in a fifth of the time for a 1k-token prompt
+    (one typed pass): it is on every request's TTFT. Never tokenises, never raises.
+    """
+    try:
+        ids = _TOKEN_IDS_BODY.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return None
+    return RoutingView(ids.prompt, ids.model, ids.cache_salt or None, ids.stream is True)
 
 
 def _read_any(body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None) -> RoutingView:

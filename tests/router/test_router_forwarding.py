@@ -340,14 +340,14 @@ def test_with_a_tokenizer_text_and_chat_route_on_the_replica_s_tokens(
     router: Router, replicas: dict[str, Replica], tokenizer_dir: Path
 ) -> None:
     hf = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    text = "The router sends each request to the replica that holds most of its prefix. " * 3
+    text = "The router sends each request to the replica that holds most of its prefix. " * 30  # > 2 KiB: a thread
     ids = hf.encode(text, add_special_tokens=True).ids
     body = json.dumps({"prompt": text, "max_tokens": 1}).encode()
     assert router.post("/route", body).json()["prompt_tokens"] == len(ids)
     response = router.post("/v1/completions", body)
     assert response.status_code == 200 and served_by(replicas, response).last_body == body
     assert response.headers["x-kvstore-prompt-blocks"] == str(math.ceil(len(ids) / BLOCK))
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text[:300]}]  # inline
     chatml = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     chat_ids = hf.encode(chatml + "<|im_start|>assistant\n", add_special_tokens=False).ids
     body = json.dumps({"messages": messages, "max_tokens": 1}).encode()
