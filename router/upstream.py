@@ -141,13 +141,12 @@ class UpstreamPool:
 
     async def _get(self) -> tuple[_Connection, bool]:
         now = time.monotonic()
-        while self._idle:
-            connection = self._idle.pop()  # the most recent: the least likely to have been closed by the replica
-            if (
-                now - connection.idle_since < self._idle_s
-                and not connection.reader.at_eof()
-                and not connection.writer.is_closing()
-            ):
+        idle = self._idle
+        while idle and now - idle[0].idle_since >= self._idle_s:  # the oldest first: a burst's leftovers
+            idle.popleft().close()
+        while idle:
+            connection = idle.pop()  # the most recent: the least likely to have been closed by the replica
+            if not connection.reader.at_eof() and not connection.writer.is_closing():
                 return connection, True
             connection.close()
         try:

@@ -191,3 +191,18 @@ async def _one_answer(raw: bytes, check: Callable[[UpstreamAnswer, bytes], bool]
     async with Script(answer(raw)) as s:
         result = await UpstreamPool(s.url, timeout_s=5).post("/x", b"", {})
         assert check(result, await read(result))
+
+
+def test_connections_idle_too_long_are_closed_not_reused() -> None:
+    async def main() -> None:
+        ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+        async with Script(*[answer(ok)] * 4) as s:
+            pool = UpstreamPool(s.url, timeout_s=5, idle_s=0.1)
+            first, second = await pool.post("/x", b"", {}), await pool.post("/x", b"", {})
+            assert [await read(first), await read(second)] == [b"ok", b"ok"] and s.connections == 2
+            await asyncio.sleep(0.2)
+            assert await read(await pool.post("/x", b"", {})) == b"ok"
+            assert s.connections == 3 and len(pool._idle) == 1, "both stale ones closed, the new one kept"
+            await pool.close()
+
+    run(main())
