@@ -19,19 +19,16 @@ which is how the replica learns to abort.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Literal
 
 from fastapi import Request
-from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvstore.openai.errors import ApiError
 from kvstore.openai.http import ClientDisconnected, error_response, read_body, until_disconnected
 from kvstore.openai.routing import read_for_routing, read_token_ids
-from kvstore.router.backends import Forwarded
 from kvstore.router.response import routing_headers
-from kvstore.router.routing import Prompt
+from kvstore.router.routing import Prompt, RouteResult
 from kvstore.router.service import RouterService
 
 Kind = Literal["completion", "chat"]
@@ -54,18 +51,18 @@ class RelayMiddleware:
             return
         request = Request(scope, receive)
         try:
-            answer, headers = await self._forward(request, kind)
-        except ApiError as exc:
+            body = await read_body(request, self._max_body_bytes)
+            prompt, routed = await self._route(body, kind)
+            # From here the client may leave at any time -- while a plain answer is being computed too:
+            # the relay is then cancelled, which closes the upstream connection.
+            await until_disconnected(request, self._relay(send, prompt, routed, request.scope["path"], body, request))
+        except ApiError as exc:  # raised before anything was sent
             await error_response(exc)(scope, receive, send)
-            return
-        if headers.get("content-type", "").startswith("text/event-stream"):
-            await _stream(request, send, answer, headers)
-        else:
-            await _whole(request, send, answer, headers)
+        except ClientDisconnected:
+            pass
 
-    async def _forward(self, request: Request, kind: Kind) -> tuple[Forwarded, dict[str, str]]:
+    async def _route(self, body: bytes, kind: Kind) -> tuple[Prompt, RouteResult]:
         service = self._service
-        body = await read_body(request, self._max_body_bytes)
         view = read_token_ids(body) if kind == "completion" else None
         if view is None and service.tokenizer is not None and len(body) > _INLINE_TEXT_BYTES:
             # Tokenising releases the GIL: in a thread it runs beside the loop, which meanwhile relays
@@ -74,54 +71,31 @@ class RelayMiddleware:
         elif view is None:
             view = read_for_routing(body, kind, service.tokenizer)
         prompt = Prompt(view.token_ids or [], view.cache_salt)
-        routed = service.route(prompt)
-        relayed = await service.relay(prompt, routed, request.scope["path"], body, request.headers)
+        return prompt, service.route(prompt)
+
+    async def _relay(
+        self, send: Send, prompt: Prompt, routed: RouteResult, path: str, body: bytes, request: Request
+    ) -> None:
+        relayed = await self._service.relay(prompt, routed, path, body, request.headers)
+        answer = relayed.upstream
         headers = routing_headers(relayed.replica, relayed.retried, routed)
-        media_type = relayed.upstream.headers.get("content-type")
+        media_type = answer.headers.get("content-type")
         if media_type:
             headers["content-type"] = media_type
-        return relayed.upstream, headers
-
-
-async def _stream(request: Request, send: Send, answer: Forwarded, headers: dict[str, str]) -> None:
-    """Each chunk to the client as it arrives; a client that leaves ends the relay (and the upstream request)."""
-    await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
-
-    async def pump() -> None:
-        async for data in answer.body:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    try:
-        await until_disconnected(request, pump())
-    except ClientDisconnected:
-        pass  # the upstream connection closes below: the replica aborts the request
-    finally:
-        await _close(answer.body)
-
-
-async def _whole(request: Request, send: Send, answer: Forwarded, headers: dict[str, str]) -> None:
-    """The whole answer, once the replica finished it (a client that leaves first closes the upstream request)."""
-    try:
-        content = await until_disconnected(request, _read_all(answer.body))
-    except ClientDisconnected:
-        await Response(status_code=499)(request.scope, request.receive, send)  # nobody reads it; for logs
-        return
-    finally:
-        await _close(answer.body)
-    headers["content-length"] = str(len(content))
-    await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
-    await send({"type": "http.response.body", "body": content, "more_body": False})
+        try:
+            if media_type and media_type.startswith("text/event-stream"):
+                await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
+                async for data in answer.body:  # each chunk as it arrives
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                content = b"".join([data async for data in answer.body])
+                headers["content-length"] = str(len(content))
+                await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
+                await send({"type": "http.response.body", "body": content, "more_body": False})
+        finally:  # the dispatcher's generator: it settles the replica's books and the connection
+            await answer.body.aclose()  # type: ignore[attr-defined]
 
 
 def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
     return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
-
-
-async def _read_all(body: AsyncIterator[bytes]) -> bytes:
-    return b"".join([data async for data in body])
-
-
-async def _close(body: AsyncIterator[bytes]) -> None:
-    """Close the relayed body (the dispatcher's generator: it settles the replica's books and the connection)."""
-    await body.aclose()  # type: ignore[attr-defined]

@@ -119,6 +119,9 @@ class UpstreamPool:
                 if reused and isinstance(exc, OSError | asyncio.IncompleteReadError):
                     continue  # the replica closed it while idle: the request never reached it
                 raise UpstreamError(_describe(exc)) from None
+            except BaseException:  # cancelled (the client left): the replica learns it from the closed connection
+                connection.close()
+                raise
             closer = _Closer(self, connection)
             return UpstreamAnswer(
                 status, answer_headers, self._body(connection, status, answer_headers, closer), closer

@@ -10,6 +10,7 @@ runs on load alone.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -45,11 +46,13 @@ ASGI = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Aw
 
 
 class Tap:
-    """An ASGI wrapper keeping the exact body bytes of every completion answer the app sends."""
+    """An ASGI wrapper keeping the exact body bytes of every completion answer the app sends,
+    and counting the completion requests whose connection closed before the answer was complete."""
 
     def __init__(self, app: ASGI) -> None:
         self._app = app
         self.answers: list[bytearray] = []
+        self.hung_up = 0
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope["path"].endswith("completions"):
@@ -57,13 +60,36 @@ class Tap:
             return
         answer = bytearray()
         self.answers.append(answer)
+        request = [message := await receive()]
+        while message.get("more_body"):
+            request.append(message := await receive())
+        done, gone = asyncio.Event(), asyncio.Event()
+
+        async def replay() -> Message:
+            if request:
+                return request.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def watch() -> None:  # what the app would see if it listened, as vLLM does
+            if (await receive())["type"] == "http.disconnect" and not done.is_set():
+                self.hung_up += 1
+            gone.set()
 
         async def tapped(message: Message) -> None:
             if message["type"] == "http.response.body":
                 answer.extend(message.get("body", b""))
+                if not message.get("more_body"):
+                    done.set()
             await send(message)
 
-        await self._app(scope, receive, tapped)
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self._app(scope, replay, tapped)
+        finally:
+            done.set()
+            await asyncio.sleep(0)
+            watcher.cancel()
 
 
 class Replica:
@@ -296,6 +322,22 @@ def test_a_client_that_leaves_mid_stream_closes_the_upstream_connection(
     before = {name: r.state.disconnects for name, r in replicas.items()}
     conformance.disconnect_mid_stream(router.url, MODEL)  # reads the first event, then drops the connection
     assert wait_for(lambda: sum(r.state.disconnects for r in replicas.values()) == sum(before.values()) + 1, 3)
+    assert all(w["inflight"] == 0 for w in router.workers().values())
+
+
+def test_a_client_that_leaves_before_a_plain_answer_closes_the_upstream_connection(
+    router: Router, replicas: dict[str, Replica]
+) -> None:
+    for replica in replicas.values():
+        replica.state.ttft_s = 3.0  # a plain answer comes whole, at the end: the router waits for its headers
+    before = sum(r.tap.hung_up for r in replicas.values())
+    host, port = router.url.removeprefix("http://").split(":")
+    body = b'{"prompt": [1, 2, 3], "max_tokens": 4}'
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        assert wait_for(lambda: sum(w["inflight"] for w in router.workers().values()) == 1, 2)
+    assert wait_for(lambda: sum(r.tap.hung_up for r in replicas.values()) == before + 1, 2), "the replica saw it"
     assert all(w["inflight"] == 0 for w in router.workers().values())
 
 
