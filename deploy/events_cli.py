@@ -3,7 +3,11 @@
 Works against any vLLM-compatible producer (ours or a vLLM server started
 with ``--kv-events-config``). With ``--replay-endpoint`` it recovers gaps and
 late joins exactly as the router does (replay, then snapshot); each recovery
-prints a ``{"type": "Resync"}`` line before the state it re-sends.
+prints a ``{"type": "Resync"}`` line before the state it re-sends. A CURVE
+publisher needs ``--curve-server-key``; one that admits only listed clients
+(``events.curve_allowed_client_keys``) also needs ``--curve-client-cert``,
+the secret certificate file of a listed client (a file, not a flag value, so
+that the secret key never shows in the process list).
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ import argparse
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import IO
 
 import msgspec
+import zmq.auth
 
 from kvstore.errors import ConfigError, EventDecodeError
 from kvstore.events import EventBatch
-from kvstore.subscriber import EventListener
+from kvstore.subscriber import CurveKeyPair, EventListener
 
 
 class JsonLinesSink:
@@ -59,14 +65,31 @@ def _check_endpoint(value: str, flag: str) -> str:
     return value
 
 
+def load_client_cert(path: str) -> CurveKeyPair:
+    """The key pair in a secret certificate file (``zmq.auth.create_certificates``'s ``*.key_secret``)."""
+    if not Path(path).is_file():
+        raise ConfigError(f"--curve-client-cert: no file {path}")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except ValueError as exc:
+        raise ConfigError(f"--curve-client-cert: {path} is not a CURVE certificate: {exc}") from None
+    if secret is None:
+        raise ConfigError(f"--curve-client-cert: {path} holds no secret key (give the .key_secret file)")
+    return CurveKeyPair(public.decode(), secret.decode())
+
+
 def run(args: argparse.Namespace) -> int:
     endpoint = _check_endpoint(args.endpoint, "--endpoint")
     replay = _check_endpoint(args.replay_endpoint, "--replay-endpoint") if args.replay_endpoint else None
     if args.count is not None and args.count < 1:
         raise ConfigError("--count must be >= 1")
+    client_keys = None if args.curve_client_cert is None else load_client_cert(args.curve_client_cert)
     sink = JsonLinesSink(sys.stdout, args.count)
     listener = EventListener(sink, on_decode_error=sink.decode_error)
-    listener.add_producer(args.name, endpoint, replay, topic=args.topic, curve_server_key=args.curve_server_key)
+    listener.add_producer(
+        args.name, endpoint, replay, topic=args.topic, curve_server_key=args.curve_server_key,
+        curve_client_keys=client_keys,
+    )  # fmt: skip
     listener.start()
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
@@ -91,6 +114,13 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--curve-server-key",
         default=None,
         help="the producer's CURVE public key (Z85), when it publishes with CURVE (events.curve_public_key)",
+    )
+    tail.add_argument(
+        "--curve-client-cert",
+        default=None,
+        metavar="FILE",
+        help="the secret certificate file (zmq.auth.create_certificates' .key_secret) of a client the producer "
+        "lists in events.curve_allowed_client_keys",
     )
     tail.add_argument("--count", type=int, default=None, help="stop after this many events")
     tail.add_argument("--duration", type=float, default=None, help="stop after this many seconds")

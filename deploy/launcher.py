@@ -4,7 +4,13 @@
 each answers, and builds the router service over them: one replica per
 worker, one event stream per worker (and per node tier, when tiers are
 enabled). :meth:`Deployment.stop` undoes all of it: actors killed, sockets
-closed, and an embedded Ray shut down.
+closed, and an embedded Ray shut down. So does a launch that fails or is
+interrupted (SIGINT, SIGTERM) at any point, Ray's own start included.
+
+An embedded Ray listens on loopback only (:func:`start_ray`). Workers are
+restarted by Ray when their process dies (``max_restarts``), like the tier
+actors; :mod:`kvstore.deploy.supervisor` points the router at the restarted
+ones and re-places those that died for good.
 
 Why uvicorn and not Ray Serve for the HTTP front: the router is one
 asyncio app whose index is fed by an in-process listener thread; Ray Serve
@@ -17,10 +23,14 @@ several behind a load balancer for availability.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import ray
@@ -32,7 +42,8 @@ from kvstore.openai.protocol import ModelLimits
 from kvstore.openai.tokenizer import load_tokenizer
 from kvstore.router.backends import RayActorBackend
 from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
-from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
+from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name, tier_arena_name
+from kvstore.tiers.shared_memory import reclaim_dead_arenas
 from kvstore.workers.actor import KVWorkerActor, routable_endpoint, worker_actor_options
 from kvstore.workers.config import cache_identity
 
@@ -69,56 +80,165 @@ class PlacedTier(NamedTuple):
 
 
 class Deployment:
-    """A running deployment: tiers, workers, the router service, and whether we own Ray."""
+    """A running deployment: tiers, workers, the router service, and whether we own Ray.
 
-    def __init__(self, config: Config, workers: list[PlacedWorker], service: RouterService, owns_ray: bool) -> None:
+    ``workers`` changes while it runs: :mod:`kvstore.deploy.supervisor` swaps in the workers it re-places.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        workers: list[PlacedWorker],
+        service: RouterService,
+        owns_ray: bool,
+        *,
+        local_node: str | None = None,
+    ) -> None:
+        """``local_node``: the id of this process's Ray node when it owns Ray (its arena is unlinked at stop)."""
         self.config = config
         self.tiers: list[PlacedTier] = []
         self.workers = workers
         self.service = service
         self.owns_ray = owns_ray
+        self.local_node = local_node
 
     def stop(self) -> None:
         """Shut workers then tiers down (sockets closed, arenas unlinked), kill them, stop an embedded Ray."""
-        for actor in [*(w.handle for w in self.workers), *(t.handle for t in self.tiers)]:
-            try:
-                ray.get(actor.shutdown.remote(), timeout=10)
-            except Exception as exc:  # a dead actor cannot shut down; killing it below is enough
-                logger.info("actor did not shut down cleanly: %s", exc)
-        _kill([w.handle for w in self.workers] + [t.handle for t in self.tiers])
+        teardown(
+            self.config,
+            [w.handle for w in self.workers] + [t.handle for t in self.tiers],
+            owns_ray=self.owns_ray,
+            local_node=self.local_node,
+        )
         self.workers = []
         self.tiers = []
-        if self.owns_ray and ray.is_initialized():
-            ray.shutdown()
+
+
+_SHUTDOWN_S = 10.0  # how long actors get, all together, to close their sockets and unlink their arenas
+
+
+def teardown(config: Config, handles: list[Any], *, owns_ray: bool, local_node: str | None) -> None:
+    """Shut ``handles`` down (each closes its sockets; a tier unlinks its arena), kill them, stop an owned Ray.
+
+    Bounded: the actors get :data:`_SHUTDOWN_S` together (one still starting finishes first); a dead one
+    is only killed. With an owned Ray, the local node's arena is unlinked even if its tier never shut down.
+    """
+    refs = []
+    for handle in handles:
+        try:
+            refs.append(handle.shutdown.remote())
+        except Exception as exc:  # a dead actor cannot shut down; killing it below is enough
+            logger.info("actor did not shut down cleanly: %s", exc)
+    if refs:
+        _ready, late = ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_S)
+        if late:
+            logger.info("%d actors did not shut down within %.0f s; killing them", len(late), _SHUTDOWN_S)
+    _kill(handles)
+    if owns_ray and ray.is_initialized():
+        ray.shutdown()
+    if owns_ray and local_node is not None and config.tiers.enabled:
+        _unlink_local_arena(config, local_node)
+
+
+def _unlink_local_arena(config: Config, node: str, timeout_s: float = 10.0) -> None:
+    """Unlink the local tier's arena once its owner process is gone (its actor may have been killed mid-start)."""
+    arena = Path(config.tiers.shm_dir) / tier_arena_name(cache_identity(config), node)
+    deadline = time.monotonic() + timeout_s
+    while arena.exists() and time.monotonic() < deadline:
+        reclaim_dead_arenas(arena.parent)  # only arenas whose owner process has exited
+        if arena.exists():
+            time.sleep(0.1)
+    if arena.exists():
+        logger.warning("arena %s is still held by a live process; it was left in place", arena)
 
 
 def launch(config: Config, *, address: str | None = None, num_workers: int | None = None) -> Deployment:
-    """Start tiers (one per node) and workers on Ray (embedded when ``address`` is None) and a router over them."""
-    owns_ray = not ray.is_initialized() and address is None
-    if not ray.is_initialized():
-        ray.init(
-            address=address,
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            configure_logging=False,
-            log_to_driver=False,
-        )
+    """Start tiers (one per node) and workers on Ray (embedded when ``address`` is None) and a router over them.
+
+    Whatever fails or is interrupted (KeyboardInterrupt, or any exception a signal handler raises) is torn
+    down before the exception leaves: the actors placed so far, and Ray itself when this call started it.
+    """
+    owns_ray = start_ray(address)  # cleans up after itself if it fails
+    local_node: str | None = None
     tiers: dict[str, PlacedTier] = {}
     workers: list[PlacedWorker] = []
     try:
+        local_node = ray.get_runtime_context().get_node_id() if owns_ray else None
         if config.tiers.enabled:
             tiers = place_tiers(config)
         count = num_workers or default_num_workers(config)
         workers = place_workers(config, count, tiers=tiers)
         service = build_service(config, workers, tiers)
     except BaseException:
-        _kill([w.handle for w in workers] + [t.handle for t in tiers.values()])
-        if owns_ray:
-            ray.shutdown()
+        handles = [w.handle for w in workers] + [t.handle for t in tiers.values()]
+        if owns_ray and config.tiers.enabled and not tiers:  # interrupted while placing them: find those started
+            handles += _named_tier_actors()
+        teardown(config, handles, owns_ray=owns_ray, local_node=local_node)
         raise
-    deployment = Deployment(config, workers, service, owns_ray)
+    deployment = Deployment(config, workers, service, owns_ray, local_node=local_node)
     deployment.tiers = list(tiers.values())
     return deployment
+
+
+def start_ray(address: str | None) -> bool:
+    """Connect to Ray at ``address``, or start an embedded one (None); True when this call started it.
+
+    An embedded Ray is one node, so it listens on loopback only (:func:`_loopback_ray`). Ray installs its
+    own SIGTERM handler while it starts (one that kills its processes and exits); the caller's handler is
+    put back afterwards, so a deployer's orderly shutdown applies from then on. If the start fails or is
+    interrupted, whatever Ray had started is shut down before the exception leaves.
+    """
+    if ray.is_initialized():
+        return False
+    owns = address is None
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        with _loopback_ray() if owns else contextlib.nullcontext():
+            ray.init(
+                address=address,
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                configure_logging=False,
+                log_to_driver=False,
+            )
+    except BaseException:
+        if owns:
+            ray.shutdown()
+        raise
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return owns
+
+
+@contextlib.contextmanager
+def _loopback_ray() -> Iterator[None]:
+    """Start Ray with loopback as the node's address, so every server it starts binds loopback.
+
+    Ray binds its gRPC servers (GCS, raylet, each worker's), its agents and its metrics exporters to the
+    node's address, and to loopback only when that address is loopback. It takes the host's routable
+    address instead of 127.0.0.1 unless multi-node clusters are off -- the switch its
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` environment variable sets, read once at import. An embedded Ray
+    is a single node: the switch is turned off while it starts (and only then: joining a cluster needs it).
+    """
+    from ray._private import ray_constants  # the one place Ray reads the switch, at call time
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _named_tier_actors() -> list[Any]:
+    """The tier actors of the live nodes that exist by name (a launch interrupted while it placed them)."""
+    found = []
+    for node in alive_nodes(gpu_first=False):
+        with contextlib.suppress(Exception):
+            found.append(ray.get_actor(tier_actor_name(node), namespace=TIER_NAMESPACE))
+    return found
 
 
 def alive_nodes(*, gpu_first: bool) -> list[str]:
@@ -135,7 +255,10 @@ def place_tiers(config: Config, *, timeout_s: float = 120.0) -> dict[str, Placed
         node: get_or_create_tier_actor(config.tiers, identity, events=config.events, node_id=node)
         for node in alive_nodes(gpu_first=False)
     }
-    endpoints = ray.get([h.event_endpoints.remote() for h in handles.values()], timeout=timeout_s)
+    try:
+        endpoints = ray.get([h.event_endpoints.remote() for h in handles.values()], timeout=timeout_s)
+    except ray.exceptions.RayActorError as exc:  # its constructor failed: say why in one line, not Ray's trace
+        raise ConfigError(f"a tier actor could not start: {_last_line(exc)}") from None
     address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     ips = [address[node] for node in handles]
     return {
@@ -164,27 +287,41 @@ def place_workers(
     """
     if count < 1:
         raise ConfigError(f"need at least one worker, got {count}")
-    options = worker_actor_options(config)
-    nodes = alive_nodes(gpu_first=options.get("num_gpus", 0) > 0)
-    handles = []
+    nodes = worker_nodes(config)
     names = [f"worker-{start_index + i}" for i in range(count)]
-    for index, name in enumerate(names):
-        node = nodes[index % len(nodes)]
-        tier = tiers[node].handle if tiers and node in tiers else None
-        handle = KVWorkerActor.options(  # type: ignore[attr-defined]
-            name=f"kvstore-{name}",
-            namespace=NAMESPACE,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            **options,
-        ).remote(name, config, tier)
-        handles.append(handle)
+    handles = [start_worker(config, name, nodes[i % len(nodes)], tiers) for i, name in enumerate(names)]
     deadline = time.monotonic() + timeout_s
-    placed = []
-    for name, handle in zip(names, handles, strict=True):
-        remaining = max(1.0, deadline - time.monotonic())
-        endpoints, health = ray.get([handle.event_endpoints.remote(), handle.health.remote()], timeout=remaining)
-        placed.append(PlacedWorker(name, handle, health["node_id"], endpoints.endpoint, endpoints.replay_endpoint))
-    return placed
+    return [
+        placed_worker(name, handle, max(1.0, deadline - time.monotonic()))
+        for name, handle in zip(names, handles, strict=True)
+    ]
+
+
+def worker_nodes(config: Config) -> list[str]:
+    """The live nodes workers go to, in placement order (GPU nodes first when workers take a GPU)."""
+    return alive_nodes(gpu_first=worker_actor_options(config).get("num_gpus", 0) > 0)
+
+
+def start_worker(config: Config, name: str, node: str, tiers: dict[str, PlacedTier] | None = None) -> Any:
+    """Create worker ``name`` pinned to ``node`` (with that node's tier, if any); returns its handle at once.
+
+    Ray restarts it, with the same arguments, whenever its process dies (``max_restarts=-1``): a restarted
+    worker has an empty pool and new event ports, which the supervisor tells the router.
+    """
+    tier = tiers[node].handle if tiers and node in tiers else None
+    return KVWorkerActor.options(  # type: ignore[attr-defined]
+        name=f"kvstore-{name}",
+        namespace=NAMESPACE,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        max_restarts=-1,
+        **worker_actor_options(config),
+    ).remote(name, config, tier)
+
+
+def placed_worker(name: str, handle: Any, timeout_s: float) -> PlacedWorker:
+    """Worker ``name`` once it answers: where it runs and publishes. Raises a Ray error past ``timeout_s``."""
+    endpoints, health = ray.get([handle.event_endpoints.remote(), handle.health.remote()], timeout=timeout_s)
+    return PlacedWorker(name, handle, health["node_id"], endpoints.endpoint, endpoints.replay_endpoint)
 
 
 def _kill(handles: list[Any]) -> None:
@@ -211,7 +348,7 @@ def build_service(
         service.add_tier_producer(tier.node, producer, locate=_tier_locator(tier))
         service.add_metrics_source(producer.name, _tier_text_fetcher(tier.node))
     for worker in workers:
-        service.add_replica(replica_spec(worker, curve_server_key=curve_server_key(config)))
+        service.add_replica(replica_spec(worker, config))
     return service
 
 
@@ -253,10 +390,16 @@ def curve_server_key(config: Config) -> str | None:
     return config.events.curve_public_key or None
 
 
-def replica_spec(worker: PlacedWorker, *, curve_server_key: str | None = None) -> ReplicaSpec:
-    """The router's view of a placed worker; ``curve_server_key`` when its publisher runs with CURVE."""
-    backend = RayActorBackend(worker.name, worker.handle)
+def replica_spec(worker: PlacedWorker, config: Config) -> ReplicaSpec:
+    """The router's view of a placed worker: waits bounded by ``router.request_timeout_s``, CURVE as configured."""
+    backend = RayActorBackend(worker.name, worker.handle, timeout_s=config.router.request_timeout_s)
     producer = ProducerSpec(
-        f"{worker.name}/gpu", worker.endpoint, worker.replay_endpoint, curve_server_key=curve_server_key
+        f"{worker.name}/gpu", worker.endpoint, worker.replay_endpoint, curve_server_key=curve_server_key(config)
     )
     return ReplicaSpec(worker.name, worker.node, backend, producer)
+
+
+def _last_line(exc: BaseException) -> str:
+    """The last non-empty line of an error's text: where Ray puts the cause of an actor's death."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__

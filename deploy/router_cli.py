@@ -14,6 +14,7 @@ import sys
 import uvicorn
 
 from kvstore.deploy.config import Config, load_config
+from kvstore.deploy.http_server import server_config
 from kvstore.errors import ConfigError
 from kvstore.openai.protocol import ModelLimits
 from kvstore.openai.tokenizer import load_tokenizer
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     host = args.host or config.router.host
     port = args.port if args.port is not None else config.router.port
     print(f"kvstore router: http://{host}:{port}  ({len(config.router.replicas)} replicas)", file=sys.stderr)
-    uvicorn.run(create_app(service), host=host, port=port, log_level="warning")
+    uvicorn.Server(server_config(create_app(service), config.router, host=host, port=port)).run()
     return 0
 
 

@@ -1,25 +1,36 @@
 """``kvstore serve``: the whole service, on an embedded local Ray or on a Ray cluster.
 
-Starts the deployment (:mod:`kvstore.deploy.launcher`), binds the router's HTTP
+Checks that this node's /dev/shm can hold the CPU arena (:mod:`kvstore.deploy.shm`),
+starts the deployment (:mod:`kvstore.deploy.launcher`), binds the router's HTTP
 socket itself (so ``--port 0`` works and the printed URL is the real one),
-prints the URLs and a curl line to try, and serves until SIGINT/SIGTERM;
-then it stops the HTTP server, kills the actors and, when it started Ray,
-shuts Ray down.
+prints the URLs and a curl line to try, and serves until SIGINT/SIGTERM, while
+:mod:`kvstore.deploy.supervisor` replaces dead workers.
+
+A signal at any moment -- Ray starting, actors being placed, serving -- stops
+it in order (:mod:`kvstore.deploy.signals`): requests in flight get
+``router.drain_timeout_s``, then the HTTP server stops, the actors shut down
+(sockets closed, the arena unlinked) and, when it started Ray, Ray shuts down;
+any process Ray left behind is stopped too (:mod:`kvstore.deploy.reaper`).
+Exit status 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import socket
 import sys
 
 import uvicorn
 
-from kvstore.deploy.config import load_config
-from kvstore.deploy.launcher import launch
+from kvstore.deploy.config import Config, load_config
+from kvstore.deploy.http_server import server_config
+from kvstore.deploy.launcher import Deployment, launch
 from kvstore.deploy.model_args import add_model_arguments, model_overrides, with_router_defaults
+from kvstore.deploy.reaper import become_subreaper, stop_children
+from kvstore.deploy.shm import check_arena_fits
+from kvstore.deploy.signals import stop_on_signals
+from kvstore.deploy.supervisor import WorkerSupervisor
 from kvstore.errors import ConfigError
 from kvstore.router.app import create_app
 
@@ -47,30 +58,51 @@ def run(args: argparse.Namespace) -> int:
     config = with_router_defaults(load_config(args.config, overrides=overrides))
     host = args.host or config.router.host
     port = config.router.port if args.port is None else args.port
-    sock = _bind(host, port)
-    deployment = launch(config, address=args.address)
-    try:
-        bound_port = sock.getsockname()[1]
-        url = f"http://{host}:{bound_port}"
-        print(f"kvstore is serving {len(deployment.workers)} workers at {url}", flush=True)
-        print(f"  model:       {config.router.model_name}", flush=True)
-        print(f"  completions: {url}/v1/completions   route: {url}/route", flush=True)
-        print(f"  workers:     {url}/workers   health: {url}/healthz   metrics: {url}/metrics", flush=True)
-        for worker in deployment.workers:
-            print(f"  events {worker.name}: {worker.endpoint} (replay {worker.replay_endpoint})", flush=True)
-        for tier in deployment.tiers:
-            print(f"  events tier {tier.node}: {tier.endpoint} (replay {tier.replay_endpoint})", flush=True)
-        example = json.dumps({"prompt": "The KV cache makes the second request faster.", "max_tokens": 8})
-        print(f"  try: curl -s {url}/v1/completions -H 'content-type: application/json' -d '{example}'", flush=True)
-        server = uvicorn.Server(uvicorn.Config(create_app(deployment.service), log_level="warning", lifespan="on"))
-        # uvicorn re-raises the SIGINT it handled; the shutdown asked for is a success.
-        with contextlib.suppress(KeyboardInterrupt):
-            server.run(sockets=[sock])
-    finally:
-        sock.close()
-        deployment.stop()
-        print("kvstore stopped", file=sys.stderr, flush=True)
+    arena = check_arena_fits(config.tiers)
+    become_subreaper()  # what Ray leaves orphaned comes back to us, to be stopped on the way out
+    with stop_on_signals() as signals:
+        sock = _bind(host, port)
+        try:
+            deployment = launch(config, address=args.address)
+        except (KeyboardInterrupt, SystemExit):  # SystemExit: Ray's own SIGTERM handler, while Ray starts
+            with signals.shielded():
+                sock.close()
+                stop_children()
+                print("kvstore stopped before it was serving", file=sys.stderr, flush=True)
+            return 0
+        try:
+            _banner(config, deployment, f"http://{host}:{sock.getsockname()[1]}", arena)
+            supervisor = WorkerSupervisor(deployment)
+            app = create_app(deployment.service, tasks=[supervisor.run])
+            server = uvicorn.Server(server_config(app, config.router, lifespan="on"))
+            # uvicorn catches SIGINT/SIGTERM itself while it serves, drains, and re-raises the signal on its way
+            # out, still inside its event loop: raising there would tear down its lifespan task mid-shutdown.
+            with signals.shielded():
+                server.run(sockets=[sock])
+        except KeyboardInterrupt:  # StopRequested, or what Ray made of it inside a blocking call
+            pass
+        finally:
+            with signals.shielded():
+                sock.close()
+                deployment.stop()
+                stop_children()
+                print("kvstore stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _banner(config: Config, deployment: Deployment, url: str, arena: str) -> None:
+    count = len(deployment.workers)
+    print(f"kvstore is serving {count} worker{'s' if count != 1 else ''} at {url}", flush=True)
+    print(f"  model:       {config.router.model_name}", flush=True)
+    print(f"  tiers:       {arena}", flush=True)
+    print(f"  openai api:  {url}/v1  (completions, chat/completions, models)   route: {url}/route", flush=True)
+    print(f"  workers:     {url}/workers   health: {url}/healthz   metrics: {url}/metrics", flush=True)
+    for worker in deployment.workers:
+        print(f"  events {worker.name}: {worker.endpoint} (replay {worker.replay_endpoint})", flush=True)
+    for tier in deployment.tiers:
+        print(f"  events tier {tier.node}: {tier.endpoint} (replay {tier.replay_endpoint})", flush=True)
+    example = json.dumps({"prompt": "The KV cache makes the second request faster.", "max_tokens": 8})
+    print(f"  try: curl -s {url}/v1/completions -H 'content-type: application/json' -d '{example}'", flush=True)
 
 
 def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

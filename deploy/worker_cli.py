@@ -1,4 +1,7 @@
-"""``kvstore worker``: one KV worker behind its OpenAI-compatible HTTP front, no Ray."""
+"""``kvstore worker``: one KV worker behind its OpenAI-compatible HTTP front, no Ray.
+
+Its HTTP server takes the ``router`` section's limits, as every front does (:mod:`kvstore.deploy.http_server`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvstore.deploy.config import load_config
+from kvstore.deploy.http_server import server_config
 from kvstore.deploy.model_args import add_model_arguments, model_overrides
 from kvstore.workers.http import create_worker_app
 from kvstore.workers.worker import KVWorker
@@ -27,14 +31,15 @@ def run(args: argparse.Namespace) -> int:
         finally:
             worker.shutdown()
 
-    app = create_worker_app(worker)
+    app = create_worker_app(worker, bounds=config.router.body_bounds())
     app.router.lifespan_context = lifespan
     endpoints = worker.event_endpoints()
     served = worker.served
     print(f"kvstore worker {args.name}: {served.name!r} ({served.spec.architecture}, {served.dtype}) "
           f"on {worker.device} at http://{args.host}:{args.port}", file=sys.stderr)  # fmt: skip
     print(f"  events: {endpoints.endpoint}  replay: {endpoints.replay_endpoint}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # The router section's HTTP limits (timeouts, connections, body bounds) hold for this front too.
+    uvicorn.Server(server_config(app, config.router, host=args.host, port=args.port)).run()
     return 0
 
 

@@ -37,18 +37,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
-from kvstore.hashing import BlockHash, ExternalBlockHash, to_external
+from kvstore.hashing import BlockHash, ExternalBlockHash, published_extra_keys, to_external
 
 
 class KVCacheBlock:
     """Bookkeeping for one block of KV memory (the KV itself lives with the worker)."""
 
-    __slots__ = ("block_hash", "block_id", "external_hash", "lora_name", "parent_hash", "ref_cnt", "token_ids")
+    __slots__ = (
+        "block_hash", "block_id", "external_hash", "extra_keys", "lora_name", "parent_hash", "ref_cnt", "token_ids",
+    )  # fmt: skip
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        # The four below are set together when the block is cached, cleared on eviction.
+        # The fields below are set together when the block is cached, cleared on eviction.
         self.block_hash: BlockHash | None = None
         self.external_hash: ExternalBlockHash | None = None
         self.parent_hash: BlockHash | None = None
@@ -56,6 +58,7 @@ class KVCacheBlock:
         # hundreds of thousands of these, which as lists every collection would walk.
         self.token_ids: tuple[int, ...] = ()
         self.lora_name: str | None = None
+        self.extra_keys: tuple[str, ...] | None = None  # its entry in BlockStored.extra_keys (hashing)
 
     def __repr__(self) -> str:
         state = f"hash={self.external_hash:#x}" if self.external_hash is not None else "uncached"
@@ -168,6 +171,7 @@ class BlockPool:
                     lora_id=None,
                     medium=self.medium,
                     lora_name=block.lora_name,
+                    extra_keys=None if block.extra_keys is None else [block.extra_keys],
                 )
             )
         return events
@@ -222,12 +226,15 @@ class BlockPool:
         token_ids: Sequence[int],
         *,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` in the prefix cache.
 
         ``blocks[:num_cached_blocks]`` are already cached (prefix hits or
         earlier steps); ``block_hashes`` and ``token_ids`` cover at least
-        ``num_full_blocks`` blocks. Emits one BlockStored for the run.
+        ``num_full_blocks`` blocks, which were hashed with ``lora_name`` and
+        ``cache_salt``. Emits one BlockStored for the run, with the blocks'
+        extra keys as vLLM publishes them.
         """
         if num_full_blocks <= num_cached_blocks or not self.enable_caching:
             return
@@ -235,6 +242,9 @@ class BlockPool:
         parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
         cached = self._cached
         external: list[int] = []
+        extra: list[tuple[str, ...] | None] | None = None
+        if lora_name is not None or cache_salt:
+            extra = [published_extra_keys(i, lora_name, cache_salt) for i in range(num_cached_blocks, num_full_blocks)]
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             assert block.block_hash is None, f"block {block.block_id} is cached already"
@@ -245,6 +255,8 @@ class BlockPool:
             block.parent_hash = parent
             block.token_ids = tuple(token_ids[index * size : (index + 1) * size])
             block.lora_name = lora_name
+            if extra is not None:  # else None already: a block's keys are cleared with its hash
+                block.extra_keys = extra[index - num_cached_blocks]
             entry = cached.get(block_hash)
             if entry is None:
                 cached[block_hash] = block
@@ -263,6 +275,7 @@ class BlockPool:
                 lora_id=None,
                 medium=self.medium,
                 lora_name=lora_name,
+                extra_keys=extra,
             )
         )
 
@@ -304,7 +317,7 @@ class BlockPool:
                     cached[block_hash] = next(iter(entry.values()))
             events.append(BlockRemoved(block_hashes=[block.external_hash], medium=medium))  # type: ignore[list-item]
             # Inlined _clear_hash: eviction is the pool's hottest loop.
-            block.block_hash = block.external_hash = block.parent_hash = block.lora_name = None
+            block.block_hash = block.external_hash = block.parent_hash = block.lora_name = block.extra_keys = None
             block.token_ids = ()
         self.num_evictions += len(blocks)
 
@@ -315,6 +328,7 @@ class BlockPool:
         block.parent_hash = None
         block.token_ids = ()
         block.lora_name = None
+        block.extra_keys = None
 
     def check_invariants(self) -> None:
         """Assert the bookkeeping is consistent; raises AssertionError naming the fault."""
@@ -330,6 +344,7 @@ class BlockPool:
             )
             if block.block_hash is None:
                 assert block.external_hash is None and not block.token_ids and block.parent_hash is None
+                assert block.lora_name is None and block.extra_keys is None, f"block {block.block_id}: stale keys"
                 continue
             assert self.enable_caching, "caching is off but a block has a hash"
             entry = self._cached.get(block.block_hash)

@@ -78,6 +78,10 @@ class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     topic: str = ""
     buffer_batches: PositiveInt = 10_000
     """Batches kept for replay."""
+    buffer_bytes: PositiveInt = 64 * 2**20
+    """Bytes of encoded batches kept for replay: the bound that holds when batches are large (a request's
+    strings, a LoRA name for one, ride in the events of every block it names). Whichever of the two bounds is
+    reached first evicts the oldest batches; a subscriber that needs more falls back to a snapshot."""
     queue_batches: PositiveInt = 100_000
     """Batches waiting for the publisher thread before new ones are dropped."""
     hwm: PositiveInt = 100_000
@@ -90,6 +94,17 @@ class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     subscribers you trust."""
     curve_public_key: str = ""
     """The public half of ``curve_secret_key`` (``zmq.curve_public(secret)``); subscribers need it."""
+    curve_allowed_client_keys: tuple[str, ...] = ()
+    """With CURVE on, the client public keys (Z85) allowed to subscribe and to ask for replays and snapshots;
+    empty = any client that has the server's public key. Checked in the CURVE handshake (ZeroMQ's ZAP): an
+    unlisted client connects to nothing, on either socket. A subscriber presents its key pair as
+    ``EventListener.add_producer(curve_client_keys=...)`` or ``kvstore events tail --curve-client-cert``."""
+    include_token_ids: bool = True
+    """Publish each BlockStored with its blocks' token ids (vLLM's format: consumers such as Dynamo's indexer
+    rebuild hashes from them), or with an empty ``token_ids`` -- hashes only, so that a subscriber cannot read
+    prompts. The router needs no token ids from our own producers: they hash exactly as it does. Re-keying a
+    *foreign* producer (``rekey``: another hash seed or algorithm) needs them: leave this on for producers
+    whose events are re-keyed."""
 
     def __post_init__(self) -> None:
         for field in ("curve_secret_key", "curve_public_key"):
@@ -98,6 +113,11 @@ class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 raise ValueError(f"{field} must be a 40-character Z85 key (see zmq.curve_keypair()), or empty")
         if bool(self.curve_secret_key) != bool(self.curve_public_key):
             raise ValueError("curve_secret_key and curve_public_key must be set together (or both left empty)")
+        for key in self.curve_allowed_client_keys:
+            if not is_z85_key(key):
+                raise ValueError(f"curve_allowed_client_keys: {key!r} is not a 40-character Z85 public key")
+        if self.curve_allowed_client_keys and not self.curve_secret_key:
+            raise ValueError("curve_allowed_client_keys needs CURVE on: set curve_secret_key and curve_public_key")
 
 
 def load_tree(

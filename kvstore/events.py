@@ -20,6 +20,7 @@ The decoder is strict where it must be and lenient where vLLM has been:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any, NamedTuple
 
@@ -53,8 +54,15 @@ class BlockStored(_Event):
     """A run of consecutive full blocks became cached.
 
     ``token_ids`` holds every token of the listed blocks in order, so a
-    consumer with another hash function can re-key them; ``parent_block_hash``
-    is the hash of the block before the first listed one (None at the root).
+    consumer with another hash function can re-key them (empty when the
+    producer publishes hashes only: ``events.include_token_ids``);
+    ``parent_block_hash`` is the hash of the block before the first listed
+    one (None at the root). ``extra_keys``, as vLLM publishes it: one entry
+    per block, None for a block hashed without extra keys, else the values
+    its hash folded in, untagged -- the LoRA name (every block of a LoRA
+    request), then the cache salt (the first block of a sequence only); None
+    when no block has any. :func:`kvstore.hashing.tagged_extra_keys` turns an
+    entry back into the keys the hash was computed with.
     """
 
     block_hashes: list[WireHash]
@@ -121,16 +129,37 @@ _NULLABLE_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+_SCRATCH_BYTES = 1 << 20  # a batch of thousands of blocks; beyond, the encoder's buffer is dropped after use
+
+
 class EventEncoder:
     """Encodes batches to payload bytes. Not thread-safe; one per thread."""
 
-    __slots__ = ("_encoder",)
+    __slots__ = ("_buffer", "_encoder")
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
+        self._buffer = bytearray()
 
     def encode(self, batch: EventBatch) -> bytes:
-        return self._encoder.encode(batch)
+        """The payload, in an allocation of exactly its size.
+
+        msgspec's own ``encode`` leaves up to half again the payload's size
+        allocated behind large outputs, which a replay buffer bounded in
+        bytes would hold without counting; encoding into a reused buffer
+        and copying out costs no more. The buffer is not kept after an
+        unusually large batch, which it would otherwise pin for good.
+        """
+        self._encoder.encode_into(batch, self._buffer)
+        payload = bytes(self._buffer)
+        if len(payload) > _SCRATCH_BYTES:
+            self._buffer = bytearray()
+        return payload
+
+
+def without_token_ids(events: Sequence[KVEvent]) -> list[KVEvent]:
+    """``events`` with every BlockStored's ``token_ids`` emptied (copies; the originals are not changed)."""
+    return [msgspec.structs.replace(e, token_ids=[]) if isinstance(e, BlockStored) else e for e in events]
 
 
 class EventDecoder:

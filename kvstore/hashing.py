@@ -4,11 +4,21 @@
     NONE_HASH     = H(seed)                      -- a string from config, never random
     hash(block_i) = H((parent_hash or NONE_HASH, tuple(token_ids), extra_keys))
 
-``extra_keys`` is ``None`` or a tuple: the LoRA name (every block), then the
-``cache_salt`` (block 0 only, so one tenant's whole chain differs from
-another's). Because each hash folds in its parent, a hit on block N proves
-blocks 0..N-1 match: prefix lookup is a forward walk that stops at the first
-miss.
+``extra_keys`` is ``None`` or a tuple of keys tagged by their source, as vLLM
+(0.33) builds them: ``("lora", lora_name, lora_path)`` on every block of a
+LoRA request, then ``("cache_salt", salt)`` on block 0 only (so one tenant's
+whole chain differs from another's) -- and an empty salt is no salt. The tags
+keep a LoRA name and a salt spelled alike from colliding. Our requests name
+a LoRA but carry no path: our keys put :data:`LORA_PATH` there.
+
+BlockStored events carry the extra keys *untagged* (vLLM's ``extra_keys``
+field: per block, the LoRA name, then the salt on block 0):
+:func:`published_extra_keys` writes an entry, :func:`tagged_extra_keys`
+turns one back into what the hash folded in -- how a consumer re-keys a
+foreign producer's salted or LoRA blocks.
+
+Because each hash folds in its parent, a hit on block N proves blocks 0..N-1
+match: prefix lookup is a forward walk that stops at the first miss.
 
 Inside a process a block hash is the full digest (:data:`BlockHash`). On the
 wire it is the low 64 bits of the digest as an unsigned int
@@ -31,6 +41,12 @@ BlockHash = NewType("BlockHash", bytes)
 
 ExternalBlockHash = NewType("ExternalBlockHash", int)
 """Low 64 bits of a BlockHash, unsigned: what KV events carry."""
+
+LORA_PATH = ""
+"""The ``lora_path`` of our LoRA keys. Our requests name a LoRA (a cache namespace: we load no adapter) and
+have no path; "" is the path of a vLLM ``LoRARequest`` made without one, so our hashes equal vLLM's for such
+adapters. A vLLM fleet that loads adapters from paths hashes them differently: re-keying (which rebuilds
+our keys from the event's LoRA name) is what matches its blocks to our requests."""
 
 _LOW_64 = (1 << 64) - 1
 _HASH_FUNCTIONS: dict[str, Callable[[bytes], bytes]] = {
@@ -103,22 +119,66 @@ class BlockHasher:
         never hashed.
         """
         size = self.block_size
+        first, rest = self.extra_keys(0, lora_name, cache_salt), self.extra_keys(1, lora_name, cache_salt)
         hashes: list[BlockHash] = []
         for index in range(start_block, len(token_ids) // size):
             block_tokens = token_ids[index * size : (index + 1) * size]
-            parent = self.hash_block(parent, block_tokens, self.extra_keys(index, lora_name, cache_salt))
+            parent = self.hash_block(parent, block_tokens, first if index == 0 else rest)
             hashes.append(parent)
         return hashes
 
     @staticmethod
     def extra_keys(block_index: int, lora_name: str | None, cache_salt: str | None) -> tuple[object, ...] | None:
-        """vLLM's order: LoRA name first, then the salt on the first block only."""
+        """The tagged keys block ``block_index`` of a request hashes (module docstring): LoRA, then salt."""
         keys: list[object] = []
         if lora_name is not None:
-            keys.append(lora_name)
-        if cache_salt is not None and block_index == 0:
-            keys.append(cache_salt)
+            keys.append(("lora", lora_name, LORA_PATH))
+        if cache_salt and block_index == 0:
+            keys.append(("cache_salt", cache_salt))
         return tuple(keys) if keys else None
 
     def __repr__(self) -> str:
         return f"BlockHasher(algo={self.algo!r}, seed={self._seed!r}, block_size={self.block_size})"
+
+
+def published_extra_keys(block_index: int, lora_name: str | None, cache_salt: str | None) -> tuple[str, ...] | None:
+    """Block ``block_index``'s entry in a BlockStored's ``extra_keys``, as vLLM publishes it: untagged."""
+    keys: list[str] = []
+    if lora_name is not None:
+        keys.append(lora_name)
+    if cache_salt and block_index == 0:
+        keys.append(cache_salt)
+    return tuple(keys) if keys else None
+
+
+def tagged_extra_keys(entry: object, *, lora_name: str | None, first_block: bool) -> tuple[object, ...] | None:
+    """The keys a block's hash folded in, rebuilt from its entry in a BlockStored's untagged ``extra_keys``.
+
+    ``lora_name`` is the event's; ``first_block``: the block starts its
+    sequence (no parent), the only one a salt is hashed into. vLLM orders an
+    entry LoRA name, multimodal identifiers, salt, prompt-embeds digests: the
+    LoRA name (first, when the event names a LoRA) becomes our LoRA key --
+    also when the producer published no ``extra_keys`` at all -- the last
+    string of a first block becomes the salt key, and anything else (what
+    our requests never carry) is kept as it came, msgpack arrays as tuples.
+    A salt is unknowable without ``extra_keys``: such a block re-keys as
+    unsalted. Raises nothing: entries of unexpected shapes are kept as they are.
+    """
+    items: list[object]
+    if entry is None:
+        items = []
+    elif isinstance(entry, list | tuple):
+        items = [tuple(item) if isinstance(item, list) else item for item in entry]
+    else:
+        items = [entry]
+    keys: list[object] = []
+    if lora_name is not None:
+        if items and items[0] == lora_name:
+            items.pop(0)
+        keys.append(("lora", lora_name, LORA_PATH))
+    salt_at = None
+    if first_block:
+        salt_at = next((i for i in range(len(items) - 1, -1, -1) if isinstance(items[i], str)), None)
+    for index, item in enumerate(items):
+        keys.append(("cache_salt", item) if index == salt_at else item)
+    return tuple(keys) if keys else None

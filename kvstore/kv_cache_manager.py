@@ -227,6 +227,7 @@ class KVCacheManager:
             num_full,
             request.token_ids,
             lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
         )
         state.num_cached_blocks = num_full
 

@@ -45,6 +45,15 @@ stale and skipped. Likewise, a live batch that a replay already applied
 connection: it is stale, not a restart.
 A producer that answers a snapshot with nothing (plain vLLM) cannot be
 recovered exactly: we resume at the oldest buffered batch and mark it lossy.
+
+A resync that does not complete never throws away what the consumer holds.
+A snapshot is held back until its end marker and then replaces the state in
+one step (reset, then every batch of it), so one that is cut short -- a
+producer that stalls, or that cannot send everything and so sends no end
+marker -- changes nothing; it is asked for again (``sync_timeouts`` counts
+these). A replay applies each batch as it comes, in order, so what it
+applied before it was cut short is a true past state of the producer: it is
+kept, and a snapshot brings the rest.
 """
 
 from __future__ import annotations
@@ -99,7 +108,8 @@ class ProducerStream:
         self._pending: dict[int, bytes] = {}
         self._replay_ok = True
         self._replay_progress = False  # the current replay applied at least one batch
-        self._snapshot_seq: int | None = None
+        self._snapshot_seq: int | None = None  # the seq the snapshot being received reflects
+        self._snapshot: list[bytes] = []  # its batches, held back until its end marker
         self._stale_through: int | None = None
         # hash(payload) of each batch a replay applied, until the live stream passes them: their
         # live copies may still be in flight (another connection), and must not look like a restart.
@@ -113,12 +123,14 @@ class ProducerStream:
         self.snapshots = 0
         self.stale = 0
         self.lossy = 0
+        self.sync_timeouts = 0
 
     def check_invariants(self) -> None:
         """Assert what every ``on_*`` call keeps (tests call it; a failure is a bug here)."""
         # Batches wait only for a sync in flight: the end of each sync drains or re-buffers them.
         assert self.syncing is not None or not self._pending, "buffered batches with no sync to wait for"
         assert self._snapshot_seq is None or self.syncing is SyncState.SNAPSHOT, "a snapshot seq outside a snapshot"
+        assert (self._snapshot_seq is None) == (not self._snapshot), "snapshot batches without their seq, or vice versa"
         assert not self._initial or self.syncing is SyncState.REPLAY, "the initial replay is not in flight"
         assert not self._disconnected or self.started, "a disconnect counted before the stream started"
         assert not self._sync_cut or self._disconnected, "a cut-off sync without a disconnect"
@@ -196,14 +208,22 @@ class ProducerStream:
         flight); the next live batch decides how to resync (module table).
         """
         if not self.started:
-            return
+            if not self._replay_progress:
+                # The replay asked for on subscribing applied nothing: forget it (its answer, if any, is
+                # discarded with the request); the next live batch decides, as for a new subscription.
+                self._pending.clear()
+                self.syncing = None
+                self._initial = False
+                return
+            self.started = True  # it applied a true prefix of the history: handled as a cut-off sync below
+            self._initial = False
         self._disconnected = True
         self._pending.clear()
         self._stale_through = None
         self._replayed.clear()
         if self.syncing is not None:
             self.syncing = None
-            self._snapshot_seq = None
+            self._drop_snapshot()
             self._sync_cut = True
 
     def on_sync_item(self, seq: int, payload: bytes) -> list[Action]:
@@ -219,12 +239,9 @@ class ProducerStream:
             self._replayed[seq] = hash(payload)
             return [Apply(seq, payload)]
         if self.syncing is SyncState.SNAPSHOT:
-            actions: list[Action] = []
             if self._snapshot_seq is None:
                 self._snapshot_seq = seq
-                actions.append(Reset())
-            actions.append(Apply(seq, payload))
-            return actions
+            self._snapshot.append(payload)
         return []
 
     def on_sync_end(self) -> list[Action]:
@@ -243,33 +260,33 @@ class ProducerStream:
             return self._drain()
         if self.syncing is SyncState.SNAPSHOT:
             self.syncing = None
-            if self._snapshot_seq is None:
+            seq, batches = self._snapshot_seq, self._snapshot
+            self._drop_snapshot()
+            if seq is None:
                 return self._give_up()
-            self.next_seq = self._snapshot_seq + 1
-            self._stale_through = self._snapshot_seq
-            self._snapshot_seq = None
-            return self._drain()
+            self.next_seq = seq + 1
+            self._stale_through = seq
+            return [Reset(), *(Apply(seq, payload) for payload in batches), *self._drain()]
         return []
 
     def on_sync_failed(self) -> list[Action]:
-        """The replay or snapshot request got no terminator in time."""
+        """The replay or snapshot request got no terminator in time (the producer stalled, or gave up on it).
+
+        Nothing the consumer holds is undone: what a replay applied stays
+        (a true past state) and a snapshot follows; a snapshot is asked for
+        again, its partial answer never having been applied.
+        """
+        if self.syncing is None:
+            return []
+        self.sync_timeouts += 1
         if self.syncing is SyncState.REPLAY:
             self.syncing = None
-            if self._initial:  # the producer did not answer in time: its live batches decide
+            if self._initial:
                 self._initial = False
-                actions: list[Action] = []
-                if self._replay_progress:  # part of a history: undo it, it would pass for the whole
-                    actions.append(Reset())
-                    self.next_seq = 0
-                    self._replayed.clear()
-                return actions + self._refeed()
-            return self._start_snapshot()
-        if self.syncing is SyncState.SNAPSHOT:
-            self.syncing = None
-            applied_partial = self._snapshot_seq is not None
-            self._snapshot_seq = None
-            return ([Reset()] if applied_partial else []) + self._give_up()
-        return []
+                if not self._replay_progress:  # no answer at all: the live batches decide, as if just arrived
+                    return self._refeed()
+                self.started = True
+        return self._start_snapshot()
 
     # ------------------------------------------------------------ internals
 
@@ -287,10 +304,14 @@ class ProducerStream:
 
     def _start_snapshot(self) -> list[Action]:
         self.syncing = SyncState.SNAPSHOT
-        self._snapshot_seq = None
+        self._drop_snapshot()
         self._replayed.clear()  # the snapshot's seq decides what is stale from now on
         self.snapshots += 1
         return [RequestSnapshot()]
+
+    def _drop_snapshot(self) -> None:
+        self._snapshot_seq = None
+        self._snapshot = []
 
     def _refeed(self) -> list[Action]:
         """After an initial sync that told nothing: the buffered live batches, as if they had just arrived."""

@@ -1,25 +1,28 @@
 """KV event publisher over ZeroMQ, wire-compatible with vLLM's.
 
-Sockets (both owned by one background thread; ZeroMQ sockets are not thread-safe)
+Sockets
 - PUB: every batch as three frames ``[topic, seq, payload]``; ``seq`` is an
-  8-byte big-endian counter starting at 0.
-- ROUTER (replay): a DEALER sends ``[b"", start]`` and receives every
-  buffered batch with ``seq >= start`` as ``[b"", topic, seq, payload]``,
-  then the terminator ``[b"", b"", -1 (8 bytes, signed), b""]``. Beyond vLLM,
-  ``[b"", b"snapshot"]`` returns the producer's whole cache as BlockStored
-  batches, each tagged with the seq the snapshot already reflects, then the
-  same terminator. Any other request is ignored (and counted).
+  8-byte big-endian counter starting at 0. Owned by the publishing thread,
+  which does nothing else: encode, keep for replay, send.
+- ROUTER (replay): replay and snapshot requests, answered by a thread of its
+  own (:class:`kvstore.replay_server.SyncServer`, where the protocol and its
+  limits are described), so that no amount of requests delays the live
+  stream.
 
 With ``curve_secret_key``/``curve_public_key`` configured both sockets are
 CURVE servers (encrypted; a subscriber must name this publisher's public key
-as its server key, and a client without CURVE cannot connect). Without them
-the sockets are plain TCP, which is why they bind to loopback by default.
+as its server key, and a client without CURVE cannot connect); with
+``curve_allowed_client_keys`` too, only the listed clients can connect
+(:mod:`kvstore.curve_auth`). Without them the sockets are plain TCP, which is
+why they bind to loopback by default.
 
 Sequence numbers are assigned in :meth:`publish`, on the caller's thread,
 so that (with the owner holding its own lock) "pool state" and "last seq"
 can be read together for a consistent snapshot. If the queue to the thread is
 full the batch is dropped and counted -- but its seq is still consumed, so
 every subscriber sees a gap and resynchronises instead of silently diverging.
+The replay buffer is bounded in batches and in bytes
+(``buffer_batches``/``buffer_bytes``).
 """
 
 from __future__ import annotations
@@ -28,35 +31,36 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from typing import NamedTuple
 
 import msgspec
 import zmq
 
 from kvstore.config import EventsConfig
+from kvstore.curve_auth import ClientAllowList
 from kvstore.errors import ConfigError
-from kvstore.events import BlockStored, EventBatch, EventEncoder, KVEvent
+from kvstore.events import EventBatch, EventEncoder, KVEvent, without_token_ids
+from kvstore.replay_server import (
+    END_SEQ,
+    SNAPSHOT_REQUEST,
+    ReplayBuffer,
+    Snapshot,
+    SnapshotSource,
+    SyncServer,
+)
+
+__all__ = [
+    "END_SEQ",
+    "SNAPSHOT_REQUEST",
+    "EventEndpoints",
+    "NullEventPublisher",
+    "PublisherStats",
+    "Snapshot",
+    "SnapshotSource",
+    "ZmqEventPublisher",
+]
 
 logger = logging.getLogger(__name__)
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-SNAPSHOT_REQUEST = b"snapshot"
-_IDLE_WAIT_S = 0.005
-
-
-class Snapshot(NamedTuple):
-    seq: int  # last published seq the events reflect; -1 when nothing was published
-    events: list[BlockStored]
-
-
-SnapshotSource = Callable[[], Snapshot]
-"""Returns the producer's current cache and the seq it is consistent with.
-
-Called on the publisher thread: the owner must make it safe against its own
-mutations (e.g. take the lock it holds while mutating and publishing).
-"""
 
 
 class EventEndpoints(msgspec.Struct, frozen=True):
@@ -68,10 +72,14 @@ class EventEndpoints(msgspec.Struct, frozen=True):
 
 class PublisherStats(NamedTuple):
     published: int
-    dropped: int
-    replays_served: int
+    dropped: int  # batches the full queue turned away (their seqs consumed: subscribers see a gap)
+    replays_served: int  # complete replies: every batch asked for, then the end marker
     snapshots_served: int
     bad_requests: int
+    sync_rejected: int  # replay/snapshot requests dropped by the per-client and concurrency limits
+    sync_abandoned: int  # replies given up without their end marker (batches evicted, consumer stalled or gone)
+    buffered_batches: int  # held for replay now
+    buffered_bytes: int
 
 
 class NullEventPublisher:
@@ -105,7 +113,7 @@ class ZmqEventPublisher:
     """Publishes event batches on PUB, serves replay and snapshots on ROUTER.
 
     ``endpoint``/``replay_endpoint`` hold the resolved addresses after bind
-    (a ``*`` port becomes the real one). :meth:`close` stops the thread and
+    (a ``*`` port becomes the real one). :meth:`close` stops both threads and
     closes both sockets; it is safe to call twice.
     """
 
@@ -122,14 +130,11 @@ class ZmqEventPublisher:
         self._dp_rank = data_parallel_rank
         self._snapshot_source = snapshot_source
         self._queue: queue.Queue[tuple[int, EventBatch] | None] = queue.Queue(maxsize=config.queue_batches)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_batches)
+        self._buffer = ReplayBuffer(config.buffer_batches, config.buffer_bytes)
         self._seq_lock = threading.Lock()
         self._next_seq = 0
         self._published = 0
         self._dropped = 0
-        self._replays = 0
-        self._snapshots = 0
-        self._bad_requests = 0
         self._closed = False
 
         self._ctx = context or zmq.Context.instance()
@@ -138,16 +143,29 @@ class ZmqEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = self._ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
+        self._allow_list: ClientAllowList | None = None
         try:
             if config.curve_secret_key:
+                if config.curve_allowed_client_keys:
+                    self._allow_list = ClientAllowList(self._ctx, config.curve_allowed_client_keys)
                 for sock in (self._pub, self._replay):
                     _make_curve_server(sock, config.curve_secret_key, config.curve_public_key)
+                    if self._allow_list is not None:
+                        self._allow_list.secure(sock)
             self.endpoint = _attach(self._pub, config.endpoint, config.bind)
             self.replay_endpoint = _attach(self._replay, config.replay_endpoint, config.bind)
         except (zmq.ZMQError, ConfigError):
             self._pub.close()
             self._replay.close()
+            if self._allow_list is not None:
+                self._allow_list.close()
             raise
+        redact = None if config.include_token_ids else without_token_ids
+        self._redact = redact
+        self._server = SyncServer(
+            self._replay, self._buffer, config,
+            snapshot_source=snapshot_source, data_parallel_rank=data_parallel_rank, redact=redact,
+        ).start()  # fmt: skip
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
 
@@ -163,7 +181,11 @@ class ZmqEventPublisher:
 
     @property
     def stats(self) -> PublisherStats:
-        return PublisherStats(self._published, self._dropped, self._replays, self._snapshots, self._bad_requests)
+        sync = self._server.stats
+        return PublisherStats(
+            self._published, self._dropped, sync.replays_served, sync.snapshots_served, sync.bad_requests,
+            sync.rejected, sync.abandoned, self._buffer.batches, self._buffer.bytes,
+        )  # fmt: skip
 
     def publish(self, events: list[KVEvent], *, ts: float | None = None) -> int:
         """Queue one batch; returns its seq. Never blocks: a full queue drops (counted)."""
@@ -193,67 +215,38 @@ class ZmqEventPublisher:
         self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=5.0)
+        self._server.close()
         self._pub.close(linger=0)
         self._replay.close(linger=0)
+        if self._allow_list is not None:
+            self._allow_list.close()
+
+    def check_invariants(self) -> None:
+        """The replay buffer's bounds and order, and the replay server's limits (call after :meth:`close`)."""
+        self._buffer.check_invariants()
+        self._server.check_invariants()
 
     # ----------------------------------------------------------- thread side
 
     def _run(self) -> None:
         encoder = EventEncoder()
+        redact = self._redact
         while True:
-            while self._replay.poll(0):
-                self._serve_request(encoder)
-            try:
-                item = self._queue.get(timeout=_IDLE_WAIT_S)
-            except queue.Empty:
-                continue
+            item = self._queue.get()
             try:
                 if item is None:
                     return
                 seq, batch = item
+                if redact is not None:
+                    batch = EventBatch(batch.ts, redact(batch.events), batch.data_parallel_rank)
                 payload = encoder.encode(batch)
-                self._buffer.append((seq, payload))
+                self._buffer.append(seq, payload)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
                 self._published += 1
             except zmq.ZMQError:
                 logger.exception("failed to publish a KV event batch")
             finally:
                 self._queue.task_done()
-
-    def _serve_request(self, encoder: EventEncoder) -> None:
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or frames[1] != b"":
-            self._bad_requests += 1
-            return
-        client, _, body = frames
-        if body == SNAPSHOT_REQUEST:
-            self._send_snapshot(client, encoder)
-        elif len(body) == 8:
-            start = int.from_bytes(body, "big")
-            for seq, payload in list(self._buffer):
-                if seq >= start:
-                    self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-            self._replays += 1
-        else:
-            self._bad_requests += 1
-            return
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
-
-    def _send_snapshot(self, client: bytes, encoder: EventEncoder) -> None:
-        self._snapshots += 1
-        if self._snapshot_source is None:
-            return  # like vLLM: no snapshot support, only the terminator
-        snapshot = self._snapshot_source()
-        if snapshot.seq < 0:
-            return
-        seq_bytes = snapshot.seq.to_bytes(8, "big")
-        chunk = self._config.snapshot_batch_blocks
-        now = time.time()
-        events = snapshot.events
-        # Always at least one (possibly empty) batch, so the seq reaches the subscriber.
-        for start in range(0, max(len(events), 1), chunk):
-            batch = EventBatch(now, list(events[start : start + chunk]), self._dp_rank)
-            self._replay.send_multipart((client, b"", self._topic, seq_bytes, encoder.encode(batch)))
 
 
 def _make_curve_server(sock: zmq.Socket[bytes], secret_key: str, public_key: str) -> None:

@@ -10,9 +10,16 @@ batches to a :class:`BatchSink`. Keeping the sockets here and the ordering
 there lets every recovery path be tested without a socket.
 
 A producer added with ``curve_server_key`` (its publisher's CURVE public
-key) is reached over CURVE on both sockets, with a client key pair the
-listener makes once (``zmq.curve_keypair()``); a wrong key, or a CURVE
-publisher subscribed without one, delivers nothing.
+key) is reached over CURVE on both sockets, with the client key pair given
+as ``curve_client_keys`` -- needed when the publisher admits only listed
+clients (``events.curve_allowed_client_keys``) -- or else one the listener
+makes once (``zmq.curve_keypair()``); a wrong key, an unlisted client, or a
+CURVE publisher subscribed without one, delivers nothing.
+
+A replay or snapshot whose reply pauses for ``sync_timeout_s`` (the producer
+stalled, or gave the reply up without its end marker) is asked for again, as
+:class:`~kvstore.producer_stream.ProducerStream` says; what the consumer
+holds meanwhile is never reset.
 """
 
 from __future__ import annotations
@@ -36,16 +43,36 @@ from kvstore.publisher import END_SEQ, SNAPSHOT_REQUEST
 logger = logging.getLogger(__name__)
 
 
-def _check_curve_key(producer: str, key: str) -> None:
+class CurveKeyPair(NamedTuple):
+    """A CURVE client's key pair, Z85 text (``zmq.curve_keypair()``, or ``zmq.auth.load_certificate``)."""
+
+    public: str
+    secret: str
+
+
+def _is_z85_key(key: str) -> bool:
+    try:
+        return len(z85.decode(key)) == 32
+    except (ValueError, KeyError):
+        return False
+
+
+def _check_curve_keys(producer: str, server_key: str | None, client_keys: CurveKeyPair | None) -> None:
     """Raise ConfigError here, on the caller's thread: a bad key would fail setsockopt on the listener's."""
+    if server_key is None:
+        if client_keys is not None:
+            raise ConfigError(f"producer {producer}: curve_client_keys need the publisher's curve_server_key")
+        return
     if not zmq.has("curve"):
         raise ConfigError(f"producer {producer}: a curve_server_key was given, but this libzmq has no CURVE support")
-    try:
-        valid = len(z85.decode(key)) == 32
-    except (ValueError, KeyError):
-        valid = False
-    if not valid:
+    if not _is_z85_key(server_key):
         raise ConfigError(f"producer {producer}: curve_server_key must be a 40-character Z85 public key")
+    if client_keys is None:
+        return
+    if not (_is_z85_key(client_keys.public) and _is_z85_key(client_keys.secret)):
+        raise ConfigError(f"producer {producer}: curve_client_keys must be two 40-character Z85 keys")
+    if zmq.curve_public(client_keys.secret.encode()).decode() != client_keys.public:
+        raise ConfigError(f"producer {producer}: the client's secret key is not the one of its public key")
 
 
 class BatchSink(Protocol):
@@ -76,6 +103,7 @@ class ProducerHealth(NamedTuple):
     stale: int
     lossy: int
     syncing: SyncState | None  # a StrEnum: the JSON carries "replay" / "snapshot"
+    sync_timeouts: int = 0  # replies that stopped before their end marker for sync_timeout_s (asked again)
 
     def as_json(self) -> str:
         return json.dumps(self._asdict())
@@ -83,13 +111,20 @@ class ProducerHealth(NamedTuple):
 
 class _Producer:
     def __init__(
-        self, name: str, endpoint: str, replay_endpoint: str | None, topic: bytes, curve_server_key: str | None
+        self,
+        name: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        topic: bytes,
+        curve_server_key: str | None,
+        curve_client_keys: CurveKeyPair | None,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.curve_server_key = curve_server_key
+        self.curve_client_keys = curve_client_keys
         self.stream = ProducerStream()
         self.sub: zmq.Socket[bytes] | None = None
         self.monitor: zmq.Socket[bytes] | None = None  # the SUB's connection events (disconnects)
@@ -144,15 +179,18 @@ class EventListener:
         *,
         topic: str = "",
         curve_server_key: str | None = None,
+        curve_client_keys: CurveKeyPair | None = None,
     ) -> None:
         """Subscribe to a producer (replacing one of the same name).
 
         ``curve_server_key``: the producer's CURVE public key (Z85) when its
         publisher has CURVE on; None for a plain publisher.
+        ``curve_client_keys``: the key pair to present, for a publisher that
+        admits only listed clients; None: the listener's own (unlisted) pair.
+        Raises ConfigError for a malformed key or a pair that does not match.
         """
-        if curve_server_key is not None:
-            _check_curve_key(name, curve_server_key)
-        producer = _Producer(name, endpoint, replay_endpoint, topic.encode(), curve_server_key)
+        _check_curve_keys(name, curve_server_key, curve_client_keys)
+        producer = _Producer(name, endpoint, replay_endpoint, topic.encode(), curve_server_key, curve_client_keys)
         with self._lock:
             self._commands.append(("add", producer))
 
@@ -187,7 +225,7 @@ class EventListener:
                     p.name, p.endpoint, p.connected_since, p.last_batch_at,
                     None if p.last_ts is None else max(0.0, now_wall - p.last_ts),
                     s.next_seq, p.batches, p.events, p.skipped_events, p.decode_errors,
-                    s.gaps, s.replays, s.snapshots, s.restarts, s.stale, s.lossy, s.syncing,
+                    s.gaps, s.replays, s.snapshots, s.restarts, s.stale, s.lossy, s.syncing, s.sync_timeouts,
                 )
             )  # fmt: skip
         return out
@@ -313,6 +351,8 @@ class EventListener:
                 self._execute(producer, producer.stream.on_sync_end(), poller)
                 continue
             seq = int.from_bytes(seq_bytes, "big")
+            # The timeout is for a producer that stopped answering, not for a long answer still coming.
+            producer.sync_deadline = time.monotonic() + self._sync_timeout
             self._execute(producer, producer.stream.on_sync_item(seq, payload), poller)
 
     def _execute(self, producer: _Producer, actions: list[Action], poller: zmq.Poller) -> None:
@@ -345,9 +385,12 @@ class EventListener:
         """CURVE client options, before connect (no-op for a plain producer)."""
         if producer.curve_server_key is None:
             return
-        if self._curve_client is None:
-            self._curve_client = zmq.curve_keypair()
-        public, secret = self._curve_client
+        if producer.curve_client_keys is not None:
+            public, secret = producer.curve_client_keys.public.encode(), producer.curve_client_keys.secret.encode()
+        else:
+            if self._curve_client is None:
+                self._curve_client = zmq.curve_keypair()
+            public, secret = self._curve_client
         sock.setsockopt(zmq.CURVE_SERVERKEY, producer.curve_server_key.encode())
         sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, secret)

@@ -19,17 +19,24 @@ Two ways to serve a completion, by the kind of fleet:
   per-request and per-chunk costs.
 
 Every failure of the router's own is an OpenAI-style error body: 400 for bad
-input, 401 without the configured bearer token, 413 for an oversized body,
-503 when no healthy replica can serve. A client that disconnects cancels its
-request (on our worker, or by closing the upstream connection).
+input, 401 without the configured bearer token, 404 for a model or LoRA
+adapter our workers do not serve, 413 for an oversized body, 503 when no
+healthy replica can serve. A body is read within ``router``'s bounds (bytes,
+values, containers, depth: :mod:`kvstore.openai.bounds`) before anything
+decodes it. A client that disconnects cancels its request (on our worker, or
+by closing the upstream connection). Slow or idle connections are the HTTP
+server's to close (:mod:`kvstore.deploy.http_server`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -40,7 +47,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.http import ClientDisconnected, error_response, read_body, respond, until_disconnected
-from kvstore.openai.protocol import ParsedRequest, decode_chat, decode_completion, parse_chat, parse_completion
+from kvstore.openai.protocol import (
+    ParsedRequest,
+    check_served,
+    decode_chat,
+    decode_completion,
+    parse_chat,
+    parse_completion,
+)
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.routing import read_for_routing
 from kvstore.router.relay import Kind, RelayMiddleware
@@ -52,17 +66,33 @@ from kvstore.worker_api import GenerateRequest
 _OPEN_PATHS = frozenset({"/healthz"})
 
 
-def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> FastAPI:
-    """Build the app around a service. With ``manage_lifecycle`` the app starts and closes it."""
+def create_app(
+    service: RouterService,
+    *,
+    manage_lifecycle: bool = True,
+    tasks: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+) -> FastAPI:
+    """Build the app around a service. With ``manage_lifecycle`` the app starts and closes it.
+
+    ``tasks`` run on the app's loop from after the service starts until before it closes (a deployer's
+    supervisor, say); each is cancelled at shutdown, and one that fails is logged by asyncio, not retried.
+    """
     config = service.config.router
+    bounds = config.body_bounds()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_lifecycle:
             await service.start()
+        running = [asyncio.create_task(task()) for task in tasks]
         try:
             yield
         finally:
+            for task in running:
+                task.cancel()
+            for task in running:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
             if manage_lifecycle:
                 await service.close()
 
@@ -81,12 +111,15 @@ def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> Fast
         return error_response(ApiError(exc.status_code, str(exc.detail)))
 
     async def completion(request: Request, kind: Kind) -> Response:
-        body = await read_body(request, config.max_body_bytes)
+        body = await read_body(request, bounds)
         try:
             parsed = _parse(service, kind, body)
-        except ApiError:
+        except ApiError as exc:
+            # Answered here, not raised on: the error's traceback would keep the decoded body alive
+            # while the response is sent, and concurrent bad bodies would add up.
             service.counted("rejected")
-            raise
+            return error_response(exc)
+        del body
         return await _run(service, request, parsed)
 
     @app.post("/v1/completions")
@@ -110,7 +143,7 @@ def create_app(service: RouterService, *, manage_lifecycle: bool = True) -> Fast
 
     @app.post("/route")
     async def route(request: Request) -> JSONResponse:
-        body = await read_body(request, config.max_body_bytes)
+        body = await read_body(request, bounds)
         kind: Kind = "chat" if b'"messages"' in body else "completion"
         view = read_for_routing(body, kind, service.tokenizer)
         tokens = view.token_ids or []
@@ -183,8 +216,7 @@ def _parse(service: RouterService, kind: Kind, body: bytes) -> ParsedRequest:
         parsed = parse_chat(decode_chat(body), tokenizer, service.limits)
     else:
         parsed = parse_completion(decode_completion(body), tokenizer, service.limits)
-    if parsed.model is not None and parsed.model != service.model_name:
-        raise model_not_found(parsed.model)
+    check_served(parsed, service.model_name)
     return parsed
 
 

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from kvstore.config import CacheConfig, Fraction, NonNegativeInt, PositiveInt, is_z85_key
+from kvstore.openai.bounds import BodyBounds
 
 PolicyName = Literal["kvstore", "round_robin", "random", "least_loaded"]
 """``kvstore``: cached prefix against load (the Scorer); the others: cache-blind baselines (router/policies.py)."""
@@ -91,6 +92,26 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """When set, every route but /healthz needs ``Authorization: Bearer <api_key>``."""
     max_body_bytes: PositiveInt = 4 << 20
     """Larger request bodies get 413."""
+    max_json_values: PositiveInt = 262_144
+    """Array items plus object members a request body may hold (a 256k-token prompt as ids fits); counted on
+    the raw bytes before the body is decoded, so a body of a million tiny values costs a scan, not a decode."""
+    max_json_containers: PositiveInt = 10_000
+    """Arrays plus objects a request body may hold (messages, content parts, tool schemas)."""
+    max_json_depth: PositiveInt = 64
+    """How deeply arrays and objects may nest in a request body."""
+    header_timeout_s: Annotated[float, Meta(gt=0.0)] = 10.0
+    """A connection must send a request's headers within this of connecting (or of its request's first byte
+    after a keep-alive pause); else 408 and the connection is closed. The same for every HTTP front the
+    config starts: ``kvstore serve``, ``kvstore router`` and ``kvstore worker``."""
+    body_timeout_s: Annotated[float, Meta(gt=0.0)] = 30.0
+    """A request's whole body must arrive within this of its headers; else 408 and the connection is closed."""
+    keep_alive_s: Annotated[float, Meta(gt=0.0)] = 5.0
+    """An idle keep-alive connection is closed after this."""
+    max_connections: PositiveInt = 1024
+    """Open HTTP connections beyond this are answered 503 and closed at once."""
+    drain_timeout_s: Annotated[float, Meta(ge=0.0)] = 10.0
+    """On SIGINT or SIGTERM, requests in flight get this long to finish; then they are cancelled and the
+    deployment stops."""
     health_interval_s: Annotated[float, Meta(gt=0.0)] = 1.0
     """How often each replica's load/health is polled."""
     unhealthy_after: PositiveInt = 2
@@ -98,9 +119,15 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     sync_timeout_s: Annotated[float, Meta(gt=0.0)] = 2.0
     """Deadline of one replay or snapshot request to a producer."""
     request_timeout_s: Annotated[float, Meta(gt=0.0)] = 300.0
-    """Deadline of one completion on a replica."""
+    """How long the router waits for a replica's next piece of an answer (its first token, the next chunk, an
+    HTTP read) before it gives the replica up: retried elsewhere before any output, else an error. Every
+    backend takes it: our Ray workers and external HTTP servers."""
     replicas: list[ExternalReplica] = msgspec.field(default_factory=list)
     """External OpenAI-compatible replicas (``kvstore router``); ``kvstore serve`` places its own."""
+
+    def body_bounds(self) -> BodyBounds:
+        """What one request body may hold, for every HTTP front the config starts."""
+        return BodyBounds(self.max_body_bytes, self.max_json_values, self.max_json_containers, self.max_json_depth)
 
 
 class RouterSettings(Protocol):

@@ -21,7 +21,7 @@ from collections import Counter
 from typing import NamedTuple
 
 from kvstore.events import BlockStored, Medium
-from kvstore.hashing import BlockHash, BlockHasher, to_external
+from kvstore.hashing import BlockHash, BlockHasher, tagged_extra_keys, to_external
 
 MAX_PARKED_BLOCKS = 1_000_000
 
@@ -140,10 +140,12 @@ class Rekeyer:
             parent_digest = parent.digest
         extra = event.extra_keys
         per_block = extra is not None and len(extra) == len(hashes)
-        lora_keys = None if event.lora_name is None else (event.lora_name,)
         ours: list[int] = []
         for index, foreign_hash in enumerate(hashes):
-            keys = _extra_keys(extra[index]) if per_block and extra is not None else lora_keys
+            # vLLM publishes each block's extra keys untagged; our hasher tags them as vLLM hashes them.
+            entry = extra[index] if per_block and extra is not None else None
+            first = index == 0 and event.parent_block_hash is None
+            keys = tagged_extra_keys(entry, lora_name=event.lora_name, first_block=first)
             digest = self._hasher.hash_block(parent_digest, tokens[index * size : (index + 1) * size], keys)
             known = self._known.get(foreign_hash)
             if known is None:
@@ -169,12 +171,3 @@ class Rekeyer:
         for foreign_hash in event.block_hashes:
             if self._parked_hashes[foreign_hash] <= 0:
                 del self._parked_hashes[foreign_hash]
-
-
-def _extra_keys(item: object) -> tuple[object, ...] | None:
-    """One block's extra keys as the hasher wants them (msgpack turns tuples into lists)."""
-    if item is None:
-        return None
-    if isinstance(item, list | tuple):
-        return tuple(item)
-    return (item,)

@@ -10,8 +10,8 @@ its routes: every request and every chunk of every stream passes here, and
 the framework's request handling, response classes and per-chunk send
 wrappers would add a good part of what the router costs a stream's first
 token. What it answers itself: 400 for a body no replica could serve, 413
-beyond ``router.max_body_bytes``, 503 when no replica can take it (all as
-OpenAI error bodies). A client that disconnects -- mid-stream, or while a
+for one beyond ``router``'s body bounds (:mod:`kvstore.openai.bounds`), 503
+when no replica can take it (all as OpenAI error bodies). A client that disconnects -- mid-stream, or while a
 plain answer is still being computed -- closes the upstream connection,
 which is how the replica learns to abort.
 """
@@ -42,7 +42,7 @@ class RelayMiddleware:
     def __init__(self, app: ASGIApp, *, service: RouterService) -> None:
         self._app = app
         self._service = service
-        self._max_body_bytes = service.config.router.max_body_bytes
+        self._bounds = service.config.router.body_bounds()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = KINDS.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -51,7 +51,7 @@ class RelayMiddleware:
             return
         request = Request(scope, receive)
         try:
-            body = await read_body(request, self._max_body_bytes)
+            body = await read_body(request, self._bounds)
             prompt, routed = await self._route(body, kind)
             # From here the client may leave at any time -- while a plain answer is being computed too:
             # the relay is then cancelled, which closes the upstream connection.

@@ -136,6 +136,19 @@ def unsupported_fields_are_named(base_url: str, model: str) -> None:
         assert error["param"] == param and error["type"] == "BadRequestError", (body, error)
 
 
+def every_behaviour() -> list[Behaviour]:
+    """The checks every front must pass (disconnect_mid_stream needs a way to see the cancel: run it apart)."""
+    return [
+        models_list,
+        completions_plain_and_streamed,
+        chat_plain_and_streamed_and_cached,
+        seeded_sampling_is_reproducible,
+        async_client_streams,
+        unknown_model_is_404,
+        unsupported_fields_are_named,
+    ]
+
+
 def disconnect_mid_stream(base_url: str, model: str) -> None:
     """Open a long stream, read its first event, drop the connection."""
     host, port = base_url.removeprefix("http://").split(":")

@@ -17,9 +17,12 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
     enabled: bool = True
     """Start a tier actor on each node; off, evicted GPU blocks are simply dropped."""
-    cpu_capacity_bytes: Annotated[int, Meta(ge=1)] = 2 * 1024**3
+    cpu_capacity_bytes: Annotated[int, Meta(ge=1)] = 256 * 1024**2
     """Bytes of the shared-memory CPU arena per node, one slot per block (at least one block:
-    disk reads and writes are staged through it)."""
+    disk reads and writes are staged through it). Reserved in full at start, in ``shm_dir`` and so in RAM:
+    the default suits the built-in model and fits any host's /dev/shm; size it to the model for real work
+    (a block of an 8B model is about 2 MiB). ``kvstore serve`` refuses to start, in one line naming the
+    fix, when this node's ``shm_dir`` or memory cannot hold it (Docker's default /dev/shm is 64 MiB)."""
     shm_dir: str = "/dev/shm"
     """Directory of the POSIX shared-memory arena file; must be a tmpfs with room for the arena."""
     cpu_prefault: bool = True

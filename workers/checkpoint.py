@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from kvstore.errors import ConfigError
 from kvstore.kv_layout import KVDtype
+from kvstore.openai.tokenizer import read_json_object
 from kvstore.workers.hf_config import UnsupportedModelError
 from kvstore.workers.model_spec import ModelSpec
 
@@ -46,13 +47,7 @@ def read_json(directory: Path, name: str, *, required: bool = True) -> dict[str,
         if required:
             raise ConfigError(f"{directory} is not a Hugging Face model directory: it has no {name}")
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} is not a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def weight_files(directory: Path) -> dict[str, Path]:

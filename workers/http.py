@@ -7,6 +7,10 @@ can no longer serve: the router's health poll reads this page), and KV
 events on ZeroMQ. A fleet of these behind ``kvstore router`` is the same
 deployment as a vLLM fleet behind it, so the plain-HTTP path is tested end
 to end without Ray.
+
+Bodies are read within ``bounds`` before anything decodes them
+(:mod:`kvstore.openai.bounds`); a model other than the worker's, or any LoRA
+adapter (it serves none), is vLLM's 404.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvstore.errors import InvalidRequestError
+from kvstore.openai.bounds import BodyBounds
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.http import error_response, model_card, read_body, respond
 from kvstore.openai.protocol import (
     ModelLimits,
     ParsedRequest,
+    check_served,
     decode_chat,
     decode_completion,
     parse_chat,
@@ -35,8 +41,12 @@ from kvstore.worker_api import GenerateRequest, RequestStats, StreamChunk, Worke
 from kvstore.workers.worker import KVWorker
 
 
-def create_worker_app(worker: KVWorker, *, max_body_bytes: int = 4 << 20) -> FastAPI:
-    """An OpenAI-compatible app over ``worker`` (which the caller owns and shuts down)."""
+def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None) -> FastAPI:
+    """An OpenAI-compatible app over ``worker`` (which the caller owns and shuts down).
+
+    ``bounds``: what a request body may hold (default: 4 MiB and :class:`BodyBounds`' defaults).
+    """
+    bounds = bounds or BodyBounds(4 << 20)
     info = worker.info()
     limits = ModelLimits(info.vocab_size, info.max_context)
     tokenizer = worker.tokenizer
@@ -47,8 +57,6 @@ def create_worker_app(worker: KVWorker, *, max_body_bytes: int = 4 << 20) -> Fas
         return error_response(exc)
 
     async def serve(request: Request, parsed: ParsedRequest, prefix: str) -> Response:
-        if parsed.model is not None and parsed.model != info.model_name:
-            raise model_not_found(parsed.model)
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
         generate = GenerateRequest(
             parsed.token_ids, parsed.max_tokens, request_id, parsed.cache_salt, parsed.lora_name, parsed.sampling
@@ -72,15 +80,28 @@ def create_worker_app(worker: KVWorker, *, max_body_bytes: int = 4 << 20) -> Fas
         builder = ResponseBuilder(parsed, tokenizer, model=info.model_name, request_id=request_id, extras=_extras)
         return await respond(request, builder, chunks())
 
+    def parse(body: bytes, chat: bool) -> ParsedRequest:
+        if chat:
+            parsed = parse_chat(decode_chat(body), tokenizer, limits)
+        else:
+            parsed = parse_completion(decode_completion(body), tokenizer, limits)
+        check_served(parsed, info.model_name)
+        return parsed
+
+    async def endpoint(request: Request, chat: bool) -> Response:
+        try:
+            parsed = parse(await read_body(request, bounds), chat)
+        except ApiError as exc:  # answered here: a raised error's traceback would keep the decoded body alive
+            return error_response(exc)
+        return await serve(request, parsed, "chatcmpl" if chat else "cmpl")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = decode_completion(await read_body(request, max_body_bytes))
-        return await serve(request, parse_completion(req, tokenizer, limits), "cmpl")
+        return await endpoint(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = decode_chat(await read_body(request, max_body_bytes))
-        return await serve(request, parse_chat(req, tokenizer, limits), "chatcmpl")
+        return await endpoint(request, chat=True)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

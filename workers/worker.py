@@ -382,6 +382,7 @@ class KVWorker:
             for state in group.choices:
                 if not state.is_finished:
                     self._scheduler.abort(state)
+                    self._counters.generation_tokens += len(state.output_token_ids)
             self._counters.aborted += 1
             dropped.append(group)
         return dropped

@@ -22,7 +22,9 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
+from kvstore.openai.bounds import BodyBounds, check_body
 from kvstore.openai.errors import ApiError
 from kvstore.openai.responses import DONE, ResponseBuilder, sse
 from kvstore.worker_api import GenerateResult, StreamChunk, fold_stream
@@ -36,16 +38,24 @@ class ClientDisconnected(Exception):
     """The client closed the connection before its answer was ready."""
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """At most ``limit`` bytes (a chunked body has no Content-Length to check up front); 413 beyond."""
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body larger than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def read_body(request: Request, bounds: BodyBounds) -> bytes:
+    """The body, once it is within ``bounds`` (:func:`~kvstore.openai.bounds.check_body`: nothing is decoded).
+
+    A chunked body has no Content-Length to check up front: reading stops with a 413 at the byte limit.
+    A client that disconnects before its body is in is an ApiError(499), for the logs: nobody reads it.
+    """
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > bounds.max_bytes:
+                raise ApiError(413, f"request body larger than {bounds.max_bytes} bytes")
+    except ClientDisconnect:  # gone mid-body (or closed by the server's body deadline): nobody reads the answer
+        raise ApiError(499, "the client disconnected before its body was read") from None
+    data = bytes(body)
+    del body  # one copy of the body at a time: bodies of many concurrent clients add up
+    check_body(data, bounds)
+    return data
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

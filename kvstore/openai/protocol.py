@@ -20,18 +20,25 @@ and never rewrites them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
+from msgspec import Meta
 
 from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError
-from kvstore.openai.errors import ApiError
+from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.worker_api import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_N = 16
 _INT64 = 2**63
+# Names and stop strings are bounded while decoding: a 4 MiB cache_salt is no name, and would be hashed.
+MAX_NAME_CHARS = 1024
+Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
+StopString = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -42,31 +49,31 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields completions and chat share (OpenAI's, then vLLM's extensions)."""
 
-    model: str | None = None
+    model: Name | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     n: int = 1
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    user: str | None = None
+    user: Name | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = None  # token ids are always returned
-    request_id: str | None = None
-    cache_salt: str | None = None
-    lora_name: str | None = None
+    request_id: Name | None = None
+    cache_salt: Name | None = None
+    lora_name: Name | None = None
     # vLLM fields this server does not implement: refused by name when set.
     use_beam_search: bool = False
     length_penalty: float | None = None
@@ -246,6 +253,14 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bo
     if all(isinstance(p, str | list) for p in prompt):
         raise ApiError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
     raise ApiError(400, "prompt must be a string or a list of integer token ids", param="prompt")
+
+
+def check_served(parsed: ParsedRequest, model_name: str) -> None:
+    """vLLM's 404s, before anything is routed or hashed: another model, or a LoRA adapter (our workers serve none)."""
+    if parsed.model is not None and parsed.model != model_name:
+        raise model_not_found(parsed.model)
+    if parsed.lora_name is not None:
+        raise ApiError(404, f"The lora adapter `{parsed.lora_name}` does not exist.", param="lora_name")
 
 
 # ------------------------------------------------------------------------- chat

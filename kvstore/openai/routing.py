@@ -16,16 +16,23 @@ answers it, errors included, as it would without a router. What the router
 refuses itself: a body that is not a JSON object, and any text when no
 tokenizer is configured -- byte ids would be garbage to a real model, and
 routing on them would be routing on noise.
+
+Bounds: the body has already passed :mod:`kvstore.openai.bounds` (the
+router reads it with :func:`kvstore.openai.http.read_body`), so decoding it
+here, generically, builds a bounded number of values. A ``cache_salt`` longer
+than any name (:data:`~kvstore.openai.protocol.Name`) is not hashed: the body
+is routed on load alone and the replica judges it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
 from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError
 from kvstore.openai.errors import ApiError
+from kvstore.openai.protocol import MAX_NAME_CHARS
 from kvstore.openai.tokenizer import Tokenizer
 
 NO_TOKENIZER = (
@@ -49,7 +56,7 @@ class _TokenIdsBody(msgspec.Struct):
 
     prompt: list[int]
     model: str | None = None
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] | None = None  # longer: the general path
     stream: Any = None
 
 
@@ -89,6 +96,8 @@ def _read_any(body: bytes, kind: Literal["completion", "chat"], tokenizer: Token
     model = data.get("model") if isinstance(data.get("model"), str) else None
     salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) and data.get("cache_salt") else None
     stream = data.get("stream") is True
+    if salt is not None and len(salt) > MAX_NAME_CHARS:
+        return RoutingView(None, model, None, stream)
     tokens = _completion_tokens(data, tokenizer) if kind == "completion" else _chat_tokens(data, tokenizer)
     return RoutingView(tokens, model, salt, stream)
 

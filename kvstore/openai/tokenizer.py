@@ -94,14 +94,14 @@ class HFTokenizer:
             self._tok = _Tokenizer.from_file(str(file))
         except Exception as exc:  # the library raises a bare Exception for bad files
             raise ConfigError(f"cannot load tokenizer {file}: {exc}") from None
-        config = _read_json(directory / "tokenizer_config.json") if path.is_dir() else {}
+        config = read_json_object(directory / "tokenizer_config.json") if path.is_dir() else {}
         self._special = {
             key: text
             for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
             if (text := _token_text(config.get(key))) is not None
         }
         self._template = _find_template(directory, config) if path.is_dir() else None
-        generation = _read_json(directory / "generation_config.json") if path.is_dir() else {}
+        generation = read_json_object(directory / "generation_config.json") if path.is_dir() else {}
         self._eos = _eos_ids(generation.get("eos_token_id"), self._special.get("eos_token"), self._tok)
 
     @property
@@ -141,7 +141,8 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     return HFTokenizer(path)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A model directory's JSON file as a dict ({} when absent); ConfigError when unreadable or not an object."""
     if not path.is_file():
         return {}
     try:
@@ -149,7 +150,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
+        raise ConfigError(f"{path} is not a JSON object")
     return data
 
 

@@ -13,7 +13,10 @@
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -21,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import psutil
 
 from kvstore.deploy.config import Config, config_from_dict
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -197,3 +201,70 @@ class Traffic:
         self._stop.set()
         self._thread.join(timeout=60)
         assert not self._thread.is_alive(), "traffic did not drain"
+
+
+_PUBLISHER_PROCESS = """
+import json, sys, threading, time
+from kvstore.config import EventsConfig
+from kvstore.events import BlockStored
+from kvstore.publisher import ZmqEventPublisher
+
+prefill, interval_s, tokens = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+publisher = ZmqEventPublisher(EventsConfig())
+
+def batch(i):
+    return [BlockStored(block_hashes=list(range(i * 16, i * 16 + 16)), parent_block_hash=None,
+                        token_ids=list(range(tokens)), block_size=16, lora_id=None, medium="GPU", lora_name=None)]
+
+for i in range(prefill):
+    publisher.publish(batch(i))
+assert publisher.flush(60)
+print(json.dumps([publisher.endpoint, publisher.replay_endpoint]), flush=True)
+deadline = time.monotonic() + 120  # bounded even if the parent never says stop
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+i = prefill
+while not stop.is_set() and time.monotonic() < deadline:
+    publisher.publish(batch(i))
+    i += 1
+    time.sleep(interval_s)
+"""
+
+
+class PublisherProcess:
+    """A ZmqEventPublisher with the default EventsConfig in its own process, as a worker runs it.
+
+    It first publishes ``prefill`` batches (so its replay buffer is full and
+    every replay is long), then one batch every ``interval_s`` until
+    :meth:`stop` (or 120 s). Batch ``i`` stores 16 blocks with ``tokens``
+    token ids. Its own process, so a flood that starves or bloats it can be
+    measured (``rss``) and ended by killing it.
+    """
+
+    def __init__(self, *, prefill: int = 10_000, interval_s: float = 0.01, tokens: int = 256) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _PUBLISHER_PROCESS, str(prefill), str(interval_s), str(tokens)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            self.stop()
+            raise RuntimeError("the publisher process did not start")
+        self.endpoint, self.replay_endpoint = json.loads(line)
+        self.interval_s = interval_s
+
+    def rss(self) -> int:
+        """Resident memory of the publisher process, bytes."""
+        return int(psutil.Process(self.process.pid).memory_info().rss)
+
+    def stop(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)

@@ -97,7 +97,7 @@ def test_worker_killed_mid_load_loses_no_request(ray_session: Any) -> None:
 
         # A replacement joins (launcher code again) and takes traffic: concurrent requests spread over both.
         (replacement,) = place_workers(config, 1, start_index=310)
-        service.add_replica(replica_spec(replacement))
+        service.add_replica(replica_spec(replacement, config))
         assert wait_for(lambda: client.get("/healthz").json()["healthy_replicas"] == 2, timeout=10)
         fresh = [tokens(rng, 4 * BLOCK) for _ in range(8)]
         with ThreadPoolExecutor(len(fresh)) as pool:

@@ -28,6 +28,8 @@ def test_defaults() -> None:
     assert config.events.endpoint == "tcp://127.0.0.1:*"
     assert config.events.replay_endpoint == "tcp://127.0.0.1:*"
     assert config.events.bind is True and config.events.buffer_batches == 10_000
+    assert config.events.buffer_bytes == 64 * 2**20
+    assert config.events.include_token_ids is True and config.events.curve_allowed_client_keys == ()
     with pytest.raises(AttributeError):
         config.cache.block_size = 8  # type: ignore[misc]  # frozen: never mutated at run time
 
@@ -105,6 +107,9 @@ def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
         ({"overrides": ["pool.watermark=1.5"]}, r"pool\.watermark.*<= 1"),
         ({"env": {"KVSTORE_POOL__NUM_BLOCKS": "-1"}}, r"pool\.num_blocks"),
         ({"overrides": ["cache=1"]}, r"field cache\b"),
+        ({"overrides": ["events.buffer_bytes=0"]}, r"events\.buffer_bytes.*>= 1"),
+        ({"env": {"KVSTORE_EVENTS__BUFFER_BYTES": "lots"}}, r"events\.buffer_bytes.*int"),
+        ({"overrides": ['events.curve_allowed_client_keys=["' + "k" * 40 + '"]']}, r"needs CURVE on"),
     ],
 )
 def test_errors_name_the_field(kwargs: dict, expected: str) -> None:

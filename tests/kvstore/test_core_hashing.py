@@ -1,4 +1,5 @@
-"""Block hashing: byte-for-byte vLLM sha256_cbor, xxh3_128, wire form, extra keys, incremental hashing."""
+"""Block hashing: byte-for-byte vLLM sha256_cbor, xxh3_128, wire form, tagged extra keys and their untagged
+event form, incremental hashing."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.config import CacheConfig
-from kvstore.hashing import BlockHasher, to_external
+from kvstore.hashing import LORA_PATH, BlockHasher, published_extra_keys, tagged_extra_keys, to_external
 
 
 def sha256_cbor(value: object) -> bytes:
@@ -31,11 +32,14 @@ def xxh3_cbor(value: object) -> bytes:
 def by_hand(
     fn, seed: str, tokens: list[int], size: int, lora: str | None = None, salt: str | None = None
 ) -> list[bytes]:
-    """vLLM's chained hashing: H((parent or NONE_HASH, tuple(tokens), extra_keys)), full blocks only."""
+    """vLLM's chained hashing: H((parent or NONE_HASH, tuple(tokens), extra_keys)), full blocks only, with
+    extra keys tagged by their source: ("lora", name, path) on every block, ("cache_salt", salt) on block 0."""
     parent = fn(seed)  # NONE_HASH
     out = []
     for i in range(len(tokens) // size):
-        keys = [k for k in (lora, salt if i == 0 else None) if k is not None]
+        lora_key = None if lora is None else ("lora", lora, "")
+        salt_key = ("cache_salt", salt) if salt and i == 0 else None
+        keys = [k for k in (lora_key, salt_key) if k is not None]
         parent = fn((parent, tuple(tokens[i * size : (i + 1) * size]), tuple(keys) if keys else None))
         out.append(parent)
     return out
@@ -68,23 +72,59 @@ def test_chained_hashes_match_hand_computation(algo, fn, seed: str) -> None:
     )
 
 
-def test_extra_keys_order_lora_then_salt_on_block_zero_only() -> None:
+def test_extra_keys_are_tagged_lora_then_salt_on_block_zero_only() -> None:
+    lora = ("lora", "L", LORA_PATH)
+    assert LORA_PATH == ""  # a vLLM LoRARequest made without a path
     assert BlockHasher.extra_keys(0, None, None) is None
-    assert BlockHasher.extra_keys(0, "L", None) == ("L",)
-    assert BlockHasher.extra_keys(0, None, "S") == ("S",)
-    assert BlockHasher.extra_keys(0, "L", "S") == ("L", "S")
-    assert BlockHasher.extra_keys(1, "L", "S") == ("L",)
+    assert BlockHasher.extra_keys(0, "L", None) == (lora,)
+    assert BlockHasher.extra_keys(0, None, "S") == (("cache_salt", "S"),)
+    assert BlockHasher.extra_keys(0, "L", "S") == (lora, ("cache_salt", "S"))
+    assert BlockHasher.extra_keys(1, "L", "S") == (lora,)
     assert BlockHasher.extra_keys(3, None, "S") is None
+    assert BlockHasher.extra_keys(0, None, "") is None  # an empty salt is no salt
+    # A LoRA and a salt spelled alike no longer give the same keys.
+    assert BlockHasher.extra_keys(0, "X", None) != BlockHasher.extra_keys(0, None, "X")
 
     hasher = BlockHasher("sha256_cbor", "kvstore", 2)
     h = hasher.hash_blocks([1, 2, 3, 4], lora_name="L", cache_salt="S")
     none = sha256_cbor("kvstore")
-    assert h[0] == sha256_cbor((none, (1, 2), ("L", "S")))
-    assert h[1] == sha256_cbor((h[0], (3, 4), ("L",)))
+    assert h[0] == sha256_cbor((none, (1, 2), (("lora", "L", ""), ("cache_salt", "S"))))
+    assert h[1] == sha256_cbor((h[0], (3, 4), (("lora", "L", ""),)))
+    assert hasher.hash_blocks([1, 2, 3, 4], cache_salt="") == hasher.hash_blocks([1, 2, 3, 4])
     # Salted chains differ from block 0 on; the salt itself only enters block 0.
     salted = hasher.hash_blocks([1, 2, 3, 4], cache_salt="S")
     assert salted[1] == sha256_cbor((salted[0], (3, 4), None))
     assert salted[0] != hasher.hash_blocks([1, 2, 3, 4])[0]
+
+
+def test_published_extra_keys_are_untagged_and_tag_back_to_what_was_hashed() -> None:
+    assert published_extra_keys(0, None, None) is None
+    assert published_extra_keys(0, "L", "S") == ("L", "S")
+    assert published_extra_keys(1, "L", "S") == ("L",)
+    assert published_extra_keys(0, None, "S") == ("S",)
+    assert published_extra_keys(2, None, "S") is None
+    assert published_extra_keys(0, None, "") is None
+    for lora in (None, "L", "S"):
+        for salt in (None, "", "S", "L"):
+            for index in range(3):
+                entry = published_extra_keys(index, lora, salt)
+                for wire in (entry, None if entry is None else list(entry)):  # msgpack gives lists back
+                    tagged = tagged_extra_keys(wire, lora_name=lora, first_block=index == 0)
+                    assert tagged == BlockHasher.extra_keys(index, lora, salt), (lora, salt, index, wire)
+
+
+def test_tagged_extra_keys_of_foreign_entries() -> None:
+    # A producer that published no extra_keys: the event's LoRA name still tags every block; a salt is unknowable.
+    assert tagged_extra_keys(None, lora_name="L", first_block=True) == (("lora", "L", ""),)
+    assert tagged_extra_keys(None, lora_name=None, first_block=True) is None
+    # vLLM's order: LoRA name, multimodal identifiers, salt; what our requests never carry is kept as it came.
+    mm = ["img-uuid", 3]
+    assert tagged_extra_keys(["L", mm, "S"], lora_name="L", first_block=True) == (
+        ("lora", "L", ""), ("img-uuid", 3), ("cache_salt", "S"),
+    )  # fmt: skip
+    assert tagged_extra_keys(["L", mm], lora_name="L", first_block=False) == (("lora", "L", ""), ("img-uuid", 3))
+    assert tagged_extra_keys("S", lora_name=None, first_block=True) == (("cache_salt", "S"),)  # a bare value
+    assert tagged_extra_keys([b"\x01"], lora_name=None, first_block=False) == (b"\x01",)
 
 
 def test_external_hash_is_low_64_bits_big_endian() -> None:
@@ -136,7 +176,7 @@ def test_hasher_rejects_bad_arguments() -> None:
 _CHILD = textwrap.dedent(
     """
     import json
-    from kvstore.hashing import BlockHasher, to_external
+    from kvstore.hashing import LORA_PATH, BlockHasher, published_extra_keys, tagged_extra_keys, to_external
     out = {}
     for algo in ("sha256_cbor", "xxh3_128"):
         hasher = BlockHasher(algo, "kvstore", 4)

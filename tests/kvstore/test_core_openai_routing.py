@@ -50,7 +50,8 @@ def test_the_fast_path_reads_every_completion_as_the_general_path(data: dict[str
 @pytest.mark.parametrize(
     "body",
     [b'{"prompt": [1, 2], "prompt": [3]}', b'{"prompt": [1, 2], "model": "m", "cache_salt": "", "stream": true}',
-     b'{"prompt": [1.0]}', b'{"prompt": [true]}', b"[1, 2]", b"{not json", b'{"prompt": [1], "model": 5}'],
+     b'{"prompt": [1.0]}', b'{"prompt": [true]}', b"[1, 2]", b"{not json", b'{"prompt": [1], "model": 5}',
+     b'{"prompt": [1], "cache_salt": "%s"}' % (b"s" * 1024), b'{"prompt": [1], "cache_salt": "%s"}' % (b"s" * 1025)],
 )  # fmt: skip
 def test_edge_bodies_read_the_same_both_ways(body: bytes) -> None:
     assert outcome(read_for_routing, body) == outcome(_read_any, body)

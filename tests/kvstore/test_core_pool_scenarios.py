@@ -275,6 +275,37 @@ def test_different_lora_names_never_share() -> None:
     assert [b.block_id for b in hit.blocks] == manager.block_ids("x")[:2]
 
 
+def test_block_stored_carries_the_extra_keys_as_vllm_publishes_them() -> None:
+    pool, manager = make(16, 2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    req = CacheRequest("t", prompt, lora_name="L", cache_salt="S")
+    admit(manager, req)
+    (stored,) = pool.take_events()
+    assert isinstance(stored, BlockStored)
+    # One entry per block, untagged: the LoRA name on each, the salt on the first only.
+    assert stored.lora_name == "L" and stored.extra_keys == [("L", "S"), ("L",), ("L",)]
+    # A later run of the same request: no salt (not its first block).
+    req.append_tokens([8])
+    assert manager.allocate_slots(req, 1) is not None
+    (later,) = pool.take_events()
+    assert isinstance(later, BlockStored) and later.extra_keys == [("L",)]
+    # The snapshot restates each block with its own entry.
+    snap = {e.block_hashes[0]: e.extra_keys for e in pool.snapshot_events()}
+    assert snap == {to_external(h): [k] for h, k in zip(req.block_hashes, [("L", "S"), ("L",), ("L",), ("L",)],
+                                                        strict=True)}  # fmt: skip
+    # Salt only, and none at all (the field is left out, as the common case costs nothing on the wire).
+    admit(manager, CacheRequest("s", prompt, cache_salt="S2"))
+    admit(manager, CacheRequest("p", [9, 9, 9, 9]))
+    salted, plain = pool.take_events()
+    assert isinstance(salted, BlockStored) and salted.extra_keys == [("S2",), None, None]
+    assert isinstance(plain, BlockStored) and plain.extra_keys is None
+    # Evicted blocks forget their keys with their hash (the invariants check it).
+    for rid in ("t", "s", "p"):
+        manager.free(rid)
+    admit(manager, CacheRequest("big", list(range(100, 130))))
+    manager.check_invariants()
+
+
 # --------------------------------------------------------------------------- admission and reset
 
 

@@ -94,8 +94,8 @@ def test_row_after_a_disconnect_a_seq_ahead_takes_a_snapshot() -> None:
     s.on_disconnect()
     assert s.on_live(7, p(7)) == [RequestSnapshot()]  # maybe a new incarnation that outran seq 3
     assert s.syncing is SyncState.SNAPSHOT
-    assert s.on_sync_item(9, b"snap") == [Reset(), Apply(9, b"snap")]
-    assert s.on_sync_end() == []  # the buffered 7 is covered by the snapshot of 9
+    assert s.on_sync_item(9, b"snap") == []  # held back until the end marker
+    assert s.on_sync_end() == [Reset(), Apply(9, b"snap")]  # the buffered 7 is covered by the snapshot of 9
     assert s.next_seq == 10 and s.syncing is None
     assert counters(s) == {**ZERO, "gaps": 1, "snapshots": 1}
 
@@ -119,8 +119,8 @@ def test_a_disconnect_during_a_replay_drops_it_and_the_next_batch_takes_a_snapsh
     assert s.on_sync_item(3, b"late") == []  # a reply to the dropped request: ignored
     # Even seq == next: the cut-off replay may have mixed two incarnations.
     assert s.on_live(3, p(3)) == [RequestSnapshot()]
-    assert s.on_sync_item(3, b"snap") == [Reset(), Apply(3, b"snap")]
-    assert s.on_sync_end() == []
+    assert s.on_sync_item(3, b"snap") == []
+    assert s.on_sync_end() == [Reset(), Apply(3, b"snap")]
     assert s.next_seq == 4
     assert counters(s) == {**ZERO, "gaps": 1, "replays": 1, "snapshots": 1}
 
@@ -138,10 +138,11 @@ def test_replay_that_misses_next_falls_back_to_snapshot_and_skips_stale() -> Non
     assert s.syncing is SyncState.SNAPSHOT and s.snapshots == 1
     assert s.on_live(10, p(10)) == []
     assert s.on_live(11, p(11)) == []
-    # The snapshot reflects seq 10; it arrives as several batches, all tagged 10.
-    assert s.on_sync_item(10, b"snap-a") == [Reset(), Apply(10, b"snap-a")]
-    assert s.on_sync_item(10, b"snap-b") == [Apply(10, b"snap-b")]
-    assert s.on_sync_end() == [Apply(11, p(11))]  # 9 and 10 are covered by the snapshot
+    # The snapshot reflects seq 10; it arrives as several batches, all tagged 10, applied at its end.
+    assert s.on_sync_item(10, b"snap-a") == []
+    assert s.on_sync_item(10, b"snap-b") == []
+    # 9 and 10 are covered by the snapshot
+    assert s.on_sync_end() == [Reset(), Apply(10, b"snap-a"), Apply(10, b"snap-b"), Apply(11, p(11))]
     assert s.next_seq == 12 and s.syncing is None
     # A live batch the snapshot already reflects, still in flight: stale, skipped.
     s2 = streaming_at(2)
@@ -149,7 +150,7 @@ def test_replay_that_misses_next_falls_back_to_snapshot_and_skips_stale() -> Non
     s2.on_sync_item(5, b"r5")
     s2.on_sync_end()
     s2.on_sync_item(12, b"snap")
-    assert s2.on_sync_end() == []
+    assert s2.on_sync_end() == [Reset(), Apply(12, b"snap")]
     assert s2.next_seq == 13
     assert s2.on_live(11, p(11)) == []
     assert s2.on_live(12, p(12)) == []
@@ -165,8 +166,8 @@ def test_replay_with_a_hole_after_partial_progress_falls_back_to_snapshot() -> N
     assert s.on_sync_item(3, b"r3") == []  # 2 is missing from the producer's buffer
     assert s.on_sync_item(4, b"r4") == []
     assert s.on_sync_end() == [RequestSnapshot()]
-    assert s.on_sync_item(5, b"snap") == [Reset(), Apply(5, b"snap")]
-    assert s.on_sync_end() == []  # the buffered live 5 is covered
+    assert s.on_sync_item(5, b"snap") == []
+    assert s.on_sync_end() == [Reset(), Apply(5, b"snap")]  # the buffered live 5 is covered
     assert s.next_seq == 6
 
 
@@ -175,8 +176,8 @@ def test_empty_replay_falls_back_to_snapshot_instead_of_looping() -> None:
     assert s.on_live(2, p(2)) == [RequestReplay(1)]
     assert s.on_sync_end() == [RequestSnapshot()]  # not RequestReplay(1) again, forever
     assert s.replays == 1 and s.snapshots == 1
-    assert s.on_sync_item(2, b"snap") == [Reset(), Apply(2, b"snap")]
-    assert s.on_sync_end() == []
+    assert s.on_sync_item(2, b"snap") == []
+    assert s.on_sync_end() == [Reset(), Apply(2, b"snap")]
     assert s.next_seq == 3
 
 
@@ -238,20 +239,23 @@ def test_restart_right_after_a_replay_is_still_detected() -> None:
     assert t.restarts == 1
 
 
-def test_sync_timeouts() -> None:
-    # A replay that times out escalates to a snapshot.
+def test_sync_timeouts_keep_the_state_and_ask_for_a_snapshot() -> None:
+    # A replay that times out escalates to a snapshot; what it applied stays applied.
     s = streaming_at(1)
     s.on_live(3, p(3))
+    assert s.on_sync_item(1, b"r1") == [Apply(1, b"r1")]
     assert s.on_sync_failed() == [RequestSnapshot()]
-    # A snapshot that times out after a partial reply undoes it, then resumes lossy.
-    assert s.on_sync_item(2, b"part") == [Reset(), Apply(2, b"part")]
-    assert s.on_sync_failed() == [Reset(), Apply(3, p(3))]
-    assert s.lossy == 1 and s.next_seq == 4
-    # A snapshot that times out with nothing applied just resumes lossy.
-    t = streaming_at(1)
-    t.on_live(3, p(3))
-    t.on_sync_failed()
-    assert t.on_sync_failed() == [Apply(3, p(3))]
+    assert s.next_seq == 2 and s.sync_timeouts == 1
+    # A snapshot cut short applied nothing: it is asked for again, the state untouched (no Reset).
+    assert s.on_sync_item(2, b"part") == []
+    assert s.on_sync_failed() == [RequestSnapshot()]
+    assert s.syncing is SyncState.SNAPSHOT and s.sync_timeouts == 2 and s.snapshots == 2 and s.lossy == 0
+    assert s.on_live(4, p(4)) == []
+    # The complete answer replaces the state in one step; the live batches after it follow.
+    assert s.on_sync_item(3, b"whole-a") == []
+    assert s.on_sync_item(3, b"whole-b") == []
+    assert s.on_sync_end() == [Reset(), Apply(3, b"whole-a"), Apply(3, b"whole-b"), Apply(4, p(4))]
+    assert s.next_seq == 5 and s.syncing is None and s.lossy == 0
     # Nothing in flight: no-ops.
     assert streaming_at(1).on_sync_failed() == []
     assert streaming_at(1).on_sync_end() == []
@@ -298,22 +302,54 @@ def test_subscribe_when_the_replay_no_longer_reaches_seq_0_takes_a_snapshot() ->
     assert s.on_sync_item(40, b"r40") == []  # the buffer starts at 40: 0..39 are gone
     assert s.on_sync_end() == [RequestSnapshot()]
     assert s.started and s.syncing is SyncState.SNAPSHOT
-    assert s.on_sync_item(41, b"snap") == [Reset(), Apply(41, b"snap")]
-    assert s.on_sync_end() == []
+    assert s.on_sync_item(41, b"snap") == []
+    assert s.on_sync_end() == [Reset(), Apply(41, b"snap")]
     assert s.next_seq == 42 and counters(s) == {**ZERO, "replays": 1, "snapshots": 1}
 
 
-def test_subscribe_replay_timeout_undoes_a_partial_history_and_waits_for_live_batches() -> None:
+def test_subscribe_replay_timeout_keeps_a_partial_history_and_takes_a_snapshot() -> None:
     s = ProducerStream()
     assert s.on_subscribe() == [RequestReplay(0)]
     assert s.on_sync_item(0, b"r0") == [Apply(0, b"r0")]
     assert s.on_live(5, p(5)) == []
-    assert s.on_sync_failed() == [Reset(), RequestReplay(0)]  # undo r0; seq 5 is a late first batch
-    assert s.started and s.next_seq == 0 and s.lossy == 0
+    assert s.on_sync_failed() == [RequestSnapshot()]  # r0 stays: a true past state, never 0 blocks meanwhile
+    assert s.started and s.next_seq == 1 and s.lossy == 0
+    assert s.on_sync_item(5, b"snap") == []
+    assert s.on_sync_end() == [Reset(), Apply(5, b"snap")]
+    assert s.next_seq == 6
     silent = ProducerStream()
     assert silent.on_subscribe() == [RequestReplay(0)]
     assert silent.on_sync_failed() == []  # no answer, nothing received: wait
     assert not silent.started and silent.syncing is None and silent.lossy == 0
+
+
+def test_a_disconnect_during_the_first_replay_lets_the_next_live_batch_decide() -> None:
+    # The replay asked for on subscribing is in flight (its reply discarded with its socket) when the
+    # connection drops: the stream must not wait for it forever, buffering every live batch.
+    s = ProducerStream()
+    assert s.on_subscribe() == [RequestReplay(0)]
+    s.on_disconnect()
+    assert s.syncing is None and not s.started
+    assert s.on_live(0, b"x") == [Apply(0, b"x")]
+    assert s.next_seq == 1
+    late = ProducerStream()
+    late.on_subscribe()
+    late.on_disconnect()
+    assert late.on_live(4, p(4)) == [RequestReplay(0)]  # a late first batch, as on any new subscription
+    assert [a for i in range(4) for a in late.on_sync_item(i, b"r%d" % i)] == [Apply(i, b"r%d" % i) for i in range(4)]
+    assert late.on_sync_end() == [Apply(4, p(4))]
+
+
+def test_a_disconnect_after_the_first_replay_applied_some_history_resyncs_by_snapshot() -> None:
+    s = ProducerStream()
+    s.on_subscribe()
+    assert s.on_sync_item(0, b"r0") == [Apply(0, b"r0")]
+    s.on_disconnect()  # r0 stays applied; the next batch may come from a new incarnation
+    assert s.started and s.syncing is None
+    assert s.on_live(1, p(1)) == [RequestSnapshot()]
+    assert s.on_sync_item(1, b"snap") == []
+    assert s.on_sync_end() == [Reset(), Apply(1, b"snap")]
+    assert s.next_seq == 2
 
 
 # --------------------------------------------------------------------------- invariants

@@ -27,15 +27,7 @@ def served() -> Iterator[tuple[str, KVWorker]]:
     worker.shutdown()
 
 
-BEHAVIOURS = [
-    check.models_list,
-    check.completions_plain_and_streamed,
-    check.chat_plain_and_streamed_and_cached,
-    check.seeded_sampling_is_reproducible,
-    check.async_client_streams,
-    check.unknown_model_is_404,
-    check.unsupported_fields_are_named,
-]
+BEHAVIOURS = check.every_behaviour()
 
 
 @pytest.mark.parametrize("behaviour", BEHAVIOURS, ids=lambda f: f.__name__)

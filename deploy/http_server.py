@@ -1,0 +1,155 @@
+"""The HTTP server of every front a config starts (``kvstore serve``, ``kvstore router``, ``kvstore worker``).
+
+uvicorn, with the ``router`` section's limits on what a connection may cost:
+
+- ``header_timeout_s``: a request's headers must arrive within this of the
+  connection opening (or of the request's first byte after a keep-alive
+  pause). uvicorn has no such deadline: a connection that sends half a
+  request line, or nothing, is held for as long as the client likes.
+- ``body_timeout_s``: the whole body within this of the headers, however
+  slowly it drips.
+- ``keep_alive_s``: an idle keep-alive connection is closed (uvicorn's own).
+- ``max_connections``: connections beyond it are answered 503 and closed on
+  arrival, before they cost a request.
+- ``drain_timeout_s``: on SIGINT or SIGTERM, requests in flight get this long;
+  then their connections are closed (503 if no response has started), which
+  the app sees as clients that hung up: their work is cancelled the usual
+  way, not torn down mid-await. uvicorn's own graceful-shutdown timeout,
+  a few seconds later, is only the backstop.
+
+A connection past a deadline gets a 408 (if its request has no response
+yet) and is closed; its request, if the app was already running it, sees
+the disconnect as a client that hung up. The deadlines live on the
+connection (:class:`GuardedH11Protocol`), so they hold whatever the app does,
+with or without an API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, ClassVar
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvstore.router.config import RouterConfig
+
+_ERROR_TYPES = {408: "RequestTimeoutError", 503: "ServiceUnavailableError"}
+_BACKSTOP_S = 5.0  # after the drain deadline closed the connections, their requests get this long to unwind
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 connection with deadlines on a request's headers and body, and a connection limit.
+
+    A subclass made by :func:`guarded_protocol` sets :attr:`limits`. Phases of a connection: waiting for a
+    request's headers (deadline ``header_timeout_s``), reading its body (``body_timeout_s``), then neither
+    while the app answers; after a response, uvicorn's keep-alive timer closes an idle connection.
+    """
+
+    limits: ClassVar[RouterConfig]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._phase: str | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(503, f"more than {self.limits.max_connections} open connections; try again later")
+            return
+        self._arm("headers", self.limits.header_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        """The server is stopping: an idle connection closes now, a busy one at the drain deadline."""
+        super().shutdown()
+        if not self.transport.is_closing():
+            self._disarm()
+            self._phase = "drain"
+            self._deadline = self.loop.call_later(self.limits.drain_timeout_s, self._expire, "drain")
+
+    def _follow(self) -> None:
+        """Re-arm the deadline for the phase the request is in now."""
+        if self.transport.is_closing():
+            self._disarm()
+            return
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            self._arm("body", self.limits.body_timeout_s)
+        elif state is h11.IDLE and (self.cycle is None or self.cycle.response_complete):
+            if self.conn.trailing_data[0]:  # part of a request is here: its headers are due
+                self._arm("headers", self.limits.header_timeout_s)
+            elif self.cycle is not None:
+                self._disarm()  # idle after a response: uvicorn's keep-alive timer closes it
+        else:
+            self._disarm()  # the request is complete: the app is answering
+
+    def _arm(self, phase: str, timeout_s: float) -> None:
+        if self._phase == phase:
+            return  # the deadline runs from the phase's start, not from its last byte
+        self._disarm()
+        self._phase = phase
+        self._deadline = self.loop.call_later(timeout_s, self._expire, phase)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = None
+        self._phase = None
+
+    def _expire(self, phase: str) -> None:
+        self._deadline = None
+        if phase == "drain":
+            self._refuse(503, f"the server is shutting down; requests get {self.limits.drain_timeout_s:g} s to finish")
+            return
+        limit = self.limits.header_timeout_s if phase == "headers" else self.limits.body_timeout_s
+        self._refuse(408, f"the request's {phase} did not arrive within {limit:g} s")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` if no response has started, then close the connection."""
+        cycle = self.cycle
+        if cycle is None or not cycle.response_started:
+            body = json.dumps(
+                {"error": {"message": message, "type": _ERROR_TYPES[status], "param": None, "code": status}}
+            ).encode()
+            head = (
+                f"HTTP/1.1 {status} {'Request Timeout' if status == 408 else 'Service Unavailable'}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            )
+            self.transport.write(head.encode() + body)
+        if cycle is not None:
+            cycle.disconnected = True  # the app's later writes are dropped; it sees a client that left
+            cycle.message_event.set()
+        self._disarm()
+        self.transport.close()
+
+
+def guarded_protocol(limits: RouterConfig) -> type[GuardedH11Protocol]:
+    """A :class:`GuardedH11Protocol` with ``limits`` (uvicorn builds one per connection)."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+
+
+def server_config(app: Any, limits: RouterConfig, **options: Any) -> uvicorn.Config:
+    """uvicorn's config for ``app`` under ``limits`` (the ``router`` section); ``options`` go to uvicorn as is."""
+    return uvicorn.Config(
+        app,
+        http=guarded_protocol(limits),  # type: ignore[arg-type]
+        timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=limits.drain_timeout_s + _BACKSTOP_S,  # type: ignore[arg-type]
+        log_level=options.pop("log_level", "warning"),
+        **options,
+    )
