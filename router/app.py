@@ -14,7 +14,9 @@ Two ways to serve a completion, by the kind of fleet:
 - external servers (vLLM, SGLang): the body is only read, to route it
   (:mod:`kvstore.openai.routing`), and forwarded byte for byte; status,
   body and SSE chunks come back as the replica sent them, and what the
-  router adds travels in ``x-kvstore-*`` headers.
+  router adds travels in ``x-kvstore-*`` headers. This path is plain ASGI
+  in front of the app (:mod:`kvstore.router.relay`), off the framework's
+  per-request and per-chunk costs.
 
 Every failure of the router's own is an OpenAI-style error body: 400 for bad
 input, 401 without the configured bearer token, 404 for a model or LoRA
@@ -32,14 +34,16 @@ import asyncio
 import contextlib
 import hmac
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.http import ClientDisconnected, error_response, read_body, respond, until_disconnected
@@ -53,14 +57,13 @@ from kvstore.openai.protocol import (
 )
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.routing import read_for_routing
+from kvstore.router.relay import Kind, RelayMiddleware
 from kvstore.router.response import kvstore_extras, medium_dict, routing_headers
 from kvstore.router.routing import Prompt
 from kvstore.router.service import RouterService
 from kvstore.worker_api import GenerateRequest
 
 _OPEN_PATHS = frozenset({"/healthz"})
-Kind = Literal["completion", "chat"]
-_PATHS: dict[Kind, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def create_app(
@@ -95,17 +98,9 @@ def create_app(
 
     app = FastAPI(title="kvstore router", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if config.api_key and request.url.path not in _OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            expected = f"Bearer {config.api_key}"
-            if not hmac.compare_digest(header.encode(), expected.encode()):
-                return error_response(ApiError(401, "missing or wrong bearer token"))
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
-            return error_response(ApiError(413, f"request body larger than {config.max_body_bytes} bytes"))
-        return await call_next(request)
+    # Outermost first: the guard, then the relay (which serves the completion routes of an external fleet).
+    app.add_middleware(RelayMiddleware, service=service)
+    app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -117,8 +112,6 @@ def create_app(
 
     async def completion(request: Request, kind: Kind) -> Response:
         body = await read_body(request, bounds)
-        if service.forwards:
-            return await _relay(service, request, kind, body)
         try:
             parsed = _parse(service, kind, body)
         except ApiError as exc:
@@ -184,6 +177,38 @@ def create_app(
     return app
 
 
+class _Guard:
+    """The bearer token and the body size, checked before any route runs.
+
+    Plain ASGI on purpose: Starlette's ``@app.middleware("http")`` would pass
+    every chunk of every stream through an extra task and memory channel, a
+    large share of what relaying a stream costs the router.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str, max_body_bytes: int) -> None:
+        self._app = app
+        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refused = self._refusal(scope)
+            if refused is not None:
+                await error_response(refused)(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        headers = Headers(scope=scope)
+        expected, token = self._expected, headers.get("authorization", "").encode()
+        if expected is not None and scope["path"] not in _OPEN_PATHS and not hmac.compare_digest(token, expected):
+            return ApiError(401, "missing or wrong bearer token")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self._max_body_bytes):
+            return ApiError(413, f"request body larger than {self._max_body_bytes} bytes")
+        return None
+
+
 def _parse(service: RouterService, kind: Kind, body: bytes) -> ParsedRequest:
     tokenizer = service.tokenizer
     assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
@@ -222,27 +247,3 @@ async def _run(service: RouterService, request: Request, parsed: ParsedRequest) 
     )
     headers = routing_headers(opened.replica, opened.retried, routed)
     return await respond(request, builder, opened.chunks, headers=headers)
-
-
-async def _relay(service: RouterService, request: Request, kind: Kind, body: bytes) -> Response:
-    """Forward the client's body to an external replica and its answer back, both unchanged."""
-    view = read_for_routing(body, kind, service.tokenizer)
-    prompt = Prompt(view.token_ids or [], view.cache_salt)
-    routed = service.route(prompt)
-    relayed = await service.relay(prompt, routed, _PATHS[kind], body, request.headers)
-    upstream = relayed.upstream
-    headers = routing_headers(relayed.replica, relayed.retried, routed)
-    media_type = upstream.headers.get("content-type")
-    if media_type and media_type.startswith("text/event-stream"):
-        return StreamingResponse(upstream.body, status_code=upstream.status, headers=headers, media_type=media_type)
-    try:
-        content = await until_disconnected(request, _read_all(upstream.body))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        await upstream.body.aclose()  # type: ignore[attr-defined]
-    return Response(content, status_code=upstream.status, headers=headers, media_type=media_type)
-
-
-async def _read_all(body: AsyncIterator[bytes]) -> bytes:
-    return b"".join([data async for data in body])

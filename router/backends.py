@@ -12,9 +12,12 @@ Two kinds, for the two kinds of fleet:
 - :class:`HttpBackend` -- any OpenAI-compatible server (vLLM, SGLang, or
   ``kvstore worker``). The router forwards the client's body bytes as they
   came and passes the answer back as it arrives
-  (:meth:`HttpBackend.forward`); closing it closes the upstream connection,
-  which is how vLLM learns to abort. Load comes from its Prometheus
-  ``/metrics`` (vLLM's gauges, or ours), its models from ``/v1/models``.
+  (:meth:`HttpBackend.forward`, over the relay's own HTTP/1.1 client,
+  :mod:`kvstore.router.upstream`); closing it closes the upstream
+  connection, which is how vLLM learns to abort. Load comes from its
+  Prometheus ``/metrics`` (vLLM's gauges, or ours), its models from
+  ``/v1/models`` (polled with httpx: a few requests a second, off the
+  request path).
 
 Errors: :class:`ReplicaUnavailable` means the replica failed before
 answering anything (dead, unreachable, 5xx) and the request may go
@@ -33,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.errors import InvalidRequestError
 from kvstore.metrics import GPU_CACHE_USAGE, REQUESTS_RUNNING, REQUESTS_WAITING
+from kvstore.router.upstream import UpstreamError, UpstreamPool
 from kvstore.worker_api import GenerateRequest, StreamChunk, WorkerLoad
 
 
@@ -147,6 +151,7 @@ class HttpBackend:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._relay = UpstreamPool(self.base_url, timeout_s=timeout_s)  # the hot path: see kvstore.router.upstream
 
     async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Forwarded:
         """POST ``body`` to ``path`` unchanged; the answer comes back unread.
@@ -157,16 +162,16 @@ class HttpBackend:
         sent = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
         if self.model is not None:
             body = _with_model(body, self.model)
-        request = self._client.build_request("POST", path, content=body, headers=sent)
         try:
-            response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            answer = await self._relay.post(path, body, sent)
+            if answer.status >= 500:
+                text = b"".join([data async for data in answer.body])[:500].decode(errors="replace")
+                raise ReplicaUnavailable(f"{self.name}: HTTP {answer.status}: {text}")
+        except UpstreamError as exc:
+            raise ReplicaUnavailable(f"{self.name}: {exc}") from None
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as exc:  # reading a 5xx's body
             raise ReplicaUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        if response.status_code >= 500:
-            text = (await response.aread())[:500].decode(errors="replace")
-            await response.aclose()
-            raise ReplicaUnavailable(f"{self.name}: HTTP {response.status_code}: {text}")
-        return Forwarded(response.status_code, response.headers, response.aiter_raw(), response.aclose)
+        return Forwarded(answer.status, answer.headers, answer.body, answer.close)
 
     async def poll(self) -> ReplicaPoll:
         try:
@@ -183,6 +188,7 @@ class HttpBackend:
         return ReplicaPoll(load, response.text, _model_cards(models))
 
     async def close(self) -> None:
+        await self._relay.close()
         await self._client.aclose()
 
 

@@ -21,6 +21,7 @@ the whole decode, so it teaches nothing about prefill).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
@@ -183,7 +184,11 @@ class Dispatcher:
             relayed = self._relay_bytes(replica, prefill, upstream, started)
             return upstream._replace(body=relayed)
 
-        upstream, name, retried = await self._try(prompt, routed, attempt)
+        try:
+            upstream, name, retried = await self._try(prompt, routed, attempt)
+        except asyncio.CancelledError:  # the client left before the replica answered
+            self._metrics.finished("cancelled")
+            raise
         return Relayed(name, retried, upstream)
 
     async def _relay_bytes(

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from kvstore.config import CacheConfig
 from kvstore.events import EventBatch
@@ -153,13 +153,15 @@ class PrefixIndex:
 
     # -------------------------------------------------------------- lookup
 
-    def lookup(self, block_hashes: Sequence[int]) -> dict[str, MediumCounts]:
+    def lookup(self, block_hashes: Iterable[int]) -> dict[str, MediumCounts]:
         """Per replica, how much of the prefix ``block_hashes`` (our external hashes) it can serve.
 
         A block counts once, from the best medium the replica has it on
         (GPU > CPU > STORAGE); a replica's prefix ends at the first block it
         holds on no medium. Replicas with an empty prefix are omitted (read
-        them as :data:`~kvstore.router.index_lookup.NO_MATCH`).
+        them as :data:`~kvstore.router.index_lookup.NO_MATCH`). The hashes are
+        read no further than the first block no replica holds (a lazy
+        iterator computes no more).
         """
         with self._lock:
             return self._lookup(block_hashes)

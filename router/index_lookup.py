@@ -9,7 +9,7 @@ anywhere) a cheaper pass reads the GPU map alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from kvstore.events import Medium
@@ -46,21 +46,23 @@ class PrefixLookup:
         self._storage = blocks[Medium.STORAGE]
         self._gpu_counts: list[MediumCounts] = []  # MediumCounts(n, 0, 0) at n: shared, immutable
 
-    def __call__(self, block_hashes: Sequence[int]) -> dict[str, MediumCounts]:
+    def __call__(self, block_hashes: Iterable[int]) -> dict[str, MediumCounts]:
         """Per replica, how much of the prefix ``block_hashes`` (our external hashes) it can serve.
 
         A block counts once, from the best medium the replica has it on
         (GPU > CPU > STORAGE). Replicas with an empty prefix are omitted
-        (read them as :data:`NO_MATCH`).
+        (read them as :data:`NO_MATCH`). ``block_hashes`` is read in order and
+        no further than the first block no replica holds, so it may be a lazy
+        iterator that computes each hash only when asked.
         """
         alive = self._registry.all_replicas
-        if not alive or not block_hashes:
+        if not alive:
             return {}
         if not self._cpu and not self._storage:
             return self._gpu_only(block_hashes, alive)
         return self._tiered(block_hashes, alive)
 
-    def _gpu_only(self, block_hashes: Sequence[int], alive: int) -> dict[str, MediumCounts]:
+    def _gpu_only(self, block_hashes: Iterable[int], alive: int) -> dict[str, MediumCounts]:
         gpu_get = self._gpu.get
         segments: list[tuple[int, int]] = []  # (prefix length, replicas whose prefix has that length)
         length = 0
@@ -73,7 +75,7 @@ class PrefixLookup:
                 if not alive:
                     break
             length += 1
-        if alive:
+        if alive and length:
             segments.append((length, alive))
         names_of = self._registry.names_of
         if len(segments) == 1:
@@ -90,7 +92,7 @@ class PrefixLookup:
             cache.append(MediumCounts(len(cache), 0, 0))
         return cache[length]
 
-    def _tiered(self, block_hashes: Sequence[int], alive: int) -> dict[str, MediumCounts]:
+    def _tiered(self, block_hashes: Iterable[int], alive: int) -> dict[str, MediumCounts]:
         gpu_get, cpu_get, storage_get = self._gpu.get, self._cpu.get, self._storage.get
         registry = self._registry
         cpu_memo = registry.cover_memo[Medium.CPU]

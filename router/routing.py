@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from kvstore.hashing import BlockHasher, to_external
@@ -57,10 +57,7 @@ class Router:
         start = time.perf_counter()
         if not candidates:
             raise ApiError(503, "no healthy replica is available; retry later")
-        hashes = self._hasher.hash_blocks(
-            list(prompt.token_ids), lora_name=prompt.lora_name, cache_salt=prompt.cache_salt
-        )
-        matches = self._index.lookup([to_external(h) for h in hashes])
+        matches = self._index.lookup(_block_hashes(self._hasher, prompt))
         now = time.monotonic()
         states = {r.spec.name: replica_state(r.prefill, r.load, now) for r in candidates}
         num_blocks = -(-len(prompt.token_ids) // self._hasher.block_size)
@@ -76,3 +73,19 @@ class Router:
         if policy not in self._baselines:
             self._baselines[policy] = make_baseline(policy, self._rng)
         return self._baselines[policy]
+
+
+def _block_hashes(hasher: BlockHasher, prompt: Prompt) -> Iterator[int]:
+    """The prompt's block hashes (external), each computed only when the lookup asks for it.
+
+    The lookup stops at the first block no replica holds, so a prompt no
+    replica has seen costs one hash rather than one per block -- chained
+    hashing is most of what routing a long prompt costs.
+    """
+    size = hasher.block_size
+    tokens = prompt.token_ids
+    parent = None
+    for index in range(len(tokens) // size):
+        extra = hasher.extra_keys(index, prompt.lora_name, prompt.cache_salt)
+        parent = hasher.hash_block(parent, tokens[index * size : (index + 1) * size], extra)
+        yield to_external(parent)

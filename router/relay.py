@@ -1,0 +1,101 @@
+"""Completions in front of external replicas (vLLM, SGLang): the client's body forwarded, the answer relayed.
+
+The body is only read, to route it (:func:`~kvstore.openai.routing.read_for_routing`),
+and goes to the chosen replica byte for byte; the replica's status, body
+and SSE chunks come back as it sent them, with what the router adds in
+``x-kvstore-*`` headers (:func:`~kvstore.router.response.routing_headers`).
+
+This runs as plain ASGI in front of the FastAPI app rather than as one of
+its routes: every request and every chunk of every stream passes here, and
+the framework's request handling, response classes and per-chunk send
+wrappers would add a good part of what the router costs a stream's first
+token. What it answers itself: 400 for a body no replica could serve, 413
+for one beyond ``router``'s body bounds (:mod:`kvstore.openai.bounds`), 503
+when no replica can take it (all as OpenAI error bodies). A client that disconnects -- mid-stream, or while a
+plain answer is still being computed -- closes the upstream connection,
+which is how the replica learns to abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+from fastapi import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvstore.openai.errors import ApiError
+from kvstore.openai.http import ClientDisconnected, error_response, read_body, until_disconnected
+from kvstore.openai.routing import read_for_routing, read_token_ids
+from kvstore.router.response import routing_headers
+from kvstore.router.routing import Prompt, RouteResult
+from kvstore.router.service import RouterService
+
+Kind = Literal["completion", "chat"]
+KINDS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+_INLINE_TEXT_BYTES = 2048  # shorter text tokenises faster than a hop to a thread and back
+
+
+class RelayMiddleware:
+    """Serves the completion routes itself while the fleet is external (:attr:`RouterService.forwards`)."""
+
+    def __init__(self, app: ASGIApp, *, service: RouterService) -> None:
+        self._app = app
+        self._service = service
+        self._bounds = service.config.router.body_bounds()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = KINDS.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if kind is None or not self._service.forwards:
+            await self._app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            body = await read_body(request, self._bounds)
+            prompt, routed = await self._route(body, kind)
+            # From here the client may leave at any time -- while a plain answer is being computed too:
+            # the relay is then cancelled, which closes the upstream connection.
+            await until_disconnected(request, self._relay(send, prompt, routed, request.scope["path"], body, request))
+        except ApiError as exc:  # raised before anything was sent
+            await error_response(exc)(scope, receive, send)
+        except ClientDisconnected:
+            pass
+
+    async def _route(self, body: bytes, kind: Kind) -> tuple[Prompt, RouteResult]:
+        service = self._service
+        view = read_token_ids(body) if kind == "completion" else None
+        if view is None and service.tokenizer is not None and len(body) > _INLINE_TEXT_BYTES:
+            # Tokenising releases the GIL: in a thread it runs beside the loop, which meanwhile relays
+            # every other stream's chunks instead of holding them back for milliseconds.
+            view = await asyncio.to_thread(read_for_routing, body, kind, service.tokenizer)
+        elif view is None:
+            view = read_for_routing(body, kind, service.tokenizer)
+        prompt = Prompt(view.token_ids or [], view.cache_salt)
+        return prompt, service.route(prompt)
+
+    async def _relay(
+        self, send: Send, prompt: Prompt, routed: RouteResult, path: str, body: bytes, request: Request
+    ) -> None:
+        relayed = await self._service.relay(prompt, routed, path, body, request.headers)
+        answer = relayed.upstream
+        headers = routing_headers(relayed.replica, relayed.retried, routed)
+        media_type = answer.headers.get("content-type")
+        if media_type:
+            headers["content-type"] = media_type
+        try:
+            if media_type and media_type.startswith("text/event-stream"):
+                await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
+                async for data in answer.body:  # each chunk as it arrives
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                content = b"".join([data async for data in answer.body])
+                headers["content-length"] = str(len(content))
+                await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
+                await send({"type": "http.response.body", "body": content, "more_body": False})
+        finally:  # the dispatcher's generator: it settles the replica's books and the connection
+            await answer.body.aclose()  # type: ignore[attr-defined]
+
+
+def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]

@@ -1,0 +1,228 @@
+"""HTTP/1.1 to one external replica, for relaying a client's request: the body in, the answer out, nothing read.
+
+The router forwards every completion to a replica and relays the answer
+chunk by chunk, so this is its hot path: for a stream of N tokens it runs
+once per request and N times per chunk. A general client (httpx) spends
+most of the router's CPU here -- a connection pool scanned per request,
+several layers of async iterators per chunk -- so the relay has its own
+small client instead. It does only what relaying needs:
+
+- ``POST`` with a body of known length; the answer's status and headers as
+  soon as they arrive, its body as the replica frames it (chunked, by
+  Content-Length, or to the end of the connection), de-chunked;
+- keep-alive connections, reused while idle and younger than ``idle_s``
+  (under uvicorn's 5 s keep-alive, so the replica does not close one as it
+  is reused); one kept per stream in flight, never a cap -- a vLLM replica
+  serves hundreds of streams at once;
+- ``https://`` with the system's trust store.
+
+Closing an answer before its end closes its connection: that is how a
+replica (vLLM) learns that the client went away and aborts the request.
+
+Errors: :class:`UpstreamError` when the replica gave no answer -- refused,
+reset or timed out before its status line, or a malformed answer. A reused
+connection the replica had closed meanwhile is retried once on a new one
+(the request never reached the replica). Timeouts: ``connect_s`` to
+connect, ``timeout_s`` for the status line and for each read of the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+_HEAD_LIMIT = 64 * 1024  # status line and headers; more is a malformed answer
+_READ = 64 * 1024  # the most read at once from a body framed by length or by the connection's end
+
+
+class UpstreamError(Exception):
+    """The replica gave no (well-formed) answer; nothing of it reached the client."""
+
+
+class _Connection:
+    __slots__ = ("idle_since", "reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.idle_since = 0.0
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class UpstreamAnswer(NamedTuple):
+    """The replica's status and headers (names lower-cased); ``body`` yields its bytes, ``close`` drops the rest."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: AsyncIterator[bytes]
+    close: _Closer
+
+
+class _Closer:
+    """Ends an answer: a connection read to its end goes back to the pool, any other is closed."""
+
+    __slots__ = ("_connection", "_pool", "done")
+
+    def __init__(self, pool: UpstreamPool, connection: _Connection) -> None:
+        self._pool = pool
+        self._connection: _Connection | None = connection
+        self.done = False  # the body was read to its end and the connection may be reused
+
+    async def __call__(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        if self.done:
+            self._pool.release(connection)
+        else:
+            connection.close()
+
+
+class UpstreamPool:
+    """Keep-alive HTTP/1.1 connections to one base URL (``http://host:port[/prefix]`` or ``https://``)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float, connect_s: float = 5.0, idle_s: float = 4.0) -> None:
+        url = urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"expected an http:// or https:// URL, got {base_url!r}")
+        self._host = url.hostname
+        self._port = url.port or (443 if url.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if url.scheme == "https" else None
+        self._prefix = url.path.rstrip("/")
+        self._authority = url.netloc.rsplit("@", 1)[-1].encode("ascii")
+        self._timeout = timeout_s
+        self._connect = connect_s
+        self._idle_s = idle_s
+        self._idle: deque[_Connection] = deque()
+
+    async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamAnswer:
+        """POST ``body`` to the prefix + ``path`` with ``headers`` (none of them about the connection or length).
+
+        Returns once the status line and headers arrived. Raises UpstreamError (module docstring).
+        """
+        head = self._head(path, len(body), headers)
+        while True:
+            connection, reused = await self._get()
+            try:
+                connection.writer.write(head + body)
+                async with asyncio.timeout(self._timeout):
+                    status, answer_headers = await _read_head(connection.reader)
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError) as exc:
+                connection.close()
+                if reused and isinstance(exc, OSError | asyncio.IncompleteReadError):
+                    continue  # the replica closed it while idle: the request never reached it
+                raise UpstreamError(_describe(exc)) from None
+            except BaseException:  # cancelled (the client left): the replica learns it from the closed connection
+                connection.close()
+                raise
+            closer = _Closer(self, connection)
+            return UpstreamAnswer(
+                status, answer_headers, self._body(connection, status, answer_headers, closer), closer
+            )
+
+    def release(self, connection: _Connection) -> None:
+        connection.idle_since = time.monotonic()
+        self._idle.append(connection)
+
+    async def close(self) -> None:
+        while self._idle:
+            self._idle.popleft().close()
+
+    def _head(self, path: str, length: int, headers: Mapping[str, str]) -> bytes:
+        lines = [b"POST ", (self._prefix + path).encode("ascii"), b" HTTP/1.1\r\nhost: ", self._authority, b"\r\n"]
+        for name, value in headers.items():
+            lines += (name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n")
+        lines.append(b"accept-encoding: identity\r\ncontent-length: %d\r\n\r\n" % length)
+        return b"".join(lines)
+
+    async def _get(self) -> tuple[_Connection, bool]:
+        now = time.monotonic()
+        idle = self._idle
+        while idle and now - idle[0].idle_since >= self._idle_s:  # the oldest first: a burst's leftovers
+            idle.popleft().close()
+        while idle:
+            connection = idle.pop()  # the most recent: the least likely to have been closed by the replica
+            if not connection.reader.at_eof() and not connection.writer.is_closing():
+                return connection, True
+            connection.close()
+        try:
+            async with asyncio.timeout(self._connect):
+                reader, writer = await asyncio.open_connection(self._host, self._port, ssl=self._ssl, limit=_HEAD_LIMIT)
+        except (OSError, TimeoutError) as exc:
+            raise UpstreamError(_describe(exc)) from None
+        return _Connection(reader, writer), False
+
+    async def _body(
+        self, connection: _Connection, status: int, headers: Mapping[str, str], closer: _Closer
+    ) -> AsyncIterator[bytes]:
+        reader = connection.reader
+        keep = headers.get("connection", "").lower() != "close"
+        try:
+            if status in (204, 304):
+                pass
+            elif "chunked" in headers.get("transfer-encoding", "").lower():
+                while True:
+                    async with asyncio.timeout(self._timeout):
+                        size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+                        if size == 0:
+                            while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, if any
+                                pass
+                            break
+                        data = await reader.readexactly(size + 2)
+                    yield data[:-2]
+            elif (length := headers.get("content-length")) is not None:
+                left = int(length)
+                while left > 0:
+                    async with asyncio.timeout(self._timeout):
+                        data = await reader.read(min(left, _READ))
+                    if not data:
+                        raise asyncio.IncompleteReadError(b"", left)
+                    left -= len(data)
+                    yield data
+            else:
+                keep = False  # the body ends with the connection
+                while True:
+                    async with asyncio.timeout(self._timeout):
+                        data = await reader.read(_READ)
+                    if not data:
+                        break
+                    yield data
+            closer.done = keep
+        finally:
+            await closer()
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """The status and headers of the next final (non-1xx) answer on ``reader``."""
+    while True:
+        status_line = await reader.readuntil(b"\r\n")
+        if not status_line.startswith(b"HTTP/1."):
+            raise ValueError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+        status = int(status_line[9:12])
+        headers: dict[str, str] = {}
+        while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+            name, _, value = line.decode("latin-1").partition(":")
+            key = name.strip().lower()
+            value = value.strip()
+            headers[key] = f"{headers[key]}, {value}" if key in headers else value
+        if status_line.startswith(b"HTTP/1.0"):
+            headers.setdefault("connection", "close")
+        if status >= 200:
+            return status, headers
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return "the connection closed before an answer"
+    if isinstance(exc, asyncio.LimitOverrunError):
+        return "the answer's headers are too long"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,208 @@
+"""The relay's HTTP/1.1 client against scripted servers: framing, keep-alive, and what counts as no answer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from kvstore.router.upstream import UpstreamAnswer, UpstreamError, UpstreamPool
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Script:
+    """A TCP server answering each request with the next handler; records what each connection received."""
+
+    def __init__(self, *handlers: Handler) -> None:
+        self._handlers = list(handlers)
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Script:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/prefix"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self._handlers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                self.requests.append(head + await reader.readexactly(length))
+                await self._handlers.pop(0)(reader, writer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def answer(raw: bytes, *, then_close: bool = False) -> Handler:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(raw)
+        if then_close:
+            await writer.drain()
+            writer.close()
+
+    return handler
+
+
+def hang_up() -> Handler:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    return handler
+
+
+async def read(result: UpstreamAnswer) -> bytes:
+    return b"".join([data async for data in result.body])
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n"
+CHUNKS = b"6\r\ndata: \r\n3;ext=1\r\nabc\r\n0\r\nx-trailer: 1\r\n\r\n"
+
+
+def run(coroutine: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coroutine, 10))  # type: ignore[arg-type]
+
+
+def test_a_chunked_answer_is_de_chunked_and_its_connection_reused() -> None:
+    async def main() -> None:
+        created = b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok"
+        async with Script(answer(CHUNKED + CHUNKS), answer(created)) as s:
+            pool = UpstreamPool(s.url, timeout_s=5)
+            first = await pool.post("/v1/completions", b'{"a": 1}', {"x-h": "v"})
+            assert first.status == 200 and first.headers["content-type"] == "text/event-stream"
+            assert [data async for data in first.body] == [b"data: ", b"abc"]
+            second = await pool.post("/v1/completions", b"{}", {})
+            assert (second.status, await read(second)) == (201, b"ok")
+            assert s.connections == 1, "the finished answer's connection was reused"
+            head = s.requests[0].decode()
+            assert head.startswith("POST /prefix/v1/completions HTTP/1.1\r\n")
+            assert "\r\nx-h: v\r\n" in head and "\r\naccept-encoding: identity\r\n" in head
+            assert head.endswith('content-length: 8\r\n\r\n{"a": 1}')
+            await pool.close()
+
+    run(main())
+
+
+def test_informational_answers_are_skipped_and_repeated_headers_joined() -> None:
+    raw = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404 Not Found\r\nx: 1\r\nX: 2\r\ncontent-length: 3\r\n\r\nnah"
+    await_main = _one_answer(raw, lambda a, body: (a.status, a.headers["x"], body) == (404, "1, 2", b"nah"))
+    run(await_main)
+
+
+def test_a_body_to_the_end_of_the_connection_and_http_1_0_are_not_reused() -> None:
+    async def main() -> None:
+        for raw in (b"HTTP/1.1 200 OK\r\n\r\nuntil the end", b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok"):
+            async with Script(answer(raw, then_close=True), answer(raw, then_close=True)) as s:
+                pool = UpstreamPool(s.url, timeout_s=5)
+                for _ in range(2):
+                    result = await pool.post("/x", b"", {})
+                    assert await read(result) in (b"until the end", b"ok")
+                assert s.connections == 2
+                await pool.close()
+
+    run(main())
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_without_an_error() -> None:
+    async def main() -> None:
+        ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+        async with Script(answer(ok), hang_up(), answer(ok)) as s:
+            pool = UpstreamPool(s.url, timeout_s=5)
+            assert await read(await pool.post("/x", b"1", {})) == b"ok"
+            assert await read(await pool.post("/x", b"2", {})) == b"ok"  # the first connection died under it
+            assert s.connections == 2 and [r[-1:] for r in s.requests] == [b"1", b"2", b"2"]
+            await pool.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("handler", "message"),
+    [(hang_up(), "closed before an answer"), (answer(b"SSH-2.0\r\n"), "not an HTTP/1.x status line")],
+)
+def test_no_answer_is_an_upstream_error(handler: Handler, message: str) -> None:
+    async def main() -> None:
+        async with Script(handler) as s:
+            with pytest.raises(UpstreamError, match=message):
+                await UpstreamPool(s.url, timeout_s=5).post("/x", b"", {})
+
+    run(main())
+
+
+def test_refused_and_silent_replicas_are_upstream_errors() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with Script(silent) as s:
+            url = s.url
+            with pytest.raises(UpstreamError, match="timed out"):
+                await UpstreamPool(url, timeout_s=0.2).post("/x", b"", {})
+        with pytest.raises(UpstreamError, match="ConnectionRefused"):
+            await UpstreamPool(url, timeout_s=5).post("/x", b"", {})
+
+    run(main())
+
+
+def test_closing_an_answer_before_its_end_closes_the_connection() -> None:
+    async def main() -> None:
+        closed = asyncio.Event()
+
+        async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(CHUNKED)
+            try:
+                while True:
+                    writer.write(b"1\r\nx\r\n")
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+            except ConnectionError:
+                closed.set()
+
+        async with Script(endless) as s:
+            result = await UpstreamPool(s.url, timeout_s=5).post("/x", b"", {})
+            assert await anext(aiter(result.body)) == b"x"
+            await result.close()
+            await asyncio.wait_for(closed.wait(), 5)
+
+    run(main())
+
+
+def test_a_url_must_be_http() -> None:
+    with pytest.raises(ValueError, match="http"):
+        UpstreamPool("ftp://x", timeout_s=1)
+
+
+async def _one_answer(raw: bytes, check: Callable[[UpstreamAnswer, bytes], bool]) -> None:
+    async with Script(answer(raw)) as s:
+        result = await UpstreamPool(s.url, timeout_s=5).post("/x", b"", {})
+        assert check(result, await read(result))
+
+
+def test_connections_idle_too_long_are_closed_not_reused() -> None:
+    async def main() -> None:
+        ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+        async with Script(*[answer(ok)] * 4) as s:
+            pool = UpstreamPool(s.url, timeout_s=5, idle_s=0.1)
+            first, second = await pool.post("/x", b"", {}), await pool.post("/x", b"", {})
+            assert [await read(first), await read(second)] == [b"ok", b"ok"] and s.connections == 2
+            await asyncio.sleep(0.2)
+            assert await read(await pool.post("/x", b"", {})) == b"ok"
+            assert s.connections == 3 and len(pool._idle) == 1, "both stale ones closed, the new one kept"
+            await pool.close()
+
+    run(main())
