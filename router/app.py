@@ -57,7 +57,8 @@ from kvstore.openai.protocol import (
 )
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.routing import read_for_routing
-from kvstore.router.relay import Kind, RelayMiddleware
+from kvstore.router.metrics import RequestCounting
+from kvstore.router.relay import KINDS, Kind, RelayMiddleware
 from kvstore.router.response import kvstore_extras, medium_dict, routing_headers
 from kvstore.router.routing import Prompt
 from kvstore.router.service import RouterService
@@ -98,9 +99,12 @@ def create_app(
 
     app = FastAPI(title="kvstore router", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    # Outermost first: the guard, then the relay (which serves the completion routes of an external fleet).
+    # Each add wraps the ones before, so the last is outermost: request counting (which then sees the
+    # guard's and the relay's own refusals too), the guard, the relay (the completion routes of an
+    # external fleet), the app.
     app.add_middleware(RelayMiddleware, service=service)
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(RequestCounting, metrics=service.metrics, paths=KINDS)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

@@ -181,6 +181,11 @@ class RouterService:
                 cards.setdefault(card["id"], card)
         return list(cards.values())
 
+    @property
+    def metrics(self) -> RouterMetrics:
+        """The router's own metrics: the HTTP front wraps its completion routes in their RequestCounting."""
+        return self._metrics
+
     def counted(self, outcome: str) -> None:
         """Count a request the router answered itself (a 4xx before any replica saw it)."""
         self._metrics.finished(outcome)  # type: ignore[arg-type]

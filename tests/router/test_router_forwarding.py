@@ -24,6 +24,7 @@ import httpx
 import msgspec
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.middleware.gzip import GZipMiddleware
 from tokenizers import Tokenizer
 
@@ -353,6 +354,27 @@ def test_models_are_the_fleet_s_and_an_unknown_model_gets_the_replica_s_404(
     assert response.status_code == 404
     assert response.content == served_by(replicas, response).tap.answers[-1]
     assert response.json()["error"]["message"] == "The model `nope` does not exist."
+
+
+def request_counts(router: Router) -> dict[tuple[str, str], float]:
+    page = router.client.get("/metrics").text
+    return {
+        (sample.labels["outcome"], sample.labels["code"]): sample.value
+        for family in text_string_to_metric_families(page)
+        if family.name == "kvstore_router_requests"
+        for sample in family.samples
+        if sample.name == "kvstore_router_requests_total"
+    }
+
+
+def test_relayed_requests_are_counted_once_by_what_the_client_got(router: Router) -> None:
+    before = request_counts(router)
+    assert router.post("/v1/completions", b'{"model":"standin-model","prompt":[1,2],"max_tokens":1}').status_code == 200
+    assert router.post("/v1/completions", b'{"model":"nope","prompt":[1],"max_tokens":1}').status_code == 404
+    assert router.post("/v1/completions", b'{"prompt": [1,').status_code == 400  # the router's own refusal
+    after = request_counts(router)
+    grown = {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
+    assert grown == {("ok", "2xx"): 1.0, ("rejected", "4xx"): 2.0}
 
 
 def test_the_openai_battery_that_a_stand_in_can_pass(router: Router) -> None:
