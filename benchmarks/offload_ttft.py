@@ -14,7 +14,11 @@ prompt P of each length:
 
 Each run checks its hit came from the medium it claims; a prompt is one
 output token, so TTFT is the prefill (and the promotion). The model is the
-one ``kvstore bench ttft`` measures (4 layers, hidden 512, fp32, CPU).
+one ``kvstore bench ttft`` measures (4 layers, hidden 512, fp32, CPU), or
+what ``model`` names: config overrides such as ``worker.shape=qwen2.5-0.5b``
+(a real architecture with random weights) or ``worker.model=PATH`` (a
+Hugging Face checkpoint), so the table can be measured on a real
+architecture with its own block bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -48,12 +52,13 @@ class TTFTRow(NamedTuple):
     disk_hit_ms: float
 
 
-def _config(length: int, *, cpu_slots: int, disk_dir: Path | None) -> Config:
-    """The TTFT benchmark's model (:data:`kvstore.benchmarks.ttft_bench.BENCH_MODEL`), one prompt's pool, a tier."""
+def _config(length: int, *, cpu_slots: int, disk_dir: Path | None, model: Sequence[str] = ()) -> Config:
+    """The benchmark model (``BENCH_MODEL``, then ``model``), a pool that holds one prompt, a tier."""
     blocks = -(-length // BLOCK) + 2
-    block_bytes = cache_identity(load_config(overrides=[*BENCH_MODEL, f"cache.block_size={BLOCK}"])).block_bytes
+    block_bytes = cache_identity(load_config(overrides=[*BENCH_MODEL, *model, f"cache.block_size={BLOCK}"])).block_bytes
     overrides = [
         *BENCH_MODEL,
+        *model,
         f"cache.block_size={BLOCK}",
         f"pool.num_blocks={blocks + 8}",
         "pool.watermark=0.0",
@@ -77,11 +82,14 @@ def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def _tiered_hit(length: int, cpu_slots: int, medium: Medium, rng: random.Random) -> tuple[float, float, float]:
+def _tiered_hit(
+    length: int, cpu_slots: int, medium: Medium, rng: random.Random, model: Sequence[str] = ()
+) -> tuple[float, float, float]:
     """(recompute, GPU hit, tier hit) TTFT in ms for one fresh worker whose tier serves ``medium``."""
     with tempfile.TemporaryDirectory(prefix="kvstore-ttft-") as tmp:
         # The CPU case has no disk: its arena holds every block spilled, so nothing is written back.
-        config = _config(length, cpu_slots=cpu_slots, disk_dir=Path(tmp) if medium == Medium.STORAGE else None)
+        disk_dir = Path(tmp) if medium == Medium.STORAGE else None
+        config = _config(length, cpu_slots=cpu_slots, disk_dir=disk_dir, model=model)
         client = LocalTierClient(config.tiers, cache_identity(config))
         offload = TierOffload(TierLink(client, cache_identity(config)))
         worker = KVWorker("bench", config, offload=offload)
@@ -115,13 +123,13 @@ def _tiered_hit(length: int, cpu_slots: int, medium: Medium, rng: random.Random)
             client.close()
 
 
-def measure_ttft(lengths: list[int], *, seed: int = 0) -> list[TTFTRow]:
-    """One row per prompt length (see the module docstring)."""
+def measure_ttft(lengths: list[int], *, seed: int = 0, model: Sequence[str] = ()) -> list[TTFTRow]:
+    """One row per prompt length (see the module docstring); ``model``: config overrides naming the model."""
     rng = random.Random(seed)
     rows = []
     for length in lengths:
         arena = 4 * (-(-length // BLOCK) + 1) + 8  # the prompt, its variant and the two evicting prompts
-        recompute, gpu, cpu = _tiered_hit(length, cpu_slots=arena, medium=Medium.CPU, rng=rng)
-        _, _, disk = _tiered_hit(length, cpu_slots=2, medium=Medium.STORAGE, rng=rng)
+        recompute, gpu, cpu = _tiered_hit(length, cpu_slots=arena, medium=Medium.CPU, rng=rng, model=model)
+        _, _, disk = _tiered_hit(length, cpu_slots=2, medium=Medium.STORAGE, rng=rng, model=model)
         rows.append(TTFTRow(length, recompute, gpu, cpu, disk))
     return rows
