@@ -69,6 +69,7 @@ class OffloadCounters:
         "loads_done",
         "loads_started",
         "lookups",
+        "slow_skipped",
         "step_loop_seconds",
         "store_missed_blocks",
         "stores_done",
@@ -85,6 +86,7 @@ class OffloadCounters:
         self.blocks_stored = 0  # blocks the tier newly stored
         self.store_missed_blocks = 0  # cached blocks evicted before their store: KV dropped
         self.gave_up = 0  # admissions that stopped waiting for a slow tier and recomputed
+        self.slow_skipped = 0  # admissions that did not ask the tier while a job waited on it past the deadline
         self.step_loop_seconds = 0.0  # time the step loop spent inside the offloader (bookkeeping; never a copy)
 
 
@@ -216,6 +218,8 @@ class OffloadCollector(Collector):
              "dropped.", c.store_missed_blocks),
             ("kvstore_worker_offload_gave_up", "Admissions that stopped waiting for a slow tier and recomputed.",
              c.gave_up),
+            ("kvstore_worker_offload_slow_skipped", "Admissions that did not ask the tier while a job waited on "
+             "it past the deadline.", c.slow_skipped),
         ):  # fmt: skip
             counter = CounterMetricFamily(name, doc, labels=["replica"])
             counter.add_metric(labels, value)

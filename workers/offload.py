@@ -157,7 +157,7 @@ class _Kind(enum.Enum):
 
 
 class _Job:
-    __slots__ = ("admission", "blocks", "cancelled", "error", "kind", "metas", "result")
+    __slots__ = ("admission", "blocks", "cancelled", "error", "finished", "kind", "metas", "result", "submitted")
 
     def __init__(
         self, kind: _Kind, metas: list[BlockMeta], blocks: list[KVCacheBlock], admission: _Admission | None
@@ -169,6 +169,8 @@ class _Job:
         self.cancelled = False  # set on the step loop: a lookup/load nobody waits for is not run
         self.result: int | tuple[Medium, ...] | None = None
         self.error: BaseException | None = None
+        self.submitted = time.monotonic()
+        self.finished = False  # set by the offload thread when the backend call returned
 
 
 class _Phase(enum.Enum):
@@ -215,7 +217,7 @@ class Offloader:
         *,
         reserve_blocks: int = 4,
         max_store_blocks: int | None = None,
-        wait_s: float = 0.5,
+        wait_s: float = 2.0,
         scan_limit: int = 1024,
         wake: Callable[[], None] | None = None,
     ) -> None:
@@ -298,7 +300,7 @@ class Offloader:
         started = time.perf_counter()
         try:
             room = self.max_store_blocks - self._store_held
-            if room <= 0:
+            if room <= 0 or self._slow(time.monotonic()):  # a slow tier: hold no more blocks for it
                 return
             chosen: list[KVCacheBlock] = []
             settled = self._settled
@@ -358,7 +360,12 @@ class Offloader:
         return True
 
     def release_all(self, timeout: float | None = None) -> bool:
-        """Drain, then drop every hold (READY requests fall back to their GPU hit); False if a job is still running."""
+        """Cancel the jobs not started, drain, drop every hold (READY requests fall back to their GPU hit).
+
+        Waits for the job running, if any (False if it outlives ``timeout``).
+        """
+        for job in self._outstanding:
+            job.cancelled = True  # a cancelled store releases its blocks unstored
         drained = self.drain(timeout)
         for admission in list(self._admissions.values()):
             self._give_up(admission)
@@ -386,14 +393,15 @@ class Offloader:
             if now - admission.started > self.wait_s:  # the tier is slow: recompute instead of waiting
                 self.counters.gave_up += 1
                 self._give_up(admission)
-                admission.phase = _Phase.PLAIN
-                self._admissions[key] = admission
                 return Promotion(gpu_hit, {})
             return None
         backend = self.backend
         if not backend.connected:
             if isinstance(backend, LinkedOffload):
                 backend.counters.promote_skipped += 1
+            return Promotion(gpu_hit, {})
+        if self._slow(now):  # a job has waited on the tier past wait_s: do not queue another behind it
+            self.counters.slow_skipped += 1
             return Promotion(gpu_hit, {})
         first = len(gpu_hit.blocks)
         limit = (request.num_tokens - 1) // self.block_pool.block_size  # a hit never covers the last token
@@ -518,6 +526,10 @@ class Offloader:
         self._in_flight[job.kind] += 1
         self._jobs.put(job)
 
+    def _slow(self, now: float) -> bool:
+        """Some job has waited on the tier longer than ``wait_s`` (the outstanding set is small: bounded jobs)."""
+        return any(not job.finished and now - job.submitted > self.wait_s for job in self._outstanding)
+
     def _spent(self, started: float) -> None:
         self.counters.step_loop_seconds += time.perf_counter() - started
 
@@ -547,6 +559,7 @@ class Offloader:
                 logger.exception(
                     "offload %s of %d blocks failed; treated as done nothing", job.kind.value, len(job.metas)
                 )
+            job.finished = True
             self._done.append(job)
             with self._idle:
                 self._running = False

@@ -169,13 +169,14 @@ class KVWorker:
 
     # ------------------------------------------------------------ the tier seam
 
-    def attach_offload(self, backend: OffloadBackend) -> None:
+    def attach_offload(self, backend: OffloadBackend, *, wait_s: float = 2.0) -> None:
         """Plug a lower tier in: the ONE place that wires the pool's eviction hook and the admission step.
 
         An :class:`~kvstore.workers.offload.Offloader` over ``backend`` (one
         offload thread) becomes the block pool's eviction hook and the
         scheduler's admission step (contracts in :mod:`kvstore.workers.offload`);
-        :class:`NoOffload` detaches any tier. Replaces the tier attached before,
+        :class:`NoOffload` detaches any tier. An admission waits at most ``wait_s``
+        for the tier's answer and its copy, then recomputes. Replaces the tier attached before,
         waiting for the jobs it has running; takes effect from the next step.
         """
         with self._step_lock, self._lock:
@@ -189,7 +190,7 @@ class KVWorker:
                 self.block_pool.on_evict = lambda blocks: None
                 self._scheduler.offloader = NoAdmissions()
             else:
-                offloader = Offloader(backend, self.block_pool, self.kv_pool, wake=self._kick.set)
+                offloader = Offloader(backend, self.block_pool, self.kv_pool, wait_s=wait_s, wake=self._kick.set)
                 self.block_pool.on_evict = offloader.on_evict
                 self._scheduler.offloader = offloader
             self._offloader = offloader
