@@ -60,11 +60,12 @@ class TierLinkCounters:
 
 
 class OffloadCounters:
-    """The offloader's work (bumped on the step loop only, under the worker's lock; floats are seconds)."""
+    """The offloader's work (bumped on the step loop, under the worker's lock, but for ``busy_seconds``)."""
 
     __slots__ = (
         "blocks_loaded",
         "blocks_stored",
+        "busy_seconds",
         "gave_up",
         "loads_done",
         "loads_started",
@@ -88,6 +89,7 @@ class OffloadCounters:
         self.gave_up = 0  # admissions that stopped waiting for a slow tier and recomputed
         self.slow_skipped = 0  # admissions that did not ask the tier while a job waited on it past the deadline
         self.step_loop_seconds = 0.0  # time the step loop spent inside the offloader (bookkeeping; never a copy)
+        self.busy_seconds = 0.0  # time the offload thread spent in tier calls and copies (bumped on that thread)
 
 
 class OffloadState(NamedTuple):
@@ -207,6 +209,8 @@ class OffloadCollector(Collector):
         for name, doc, value in (
             ("kvstore_worker_offload_blocked_seconds", "Time the step loop spent in the offloader (bookkeeping "
              "only: copies and tier calls run on the offload thread).", c.step_loop_seconds),
+            ("kvstore_worker_offload_busy_seconds", "Time the offload thread spent in tier calls and copies.",
+             c.busy_seconds),
             ("kvstore_worker_offload_lookups", "Admissions that asked the node's tier what it holds.", c.lookups),
             ("kvstore_worker_offload_loads", "Load jobs finished (pool blocks filled from the tier).", c.loads_done),
             ("kvstore_worker_offload_loaded_blocks", "Pool blocks filled from the tier and registered.",

@@ -544,6 +544,7 @@ class Offloader:
                 return
             with self._idle:
                 self._running = True
+            started = time.perf_counter()
             try:
                 if job.cancelled:
                     pass
@@ -559,6 +560,7 @@ class Offloader:
                 logger.exception(
                     "offload %s of %d blocks failed; treated as done nothing", job.kind.value, len(job.metas)
                 )
+            self.counters.busy_seconds += time.perf_counter() - started  # this thread is its only writer
             job.finished = True
             self._done.append(job)
             with self._idle:

@@ -53,7 +53,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any
+from collections import deque
+from typing import Any, NamedTuple
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -98,6 +99,16 @@ from kvstore.workers.validation import RequestLimits, validate_request
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.01
+_STEP_LOG = 8192
+
+
+class StepRecord(NamedTuple):
+    """One step that ran work: its wall time, what it computed, and its time inside the offloader."""
+
+    seconds: float
+    requests: int  # requests scheduled
+    tokens: int  # tokens computed (a decode is one)
+    offload_seconds: float  # of ``seconds``, spent in the offloader's bookkeeping on the step loop
 
 
 class KVWorker:
@@ -150,6 +161,8 @@ class KVWorker:
         self._closed = False
         self._last_error: str | None = None
         self._kick = threading.Event()  # set by the offload thread when a job finishes
+        self._step_log: deque[StepRecord] = deque(maxlen=_STEP_LOG)
+        self._last_batch: tuple[int, int] | None = None
         self._backend: OffloadBackend = NoOffload()
         self._offloader: Offloader | None = None
         self.attach_offload(offload or NoOffload())
@@ -322,6 +335,11 @@ class KVWorker:
             held = {id(s) for g in self._groups.values() for s in g.choices if not s.is_finished}
             assert queued == held, "a queued choice has no request, or an unfinished choice is not queued"
 
+    def recent_steps(self) -> list[StepRecord]:
+        """The last steps that ran work (up to 8192), oldest first: for benchmarks and diagnosis."""
+        with self._lock:
+            return list(self._step_log)
+
     def metrics_text(self) -> bytes:
         """This worker's metrics in the Prometheus text format."""
         with self._lock:
@@ -372,8 +390,15 @@ class KVWorker:
                 self._kick.clear()
                 with self._step_lock:
                     started = time.perf_counter()
+                    offload_before = self._offload_seconds()
                     progressed = self._step()
-                    self._counters.step_seconds += time.perf_counter() - started
+                    seconds = time.perf_counter() - started
+                    self._counters.step_seconds += seconds
+                    if self._last_batch is not None:
+                        requests, tokens = self._last_batch
+                        record = StepRecord(seconds, requests, tokens, self._offload_seconds() - offload_before)
+                        with self._lock:
+                            self._step_log.append(record)
                 if not progressed:  # waiting on room, or on the offloader: a finished job wakes us early
                     self._kick.wait(_IDLE_WAIT_S)
         except BaseException as exc:
@@ -393,8 +418,10 @@ class KVWorker:
             self._counters.steps += 1
             self._publish_pending()
         self._emit(cancelled)
+        self._last_batch = None
         if not output.scheduled:
             return bool(cancelled)
+        self._last_batch = (len(output.scheduled), sum(work.num_new_tokens for work in output.scheduled))
         try:
             logits = self._runner.execute([work.slice for work in output.scheduled])
         except Exception as exc:
@@ -509,6 +536,10 @@ class KVWorker:
     def _offload_state(self) -> OffloadState | None:
         offloader = self._offloader
         return None if offloader is None else offloader.state()
+
+    def _offload_seconds(self) -> float:
+        offloader = self._offloader
+        return 0.0 if offloader is None else offloader.counters.step_loop_seconds
 
     def _offload_pending(self) -> bool:
         return self._offloader is not None and self._offloader.has_done
