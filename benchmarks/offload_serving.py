@@ -70,9 +70,7 @@ class Phase(NamedTuple):
     loaded_blocks: int
     stored_blocks: int
     wall_s: float
-    cpu_step_loop_s: float
-    cpu_offload_s: float
-    cpu_other_s: float
+    cpu_s: dict[str, float]  # CPU seconds by thread group (see _groups)
 
 
 def _pool_blocks(args: argparse.Namespace, max_tokens: int) -> int:
@@ -105,6 +103,32 @@ def _config(args: argparse.Namespace, max_tokens: int, disk_dir: str) -> Config:
             f"tiers.disk_dir={disk_dir}",
         ]
     )
+
+
+def _groups(worker: KVWorker) -> dict[int, str]:
+    """Native thread id -> its group: the step loop, the offload thread, the copy engine, the tier's event
+    loop and disk I/O pool, the traffic driver, this benchmark's main thread (polling the step log); a
+    thread that is no Python thread (torch's intra-op pool) is "torch"."""
+    names = {
+        "step loop": worker._thread.name,
+        "offload thread": "kv-offload",
+        "copy engine": "kv-copy",
+        "tier loop": "kv-tier-loop",
+        "tier disk I/O": "kv-disk",
+        "bench main": "MainThread",
+        "traffic driver": "traffic",
+    }
+    found = {}
+    for thread in threading.enumerate():
+        if thread.native_id is None:
+            continue
+        for group, prefix in names.items():
+            if thread.name.startswith(prefix):
+                found[thread.native_id] = group
+                break
+        else:
+            found[thread.native_id] = "other python"
+    return found
 
 
 def _thread_cpu() -> dict[int, float]:
@@ -183,15 +207,14 @@ def _counters(worker: KVWorker) -> tuple[int, int]:
 
 
 def _phase(worker: KVWorker, mode: str, traffic: Traffic, args: argparse.Namespace) -> Phase:
-    step_loop = worker._thread.native_id
-    offloader = worker._offloader
-    offload_thread = None if offloader is None else offloader._thread.native_id
+    groups = _groups(worker)
     first = len(worker.recent_steps())
     loaded0, stored0 = _counters(worker)
     cpu0 = _thread_cpu()
     started = time.perf_counter()
     if mode == "traffic":
         traffic.start()
+        groups.update(_groups(worker))
     deadline = time.monotonic() + args.phase_timeout_s
     while time.monotonic() < deadline:
         steps = worker.recent_steps()[first:]
@@ -205,9 +228,11 @@ def _phase(worker: KVWorker, mode: str, traffic: Traffic, args: argparse.Namespa
     steps = worker.recent_steps()[first:]
     loaded1, stored1 = _counters(worker)
     decode = [s for s in steps if _decode_only(s, args.batch)]
-    spent = {tid: cpu1.get(tid, 0.0) - cpu0.get(tid, 0.0) for tid in cpu1}
-    loop_cpu = spent.pop(step_loop, 0.0) if step_loop is not None else 0.0
-    offload_cpu = spent.pop(offload_thread, 0.0) if offload_thread is not None else 0.0
+    groups.update(_groups(worker))
+    cpu: dict[str, float] = {}
+    for tid, seconds in cpu1.items():
+        group = groups.get(tid, "torch")
+        cpu[group] = cpu.get(group, 0.0) + seconds - cpu0.get(tid, 0.0)
     return Phase(
         mode=mode,
         decode_steps=len(decode),
@@ -220,9 +245,7 @@ def _phase(worker: KVWorker, mode: str, traffic: Traffic, args: argparse.Namespa
         loaded_blocks=loaded1 - loaded0,
         stored_blocks=stored1 - stored0,
         wall_s=wall,
-        cpu_step_loop_s=loop_cpu,
-        cpu_offload_s=offload_cpu,
-        cpu_other_s=sum(spent.values()),
+        cpu_s=cpu,
     )
 
 
@@ -271,13 +294,13 @@ def report(phases: list[Phase], args: argparse.Namespace, config: Config) -> dic
     blocked = sum(p.blocked_s for p in busy) / max(1e-9, sum(p.step_s for p in busy))
     decode_blocked = sum(p.decode_blocked_s for p in busy) / max(1e-9, sum(p.decode_step_s for p in busy))
 
-    def per_step_cpu_ms(group: list[Phase], field: str) -> float:
-        return statistics.median(getattr(p, field) / max(1, p.decode_steps + p.mixed_steps) * 1e3 for p in group)
+    groups = sorted({g for p in phases for g in p.cpu_s})
 
-    made_of = {
-        f"{field}_per_step_ms": {"quiet": per_step_cpu_ms(quiet, field), "traffic": per_step_cpu_ms(busy, field)}
-        for field in ("cpu_step_loop_s", "cpu_offload_s", "cpu_other_s")
-    }
+    def cores(group: list[Phase], name: str) -> float:
+        """Median over the phases of the group's CPU seconds per wall second (cores busy)."""
+        return statistics.median(p.cpu_s.get(name, 0.0) / p.wall_s for p in group)
+
+    made_of = {name: {"quiet": cores(quiet, name), "traffic": cores(busy, name)} for name in groups}
     return {
         "model": args.model,
         "block_bytes": cache_identity(config).block_bytes,
@@ -291,7 +314,7 @@ def report(phases: list[Phase], args: argparse.Namespace, config: Config) -> dic
         "blocked_target": 0.01,
         "loaded_blocks_per_traffic_phase": statistics.median(p.loaded_blocks for p in busy),
         "stored_blocks_per_traffic_phase": statistics.median(p.stored_blocks for p in busy),
-        "made_of": made_of,
+        "cores_busy_by_thread_group": made_of,
         "cores": os.cpu_count(),
         "phases": [p._asdict() for p in phases],
     }
@@ -303,27 +326,23 @@ def print_report(result: dict[str, Any]) -> None:
         f"{result['batch']} decoding; traffic = {result['doc_blocks']}-block documents stored and loaded back"
     )
     print(f"{'phase':<8} {'decode steps':>12} {'median ms':>10} {'mixed':>6} {'blocked %':>9} "
-          f"{'loaded':>7} {'stored':>7} {'cpu loop s':>10} {'cpu offload s':>13} {'cpu other s':>11}")  # fmt: skip
+          f"{'loaded':>7} {'stored':>7} {'wall s':>7}")  # fmt: skip
     for p in result["phases"]:
         share = 100 * p["blocked_s"] / max(1e-9, p["step_s"])
         print(
             f"{p['mode']:<8} {p['decode_steps']:>12} {p['median_step_ms']:>10.2f} {p['mixed_steps']:>6} "
-            f"{share:>9.3f} {p['loaded_blocks']:>7} {p['stored_blocks']:>7} {p['cpu_step_loop_s']:>10.2f} "
-            f"{p['cpu_offload_s']:>13.2f} {p['cpu_other_s']:>11.2f}"
+            f"{share:>9.3f} {p['loaded_blocks']:>7} {p['stored_blocks']:>7} {p['wall_s']:>7.2f}"
         )
-    made = result["made_of"]
     print(
         f"decode step: quiet {result['quiet_step_ms']:.2f} ms, with traffic {result['traffic_step_ms']:.2f} ms: "
         f"ratio {result['step_time_ratio']:.3f} (median of phase medians)\n"
         f"blocked on offloading: {100 * result['blocked_share']:.3f}% of step time under traffic "
         f"(decode-only steps {100 * result['decode_blocked_share']:.3f}%; target <= 1%)\n"
-        f"CPU per step (ms), quiet -> traffic: step loop "
-        f"{made['cpu_step_loop_s_per_step_ms']['quiet']:.2f} -> {made['cpu_step_loop_s_per_step_ms']['traffic']:.2f}, "
-        f"offload thread {made['cpu_offload_s_per_step_ms']['quiet']:.2f} -> "
-        f"{made['cpu_offload_s_per_step_ms']['traffic']:.2f}, other threads (torch pool, copy engine, tier loop) "
-        f"{made['cpu_other_s_per_step_ms']['quiet']:.2f} -> {made['cpu_other_s_per_step_ms']['traffic']:.2f}; "
-        f"{result['cores']} cores"
+        f"cores busy by thread group (CPU s per wall s, median of phases; {result['cores']} cores):"
     )
+    print(f"  {'group':<16} {'quiet':>7} {'traffic':>8}")
+    for name, busy in result["cores_busy_by_thread_group"].items():
+        print(f"  {name:<16} {busy['quiet']:>7.3f} {busy['traffic']:>8.3f}")
 
 
 def run(args: argparse.Namespace) -> int:
