@@ -39,15 +39,20 @@ Stores (:meth:`Offloader.launch_stores`, ahead of eviction)
     The pool's eviction hook fires when a block's memory is about to be
     handed to a new owner; there is no time left to copy then without the
     step loop waiting. So blocks are stored *before* they are evicted:
-    after each step the offloader walks the free queue from its head (the
-    next to be evicted), holds (pool reference) cached blocks not yet
-    stored -- at most ``max_store_blocks`` at a time -- and queues one
-    ``store`` job. A held block cannot be reused; when its job ends it is
-    released to the free queue's tail, *settled*: ``_settled[block_id]``
-    is the hash it held, so it is not stored again while it keeps that
-    content. A block evicted before it was settled (the offloader fell
-    behind) has its KV dropped, as with no tier, and counted
-    (``store_missed_blocks``); the step loop never waits for a copy.
+    after each step (and right after a step freed blocks) the offloader
+    walks the free queue from its head (the next to be evicted), holds
+    (pool reference) every cached block not yet stored -- by default no
+    cap, so a freed block is held in the same locked section that freed
+    it, while it is still at the queue's tail -- and queues one ``store``
+    job. A held block cannot be reused: allocations that need it wait (the
+    scheduler does not preempt while stores hold blocks; they come back in
+    milliseconds). When its job ends it is released to the free queue's
+    tail -- where it was, give or take the blocks freed during the copy --
+    *settled*: ``_settled[block_id]`` is the hash it held, so it is not
+    stored again while it keeps that content. A block evicted before it
+    was settled (the scan limit, or a slow tier: no new holds then) has
+    its KV dropped, as with no tier, and counted (``store_missed_blocks``);
+    the step loop never waits for a copy.
 
 Invariants
     - Every pool reference the offloader takes is dropped exactly once: a
@@ -225,7 +230,7 @@ class Offloader:
         self.block_pool = block_pool
         self.kv_pool = kv_pool
         self.reserve_blocks = reserve_blocks
-        self.max_store_blocks = max_store_blocks or max(1, min(256, block_pool.num_blocks // 4))
+        self.max_store_blocks = max_store_blocks or block_pool.num_blocks
         self.wait_s = wait_s
         self.scan_limit = scan_limit
         self.counters = OffloadCounters()
@@ -249,6 +254,15 @@ class Offloader:
     def busy(self) -> bool:
         """Jobs are queued, running, or finished and not collected."""
         return self._submitted > 0
+
+    @property
+    def store_held_blocks(self) -> int:
+        """Pool blocks held by store jobs that are not stuck: they return to the free queue within milliseconds.
+
+        0 while a job has waited on the tier past ``wait_s``: the scheduler then preempts as usual
+        rather than wait for blocks that may be held until the tier's deadline.
+        """
+        return 0 if self._slow(time.monotonic()) else self._store_held
 
     @property
     def has_done(self) -> bool:

@@ -13,7 +13,10 @@ the prompt after the prefix-cache hit.
    tokens; when the pool is out of blocks the *last* running request is
    preempted (its blocks freed, ``num_computed_tokens`` reset, sent back to
    the head of the queue to be recomputed, prompt and output so far) until
-   the reservation fits -- or the request preempts itself.
+   the reservation fits -- or the request preempts itself. While the
+   offloader holds blocks for stores (they return within milliseconds),
+   the request waits for them instead: it and everything after it sit out
+   this step, and nothing is admitted.
 2. Then, unless someone was preempted this step, waiting requests in
    arrival order while the budget, ``max_num_seqs`` and the pool allow:
    prefix lookup, then the offloader (:mod:`kvstore.workers.offload`), then
@@ -58,6 +61,8 @@ class Admissions(Protocol):
     def admitted(self, request: CacheRequest) -> None: ...
     def abort(self, request: CacheRequest) -> None: ...
     def held_refs(self) -> Mapping[int, int]: ...
+    @property
+    def store_held_blocks(self) -> int: ...
 
 
 class NoAdmissions:
@@ -74,6 +79,10 @@ class NoAdmissions:
 
     def held_refs(self) -> Mapping[int, int]:
         return {}
+
+    @property
+    def store_held_blocks(self) -> int:
+        return 0
 
 
 class RequestState:
@@ -198,10 +207,14 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[RequestState] = []
         index = 0
+        stalled = False  # a running request waits for blocks held by stores: no preemption, no admission
         while index < len(self.running) and budget > 0:
             state = self.running[index]
             num_new = min(state.num_tokens - state.num_computed_tokens, budget)
             while self.manager.allocate_slots(state.cache_request, num_new) is None:
+                if self.offloader.store_held_blocks:  # they come back when their copies end (milliseconds):
+                    stalled = True  # wait for them rather than preempt and recompute
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -212,9 +225,9 @@ class Scheduler:
                 budget -= num_new
                 index += 1
                 continue
-            break  # the request preempted itself: nothing after it is left to schedule
+            break  # the request preempted itself (or waits for held blocks): nothing after it is scheduled
         skipped: list[RequestState] = []  # waiting on the offloader: they keep their places
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and not stalled:
             state = self.waiting[0]
             gpu_hit = self.manager.get_computed_blocks(state.cache_request)
             promotion = self.offloader.admit(state.cache_request, gpu_hit)
