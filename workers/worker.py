@@ -195,9 +195,9 @@ class KVWorker:
         with self._step_lock, self._lock:
             old = self._offloader
             if old is not None:
-                old.release_all()
+                old.release_all()  # loads it finished registered blocks: publish them
                 old.close()
-            self._publish_pending()
+                self._publish_pending()
             if isinstance(backend, NoOffload):
                 offloader = None
                 self.block_pool.on_evict = lambda blocks: None
