@@ -196,3 +196,34 @@ def test_a_lease_error_is_a_fault_not_an_outage(
         worker.shutdown()
         offload.close()
         client.close()
+
+
+def test_a_failing_model_step_with_stores_in_flight_recovers(
+    reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = GatedTier()
+    worker = KVWorker("recovering", make_config(num_blocks=24), offload=tier)
+    try:
+        rng = random.Random(9)
+        tier.gate_stores = True
+        tier.gate.clear()
+        prompt = random_tokens(rng, 40)
+        worker.generate(GenerateRequest(prompt, 2))
+        assert tier.in_store.wait(10)  # the prompt's blocks are held by a store that is still copying
+        real_execute = worker._runner.execute
+
+        def fail_once(slices: object) -> object:
+            monkeypatch.setattr(worker._runner, "execute", real_execute)
+            threading.Timer(0.3, tier.gate.set).start()  # the copy ends while the worker recovers
+            raise MemoryError("injected: out of device memory")
+
+        monkeypatch.setattr(worker._runner, "execute", fail_once)
+        with pytest.raises(RuntimeError, match=r"model step failed .*injected"):
+            worker.generate(GenerateRequest(random_tokens(rng, 30), 2))
+        assert worker.cached_hashes() == []  # recovery waited for the store's hold, then dropped the cache
+        worker.check_invariants()
+        again = GenerateRequest([*prompt, 1, 2], 3)
+        assert worker.generate(again).output_token_ids == reference(again)
+    finally:
+        tier.gate.set()
+        worker.shutdown()
