@@ -10,7 +10,8 @@ An :class:`Offloader` (one per worker, wired in one place:
 :meth:`kvstore.workers.worker.KVWorker.attach_offload`) runs them on ONE
 offload thread, one at a time, and the step loop only does bookkeeping:
 it hands jobs over and, at the start of each step, collects the finished
-ones. The split follows vLLM's offloading connector (a scheduler-side
+ones. Lookups are taken before queued loads and stores (an admission waits
+on them). The split follows vLLM's offloading connector (a scheduler-side
 manager that decides, a worker-side handler that copies); here both halves
 live in the worker process.
 
@@ -75,7 +76,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import queue
 import threading
 import time
 from collections import Counter, deque
@@ -235,7 +235,11 @@ class Offloader:
         self.scan_limit = scan_limit
         self.counters = OffloadCounters()
         self._wake = wake or (lambda: None)
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # Queued jobs; lookups go first (an admission waits on them), then loads and stores in order.
+        self._queue = threading.Condition(threading.Lock())  # never held while a job runs
+        self._lookups: deque[_Job] = deque()
+        self._others: deque[_Job] = deque()
+        self._stopping = False
         self._done: deque[_Job] = deque()  # appended by the offload thread, drained by the step loop
         self._settled: dict[int, BlockHash] = {}  # block id -> the hash it held when stored (or given up)
         self._admissions: dict[str, _Admission] = {}  # request id -> its lookup/load
@@ -388,7 +392,9 @@ class Offloader:
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the offload thread after the job it is running (queued jobs are dropped). Idempotent."""
-        self._jobs.put(None)
+        with self._queue:
+            self._stopping = True
+            self._queue.notify()
         self._thread.join(timeout)
 
     # ------------------------------------------------------------ internals
@@ -538,7 +544,9 @@ class Offloader:
         self._submitted += 1
         self._outstanding.add(job)
         self._in_flight[job.kind] += 1
-        self._jobs.put(job)
+        with self._queue:
+            (self._lookups if job.kind is _Kind.LOOKUP else self._others).append(job)
+            self._queue.notify()
 
     def _slow(self, now: float) -> bool:
         """Some job has waited on the tier longer than ``wait_s`` (the outstanding set is small: bounded jobs)."""
@@ -549,11 +557,19 @@ class Offloader:
 
     # ------------------------------------------------------- offload thread
 
+    def _next_job(self) -> _Job | None:
+        with self._queue:
+            while not (self._stopping or self._lookups or self._others):
+                self._queue.wait()
+            if self._stopping:
+                return None
+            return self._lookups.popleft() if self._lookups else self._others.popleft()
+
     def _run(self) -> None:
         kv = self.kv_pool.kv
         backend = self.backend
         while True:
-            job = self._jobs.get()
+            job = self._next_job()
             if job is None:
                 return
             with self._idle:
