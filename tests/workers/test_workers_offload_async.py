@@ -22,6 +22,7 @@ from test_workers_tier_outage import metric, outage_config
 from workers_testlib import Reference, make_config, random_tokens
 
 from kvstore.events import Medium
+from kvstore.hashing import BlockHasher, to_external
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.errors import LeaseError
@@ -58,17 +59,28 @@ class GatedTier(DictTier):
         return super().load(blocks, kv, block_ids)
 
 
+def evicted_doc(worker: KVWorker, rng: random.Random, reference: Reference | None = None) -> list[int]:
+    """A 6-block document computed, then pushed out of the 24-block pool by others (at least its first block)."""
+    doc = random_tokens(rng, 96)
+    first = to_external(BlockHasher.from_config(worker.config.cache).hash_blocks(doc)[0])
+    for prompt in [doc, *(random_tokens(rng, 96) for _ in range(12))]:
+        request = GenerateRequest(prompt, 2)
+        result = worker.generate(request)
+        assert reference is None or result.output_token_ids == reference(request)
+        assert worker.drain_offload()
+        if first not in worker.cached_hashes():
+            return doc
+    raise AssertionError("the document never left the pool")
+
+
 def test_a_loading_request_waits_while_others_step(reference: Reference) -> None:
     tier = GatedTier()
     worker = KVWorker("loading", make_config(num_blocks=24))
     worker.attach_offload(tier, wait_s=60.0)  # the gate holds the load: never give up on it here
     try:
         rng = random.Random(5)
-        doc = random_tokens(rng, 96)
-        for prompt in [doc, *(random_tokens(rng, 96) for _ in range(3))]:  # doc's blocks leave the pool
-            request = GenerateRequest(prompt, 2)
-            assert worker.generate(request).output_token_ids == reference(request)
-        assert worker.drain_offload() and tier.stored > 0
+        doc = evicted_doc(worker, rng, reference)
+        assert tier.stored > 0
 
         tier.gate.clear()
         waiting = GenerateRequest([*doc, 3, 4, 5], 4)
@@ -101,10 +113,7 @@ def test_a_slow_or_failing_load_recomputes_and_frees_its_blocks(
     worker.attach_offload(tier, wait_s=0.2 if fault == "slow" else 30.0)
     try:
         rng = random.Random(6)
-        doc = random_tokens(rng, 96)
-        for prompt in [doc, *(random_tokens(rng, 96) for _ in range(3))]:
-            worker.generate(GenerateRequest(prompt, 2))
-        assert worker.drain_offload()
+        doc = evicted_doc(worker, rng)
         request = GenerateRequest([*doc, 9, 9], 3)
         if fault == "slow":
             tier.gate.clear()  # the load never answers in time: the request gives up and recomputes
