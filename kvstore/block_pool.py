@@ -123,6 +123,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return sum(1 if isinstance(v, KVCacheBlock) else len(v) for v in self._cached.values())
 
+    def iter_free(self) -> Iterator[KVCacheBlock]:
+        """The free queue from its head (next to be reused) on, lazily; do not mutate the pool while iterating."""
+        return iter(self._free.values())
+
     def free_block_ids(self) -> list[int]:
         """The free queue, head (next to be reused) first."""
         return list(self._free)

@@ -14,7 +14,15 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvstore.benchmarks import chaos_bench, offload_bench, pool_bench, router_bench, router_overhead, ttft_bench
+from kvstore.benchmarks import (
+    chaos_bench,
+    offload_bench,
+    offload_serving,
+    pool_bench,
+    router_bench,
+    router_overhead,
+    ttft_bench,
+)
 from kvstore.benchmarks.replay import cli as replay_cli
 from kvstore.benchmarks.simulate import cli as simulate_cli
 from kvstore.deploy import events_cli, router_cli, serve_cli, worker_cli
@@ -32,7 +40,7 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 
 COMMANDS = (events_cli, worker_cli, router_cli, simulate_cli, serve_cli, replay_cli)
-BENCHMARKS = (pool_bench, router_bench, offload_bench, ttft_bench, chaos_bench, router_overhead)
+BENCHMARKS = (pool_bench, router_bench, offload_bench, offload_serving, ttft_bench, chaos_bench, router_overhead)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ and counting each lookup would inflate both numbers under memory pressure.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from kvstore.block_pool import BlockPool, KVCacheBlock
@@ -231,10 +231,15 @@ class KVCacheManager:
         )
         state.num_cached_blocks = num_full
 
-    def check_invariants(self) -> None:
-        """Pool invariants plus: ref counts equal the number of block tables holding each block."""
+    def check_invariants(self, held: Mapping[int, int] | None = None) -> None:
+        """Pool invariants plus: ref counts equal the number of block tables holding each block.
+
+        ``held``: references taken outside the manager (an offloader's), by block id.
+        """
         self.pool.check_invariants()
         refs = [0] * self.pool.num_blocks
+        for block_id, count in (held or {}).items():
+            refs[block_id] += count
         for request_id, state in self._requests.items():
             assert len(state.blocks) * self.block_size >= state.num_tokens, f"{request_id}: too few blocks"
             assert len(state.blocks) == -(-state.num_tokens // self.block_size), f"{request_id}: extra blocks"
@@ -244,5 +249,5 @@ class KVCacheManager:
                 assert block.block_hash is not None, f"{request_id}: block {block.block_id} should be cached"
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs[block.block_id]} requests"
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs[block.block_id]} requests and holds"
             )

@@ -26,7 +26,7 @@ from kvstore.worker_api import (
     WorkerShutdownError,
 )
 from kvstore.workers.kv_tensor_pool import KVTensorPool
-from kvstore.workers.offload import NoOffload, OffloadConnector, Promotion
+from kvstore.workers.offload import NoOffload, OffloadBackend, Offloader, Promotion
 from kvstore.workers.worker import KVWorker
 
 __all__ = [
@@ -37,7 +37,8 @@ __all__ = [
     "KVWorker",
     "ModelInfo",
     "NoOffload",
-    "OffloadConnector",
+    "OffloadBackend",
+    "Offloader",
     "Promotion",
     "WorkerLoad",
     "WorkerShutdownError",

@@ -148,6 +148,10 @@ class KVWorkerActor:
     async def check_invariants(self) -> None:
         await asyncio.to_thread(self._worker.check_invariants)
 
+    async def drain_offload(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the tier jobs queued so far have run (stores land after the request that freed the blocks)."""
+        return await asyncio.to_thread(self._worker.drain_offload, timeout_s)
+
     async def metrics_text(self) -> bytes:
         return self._worker.metrics_text()
 

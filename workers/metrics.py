@@ -21,7 +21,9 @@ from kvstore.metrics import REQUESTS_RUNNING, REQUESTS_WAITING
 class WorkerCounters:
     """Counters the worker bumps (under its lock); read racily by scrapes, which is fine for ints."""
 
-    __slots__ = ("aborted", "failed", "finished", "generation_tokens", "prompt_tokens", "rejected", "steps")
+    __slots__ = (
+        "aborted", "failed", "finished", "generation_tokens", "prompt_tokens", "rejected", "step_seconds", "steps",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.finished = 0  # requests that returned a result
@@ -31,6 +33,7 @@ class WorkerCounters:
         self.prompt_tokens = 0  # of finished requests
         self.generation_tokens = 0  # of finished and of cancelled choices
         self.steps = 0
+        self.step_seconds = 0.0  # wall time of the step loop's steps (schedule, forward, sampling, update)
 
 
 class TierLinkCounters:
@@ -54,6 +57,47 @@ class TierLinkCounters:
         self.promote_skipped = 0  # admissions that did not ask the tier because it was down
         self.spill_failures = 0  # spills that failed for another reason (their KV dropped)
         self.promote_failures = 0  # promotions that failed (the GPU hit served alone)
+
+
+class OffloadCounters:
+    """The offloader's work (bumped on the step loop, under the worker's lock, but for ``busy_seconds``)."""
+
+    __slots__ = (
+        "blocks_loaded",
+        "blocks_stored",
+        "busy_seconds",
+        "gave_up",
+        "loads_done",
+        "loads_started",
+        "lookups",
+        "slow_skipped",
+        "step_loop_seconds",
+        "store_missed_blocks",
+        "stores_done",
+        "stores_started",
+    )
+
+    def __init__(self) -> None:
+        self.lookups = 0  # admissions that asked the tier what it holds
+        self.loads_started = 0  # load jobs queued (pool blocks allocated for them)
+        self.loads_done = 0  # load jobs collected
+        self.blocks_loaded = 0  # pool blocks filled from the tier and registered in the prefix cache
+        self.stores_started = 0  # store jobs queued (their blocks held until done)
+        self.stores_done = 0  # store jobs collected (their blocks back in the free queue)
+        self.blocks_stored = 0  # blocks the tier newly stored
+        self.store_missed_blocks = 0  # cached blocks evicted before their store: KV dropped
+        self.gave_up = 0  # admissions that stopped waiting for a slow tier and recomputed
+        self.slow_skipped = 0  # admissions that did not ask the tier while a job waited on it past the deadline
+        self.step_loop_seconds = 0.0  # time the step loop spent inside the offloader (bookkeeping; never a copy)
+        self.busy_seconds = 0.0  # time the offload thread spent in tier calls and copies (bumped on that thread)
+
+
+class OffloadState(NamedTuple):
+    counters: OffloadCounters
+    lookups_in_flight: int
+    loads_in_flight: int
+    stores_in_flight: int
+    store_held_blocks: int
 
 
 class TierLinkState(NamedTuple):
@@ -141,3 +185,59 @@ class TierLinkCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["replica"])
             counter.add_metric(labels, value)
             yield counter
+
+
+class OffloadCollector(Collector):
+    """The offloader's jobs and the step loop's time in it, against the step loop's total (None: no tier)."""
+
+    def __init__(self, replica: str, counters: WorkerCounters, state: Callable[[], OffloadState | None]) -> None:
+        self._replica = replica
+        self._counters = counters
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        labels = [self._replica]
+        step = CounterMetricFamily(
+            "kvstore_worker_step_seconds", "Wall time of the worker's steps.", labels=["replica"]
+        )
+        step.add_metric(labels, self._counters.step_seconds)
+        yield step
+        state = self._state()
+        if state is None:
+            return
+        c = state.counters
+        for name, doc, value in (
+            ("kvstore_worker_offload_blocked_seconds", "Time the step loop spent in the offloader (bookkeeping "
+             "only: copies and tier calls run on the offload thread).", c.step_loop_seconds),
+            ("kvstore_worker_offload_busy_seconds", "Time the offload thread spent in tier calls and copies.",
+             c.busy_seconds),
+            ("kvstore_worker_offload_lookups", "Admissions that asked the node's tier what it holds.", c.lookups),
+            ("kvstore_worker_offload_loads", "Load jobs finished (pool blocks filled from the tier).", c.loads_done),
+            ("kvstore_worker_offload_loaded_blocks", "Pool blocks filled from the tier and registered.",
+             c.blocks_loaded),
+            ("kvstore_worker_offload_stores", "Store jobs finished (their blocks back in the free queue).",
+             c.stores_done),
+            ("kvstore_worker_offload_stored_blocks", "Blocks the node's tier newly stored.", c.blocks_stored),
+            ("kvstore_worker_offload_store_missed_blocks", "Cached blocks evicted before their store ran: KV "
+             "dropped.", c.store_missed_blocks),
+            ("kvstore_worker_offload_gave_up", "Admissions that stopped waiting for a slow tier and recomputed.",
+             c.gave_up),
+            ("kvstore_worker_offload_slow_skipped", "Admissions that did not ask the tier while a job waited on "
+             "it past the deadline.", c.slow_skipped),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(name, doc, labels=["replica"])
+            counter.add_metric(labels, value)
+            yield counter
+        inflight = GaugeMetricFamily(
+            "kvstore_worker_offload_in_flight", "Offload jobs queued or running, by kind.", labels=["replica", "kind"]
+        )
+        for kind, value in (("lookup", state.lookups_in_flight), ("load", state.loads_in_flight),
+                            ("store", state.stores_in_flight)):  # fmt: skip
+            inflight.add_metric([*labels, kind], value)
+        yield inflight
+        held = GaugeMetricFamily(
+            "kvstore_worker_offload_store_held_blocks", "Pool blocks held until their store is done.",
+            labels=["replica"],
+        )  # fmt: skip
+        held.add_metric(labels, state.store_held_blocks)
+        yield held

@@ -13,12 +13,17 @@ the prompt after the prefix-cache hit.
    tokens; when the pool is out of blocks the *last* running request is
    preempted (its blocks freed, ``num_computed_tokens`` reset, sent back to
    the head of the queue to be recomputed, prompt and output so far) until
-   the reservation fits -- or the request preempts itself.
+   the reservation fits -- or the request preempts itself. While the
+   offloader holds blocks for stores (they return within milliseconds),
+   the request waits for them instead: it and everything after it sit out
+   this step, and nothing is admitted.
 2. Then, unless someone was preempted this step, waiting requests in
    arrival order while the budget, ``max_num_seqs`` and the pool allow:
-   prefix lookup, then the promotion seam (:mod:`kvstore.workers.offload`), then
+   prefix lookup, then the offloader (:mod:`kvstore.workers.offload`), then
    ``allocate_slots``; a None (no room) stops admission for this step, so
-   the queue stays first come first served.
+   the queue stays first come first served. A request whose lower-tier
+   lookup or load is still running (the offloader answers None) is
+   skipped and keeps its place; the requests behind it may be admitted.
 
 Invariants (checked by :meth:`Scheduler.check_invariants`):
 
@@ -37,8 +42,8 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple, Protocol
 
 from kvstore.events import MEDIA, Medium
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
@@ -46,13 +51,38 @@ from kvstore.worker_api import FinishReason, GenerateRequest
 from kvstore.workers.attention import SequenceSlice
 from kvstore.workers.offload import Promotion
 
-Promoter = Callable[[CacheRequest, PrefixHit], Promotion]
-
 _internal_ids = itertools.count()
 
 
-def no_promotion(request: CacheRequest, gpu_hit: PrefixHit) -> Promotion:
-    return Promotion(gpu_hit, {})
+class Admissions(Protocol):
+    """What the scheduler asks the offloader (:class:`kvstore.workers.offload.Offloader`) at admission."""
+
+    def admit(self, request: CacheRequest, gpu_hit: PrefixHit) -> Promotion | None: ...
+    def admitted(self, request: CacheRequest) -> None: ...
+    def abort(self, request: CacheRequest) -> None: ...
+    def held_refs(self) -> Mapping[int, int]: ...
+    @property
+    def store_held_blocks(self) -> int: ...
+
+
+class NoAdmissions:
+    """No lower tier: every request is admitted with its GPU hit."""
+
+    def admit(self, request: CacheRequest, gpu_hit: PrefixHit) -> Promotion | None:
+        return Promotion(gpu_hit, {})
+
+    def admitted(self, request: CacheRequest) -> None:
+        return None
+
+    def abort(self, request: CacheRequest) -> None:
+        return None
+
+    def held_refs(self) -> Mapping[int, int]:
+        return {}
+
+    @property
+    def store_held_blocks(self) -> int:
+        return 0
 
 
 class RequestState:
@@ -154,12 +184,12 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        promoter: Promoter = no_promotion,
+        offloader: Admissions | None = None,
     ) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.promoter = promoter
+        self.offloader: Admissions = offloader or NoAdmissions()
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.num_preemptions = 0
@@ -177,10 +207,14 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[RequestState] = []
         index = 0
+        stalled = False  # a running request waits for blocks held by stores: no preemption, no admission
         while index < len(self.running) and budget > 0:
             state = self.running[index]
             num_new = min(state.num_tokens - state.num_computed_tokens, budget)
             while self.manager.allocate_slots(state.cache_request, num_new) is None:
+                if self.offloader.store_held_blocks:  # they come back when their copies end (milliseconds):
+                    stalled = True  # wait for them rather than preempt and recompute
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -191,27 +225,34 @@ class Scheduler:
                 budget -= num_new
                 index += 1
                 continue
-            break  # the request preempted itself: nothing after it is left to schedule
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            break  # the request preempted itself (or waits for held blocks): nothing after it is scheduled
+        skipped: list[RequestState] = []  # waiting on the offloader: they keep their places
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and not stalled:
             state = self.waiting[0]
             gpu_hit = self.manager.get_computed_blocks(state.cache_request)
-            promotion = self.promoter(state.cache_request, gpu_hit)
+            promotion = self.offloader.admit(state.cache_request, gpu_hit)
+            if promotion is None:
+                skipped.append(self.waiting.popleft())
+                continue
             hit = promotion.hit
             num_new = min(state.num_tokens - hit.num_tokens, budget)
             if self.manager.allocate_slots(state.cache_request, num_new, hit) is None:
                 break
+            self.offloader.admitted(state.cache_request)
             self.waiting.popleft()
             self.running.append(state)
             state.num_computed_tokens = hit.num_tokens
             if state.cached_tokens_by_medium is None:
                 by_medium = dict.fromkeys(MEDIA, 0)
-                by_medium[Medium.GPU] = gpu_hit.num_tokens
+                # The loaded blocks are in the pool by now (a later lookup finds them there): count them once.
+                by_medium[Medium.GPU] = hit.num_tokens - sum(promotion.promoted_tokens.values())
                 for medium, tokens in promotion.promoted_tokens.items():
                     by_medium[medium] += tokens
                 state.cached_tokens_by_medium = by_medium
                 state.first_scheduled = now
             scheduled.append(self._scheduled(state, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return SchedulerOutput(scheduled, preempted)
 
     def update(self, output: SchedulerOutput, sampled: Mapping[int, int], now: float) -> list[RequestState]:
@@ -245,6 +286,7 @@ class Scheduler:
         """Drop one choice wherever it is (its blocks freed); False if the scheduler does not hold it."""
         if state in self.waiting:
             self.waiting.remove(state)
+            self.offloader.abort(state.cache_request)
             return True
         if state in self.running:
             self.running.remove(state)
@@ -262,6 +304,8 @@ class Scheduler:
     def abort_all(self) -> list[RequestState]:
         """Drop every request, running and waiting; returns them."""
         aborted = self.abort_running() + list(self.waiting)
+        for state in self.waiting:
+            self.offloader.abort(state.cache_request)
         self.waiting.clear()
         return aborted
 
@@ -282,7 +326,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Assert the scheduler and its manager agree (see the module docstring)."""
-        self.manager.check_invariants()
+        self.manager.check_invariants(self.offloader.held_refs())
         assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > {self.max_num_seqs}"
         assert self.manager.num_running == len(self.running), (
             f"manager holds {self.manager.num_running} block tables for {len(self.running)} running requests"

@@ -1,28 +1,35 @@
-"""The worker's connector to its node's tiers: an :class:`OffloadConnector` over a TierLink.
+"""The worker's backend for its node's tiers: an :class:`~kvstore.workers.offload.OffloadBackend` over a TierLink.
 
-- ``on_evict``: the evicted blocks' KV is copied into the node's shared CPU
-  arena (write-back) before the pool reuses their memory; the tier actor
-  then owns them (CPU, later disk) and publishes them as medium CPU/STORAGE.
-- ``promote``: after the GPU prefix hit, the request's next blocks that the
-  node's tiers hold are copied into freshly allocated pool blocks, registered
-  in the prefix cache, and returned as an extended hit -- the request skips
-  their prefill. A block spilled by another worker of the node is promoted
-  the same way: the arena is shared.
+- ``store``: cached pool blocks' KV is copied into the node's shared CPU
+  arena (write-back: reserve, copy, commit); the tier actor then owns them
+  (CPU, later disk) and publishes them as medium CPU/STORAGE.
+- ``lookup`` / ``load``: how many of a request's next blocks the node's
+  tiers hold, and copying them into pool blocks the step loop allocated
+  (``TierLink.promote`` with an ``allocate`` that hands those ids out in
+  order). A block spilled by another worker of the node loads the same
+  way: the arena is shared.
 
-Failure: a tier that cannot take a block (full) makes the spill a no-op for
-that block -- the KV is simply not kept; a promotion that fails leaves the
-GPU hit as it was. Neither ever fails the request. Both run on the worker's
-step-loop thread under its lock (workers/offload.py).
+All three run on the worker's offload thread, never on its step loop (the
+Offloader in workers/offload.py owns the pool side: holds, registration,
+eviction). A tier that cannot take a block (full) makes the store a no-op
+for it -- the KV is simply not kept; a load that fails fills nothing and the
+request recomputes. Neither ever fails the request.
+
+Errors: a ``TierUnavailableError`` is an outage (below). Any other error
+-- a ``LeaseError`` or ``InvalidBlockError`` is a caller's mistake, not a
+tier outage -- is counted (``spill_failures`` / ``promote_failures``) and
+re-raised: the offloader logs it with its traceback and treats the job as
+having done nothing, and the link stays up.
 
 Tier outage: a call that finds the tier unavailable (its actor dead or
 unreachable, or past the call's deadline: ``TierUnavailableError``) takes
-the tier *down*: the link is closed (the arena unmapped), spills are
-skipped -- the evicted KV is dropped, counted in
-``counters.spill_skipped_blocks`` -- and promotions are skipped, so no
-request waits on a dead tier. With a ``reconnect`` factory (the Ray worker
-looks the node's tier actor up by name), a background thread then retries
-with capped exponential backoff until it gets a new link -- a restarted tier
-actor, with a fresh arena -- and the next step uses it. Every outage is
+the tier *down*: the link is closed (the arena unmapped), stores are
+skipped -- the KV is dropped when the block is evicted, counted in
+``counters.spill_skipped_blocks`` -- and loads are skipped, so no request
+waits on a dead tier. With a ``reconnect`` factory (the Ray worker looks
+the node's tier actor up by name), a background thread then retries with
+capped exponential backoff until it gets a new link -- a restarted tier
+actor, with a fresh arena -- and the next job uses it. Every outage is
 counted (``counters.unavailable``), as is every reconnection.
 """
 
@@ -33,15 +40,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvstore.block_pool import BlockPool, KVCacheBlock
+import torch
+
 from kvstore.events import Medium
-from kvstore.kv_cache_manager import CacheRequest, PrefixHit
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.errors import TierUnavailableError
 from kvstore.tiers.link import TierLink
-from kvstore.workers.kv_tensor_pool import KVTensorPool
 from kvstore.workers.metrics import TierLinkCounters
-from kvstore.workers.offload import Promotion
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +55,8 @@ Reconnect = Callable[[], TierLink]
 
 
 class TierOffload:
-    """Spills to and promotes from one node's tier actor through a mapped arena.
+    """An :class:`~kvstore.workers.offload.OffloadBackend` over one node's tier actor, through a mapped arena.
 
-    ``reserve_blocks`` pool blocks are never taken for promotion, so the
-    request itself (and the running ones) still find room to compute.
     ``reconnect`` (optional) builds a new link after an outage; attempts
     start ``backoff_s[0]`` after the outage and back off, doubling, to at
     most ``backoff_s[1]`` apart. Each attempt is bounded by the client's own
@@ -64,13 +67,11 @@ class TierOffload:
         self,
         link: TierLink | None,
         *,
-        reserve_blocks: int = 4,
         reconnect: Reconnect | None = None,
         backoff_s: tuple[float, float] = (0.05, 2.0),
     ) -> None:
         if link is None and reconnect is None:
             raise ValueError("a TierOffload needs a link, or a reconnect factory to get one")
-        self.reserve_blocks = reserve_blocks
         self.counters = TierLinkCounters()
         self._link = link
         self._reconnect = reconnect
@@ -93,82 +94,62 @@ class TierOffload:
         return self._link is not None
 
     # ------------------------------------------------------------- the seam
+    # Called only on the worker's offload thread (workers/offload.py), one at a time.
 
-    def on_evict(self, blocks: Sequence[KVCacheBlock], kv_pool: KVTensorPool) -> None:
-        link = self._link
-        if link is None:  # the tier is down: the KV is dropped, as with no tier at all
-            self.counters.spill_skipped_blocks += len(blocks)
-            return
-        try:
-            link.spill([BlockMeta.from_pool_block(b) for b in blocks], kv_pool.kv, [b.block_id for b in blocks])
-        except TierUnavailableError as exc:
-            self.counters.spill_skipped_blocks += len(blocks)
-            self._down(link, exc)
-        except Exception as exc:  # a tier fault must not stop the GPU pool from reusing its memory
-            self.counters.spill_failures += 1
-            logger.warning("spill of %d blocks failed, their KV is dropped: %s", len(blocks), exc)
-
-    def promote(
-        self, request: CacheRequest, gpu_hit: PrefixHit, block_pool: BlockPool, kv_pool: KVTensorPool
-    ) -> Promotion:
+    def lookup(self, blocks: Sequence[BlockMeta]) -> int:
         link = self._link
         if link is None:
             self.counters.promote_skipped += 1
-            return Promotion(gpu_hit, {})
-        size = block_pool.block_size
-        first = len(gpu_hit.blocks)
-        limit = (request.num_tokens - 1) // size  # a hit never covers the last token
-        spare = block_pool.num_free_blocks - sum(1 for b in gpu_hit.blocks if b.ref_cnt == 0) - self.reserve_blocks
-        limit = min(limit, first + max(0, spare))
-        if limit <= first:
-            return Promotion(gpu_hit, {})
-        hashes = request.block_hashes
-        metas = BlockMeta.chain(hashes[:limit], request.token_ids, size, start=first)
+            return 0
         try:
-            if link.lookup([m.block_hash for m in metas]).num_blocks == 0:
-                return Promotion(gpu_hit, {})
+            return link.lookup([m.block_hash for m in blocks]).num_blocks
         except TierUnavailableError as exc:
             self.counters.promote_skipped += 1
             self._down(link, exc)
-            return Promotion(gpu_hit, {})
-        except Exception as exc:
-            self.counters.promote_failures += 1
-            logger.warning("tier lookup failed: %s", exc)
-            return Promotion(gpu_hit, {})
+            return 0
 
-        block_pool.touch(gpu_hit.blocks)  # allocating below must not evict the GPU hit
-        allocated: list[KVCacheBlock] = []
+    def store(self, blocks: Sequence[BlockMeta], kv: torch.Tensor, block_ids: Sequence[int]) -> int:
+        link = self._link
+        if link is None:  # the tier is down: the KV is dropped, as with no tier at all
+            self.counters.spill_skipped_blocks += len(blocks)
+            return 0
+        try:
+            return link.spill(blocks, kv, block_ids)
+        except TierUnavailableError as exc:
+            self.counters.spill_skipped_blocks += len(blocks)
+            self._down(link, exc)
+            return 0
+        except Exception:  # not an outage: a fault of ours or the tier's, surfaced by the offloader's log
+            self.counters.spill_failures += 1
+            raise
 
-        def allocate(n: int) -> list[int]:
-            blocks = block_pool.get_new_blocks(n)
-            allocated.extend(blocks)
-            return [b.block_id for b in blocks]
+    def load(self, blocks: Sequence[BlockMeta], kv: torch.Tensor, block_ids: Sequence[int]) -> tuple[Medium, ...]:
+        link = self._link
+        if link is None:
+            self.counters.promote_skipped += 1
+            return ()
+        handed = 0
+
+        def allocate(n: int) -> list[int]:  # hands out the pool blocks the step loop allocated, in order
+            nonlocal handed
+            if handed + n > len(block_ids):
+                raise ValueError(f"the tier granted {handed + n} blocks, {len(block_ids)} were asked for")
+            ids = list(block_ids[handed : handed + n])
+            handed += n
+            return ids
 
         try:
-            promoted = link.promote(metas, kv_pool.kv, allocate)
+            promoted = link.promote(blocks, kv, allocate)
         except TierUnavailableError as exc:  # blocks already copied are dropped: their leases are in doubt
             self.counters.promote_failures += 1
             self._down(link, exc)
-            promoted = None
-        except Exception as exc:
+            return ()
+        except Exception:
             self.counters.promote_failures += 1
-            logger.warning("promotion failed, serving from the GPU hit only: %s", exc)
-            promoted = None
-        filled = [] if promoted is None else allocated[: len(promoted.block_ids)]
-        unfilled = allocated[len(filled) :]
-        blocks = [*gpu_hit.blocks, *filled]
-        if filled:
-            block_pool.cache_full_blocks(
-                blocks, hashes, first, len(blocks), request.token_ids, lora_name=request.lora_name
-            )
-        # Release everything: allocate_slots takes the extended hit like any other hit.
-        block_pool.free_blocks([*unfilled, *reversed(filled), *reversed(gpu_hit.blocks)])
-        if not filled or promoted is None:
-            return Promotion(gpu_hit, {})
-        by_medium = {Medium.CPU: 0, Medium.STORAGE: 0}
-        for medium in promoted.media:
-            by_medium[medium] = by_medium.get(medium, 0) + size
-        return Promotion(PrefixHit(tuple(blocks), len(blocks) * size), by_medium)
+            raise
+        if list(promoted.block_ids) != list(block_ids[: len(promoted.block_ids)]):
+            raise AssertionError(f"the link filled blocks {promoted.block_ids}, not a prefix of {list(block_ids)}")
+        return promoted.media
 
     def close(self) -> None:
         """Stop reconnecting and unmap the arena. Idempotent."""

@@ -12,11 +12,17 @@ blocks the first registered). Its output is a :class:`RequestStream`.
 
 Each step::
 
-    with lock:  drop cancelled requests; schedule (allocate/evict/cache in the block pool); publish events
+    with lock:  collect finished offload jobs; drop cancelled requests; schedule (allocate/evict/cache in the
+                block pool); queue stores of cached free blocks; publish events
     (no lock)   model forward: compute the step's tokens, write their KV, get next-token logits
     (no lock)   sample the choices that reached their sequence's end; detokenise; decide who finished
-    with lock:  record the tokens, free finished choices' blocks, publish events
+    with lock:  record the tokens, free finished choices' blocks, queue their stores, publish events
     (no lock)   put each request's chunk on its stream
+
+A lower tier's copies and calls run on the offloader's own thread
+(:mod:`kvstore.workers.offload`), never under ``_lock``: ``load``,
+``health`` and ``metrics_text`` take only ``_lock``, which is held for
+bookkeeping alone, so a slow or dead tier never delays them.
 
 Locks
 -----
@@ -47,7 +53,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any
+from collections import deque
+from typing import Any, NamedTuple
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -56,7 +63,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.errors import ConfigError, InvalidRequestError
 from kvstore.events import Medium
 from kvstore.hashing import BlockHasher
-from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
+from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.metrics import CacheCollector, render
 from kvstore.openai.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvstore.publisher import EventEndpoints, NullEventPublisher, Snapshot, ZmqEventPublisher
@@ -71,19 +78,37 @@ from kvstore.worker_api import (
 from kvstore.workers.config import WorkerSettings
 from kvstore.workers.device import resolve_device
 from kvstore.workers.kv_tensor_pool import KVTensorPool
-from kvstore.workers.metrics import LoopGauges, TierLinkCollector, TierLinkState, WorkerCollector, WorkerCounters
+from kvstore.workers.metrics import (
+    LoopGauges,
+    OffloadCollector,
+    OffloadState,
+    TierLinkCollector,
+    TierLinkState,
+    WorkerCollector,
+    WorkerCounters,
+)
 from kvstore.workers.model_runner import ModelRunner
 from kvstore.workers.model_spec import ServedModel
-from kvstore.workers.offload import LinkedOffload, NoOffload, OffloadConnector, Promotion
+from kvstore.workers.offload import LinkedOffload, NoOffload, OffloadBackend, Offloader
 from kvstore.workers.output import ChoiceRecord, RequestGroup
 from kvstore.workers.sampler import GREEDY, Sampler, SamplingDefaults
-from kvstore.workers.scheduler import RequestState, Scheduler, SchedulerOutput
+from kvstore.workers.scheduler import NoAdmissions, RequestState, Scheduler, SchedulerOutput
 from kvstore.workers.stream import RequestStream
 from kvstore.workers.validation import RequestLimits, validate_request
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.01
+_STEP_LOG = 8192
+
+
+class StepRecord(NamedTuple):
+    """One step that ran work: its wall time, what it computed, and its time inside the offloader."""
+
+    seconds: float
+    requests: int  # requests scheduled
+    tokens: int  # tokens computed (a decode is one)
+    offload_seconds: float  # of ``seconds``, spent in the offloader's bookkeeping on the step loop
 
 
 class KVWorker:
@@ -99,7 +124,7 @@ class KVWorker:
         name: str,
         config: WorkerSettings,
         *,
-        offload: OffloadConnector | None = None,
+        offload: OffloadBackend | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> None:
         """``tokenizer`` defaults to the checkpoint's (the byte tokenizer for seeded weights)."""
@@ -135,7 +160,11 @@ class KVWorker:
         self._counters = WorkerCounters()
         self._closed = False
         self._last_error: str | None = None
-        self._connector: OffloadConnector = NoOffload()
+        self._kick = threading.Event()  # set by the offload thread when a job finishes
+        self._step_log: deque[StepRecord] = deque(maxlen=_STEP_LOG)
+        self._last_batch: tuple[int, int] | None = None
+        self._backend: OffloadBackend = NoOffload()
+        self._offloader: Offloader | None = None
         self.attach_offload(offload or NoOffload())
 
         self._publisher: ZmqEventPublisher | NullEventPublisher
@@ -147,29 +176,57 @@ class KVWorker:
         self._registry.register(CacheCollector(lambda: [(self.name, self._manager)]))
         self._registry.register(WorkerCollector(name, self._counters, self._gauges))
         self._registry.register(TierLinkCollector(name, self._tier_link_state))
+        self._registry.register(OffloadCollector(name, self._counters, self._offload_state))
         self._thread = threading.Thread(target=self._loop, name=f"kv-worker-{name}", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ the tier seam
 
-    def attach_offload(self, connector: OffloadConnector) -> None:
-        """Plug a lower tier in: the ONE place that wires the pool's eviction hook and the promotion step.
+    def attach_offload(self, backend: OffloadBackend, *, wait_s: float = 2.0) -> None:
+        """Plug a lower tier in: the ONE place that wires the pool's eviction hook and the admission step.
 
-        ``connector.on_evict`` becomes the block pool's eviction hook (spill
-        before reuse) and ``connector.promote`` runs at admission right after
-        the GPU prefix lookup (see :mod:`kvstore.workers.offload` for both
-        contracts). Both run on the step-loop thread under the worker's lock.
-        Replaces any connector attached before; takes effect from the next step.
+        An :class:`~kvstore.workers.offload.Offloader` over ``backend`` (one
+        offload thread) becomes the block pool's eviction hook and the
+        scheduler's admission step (contracts in :mod:`kvstore.workers.offload`);
+        :class:`NoOffload` detaches any tier. An admission waits at most ``wait_s``
+        for the tier's answer and its copy, then recomputes. Replaces the tier attached before,
+        waiting for the jobs it has running; takes effect from the next step.
         """
-        kv_pool, block_pool = self.kv_pool, self.block_pool
-
-        def promote(request: CacheRequest, gpu_hit: PrefixHit) -> Promotion:
-            return connector.promote(request, gpu_hit, block_pool, kv_pool)
-
         with self._step_lock, self._lock:
-            block_pool.on_evict = lambda blocks: connector.on_evict(blocks, kv_pool)
-            self._scheduler.promoter = promote
-            self._connector = connector
+            old = self._offloader
+            if old is not None:
+                old.release_all()  # loads it finished registered blocks: publish them
+                old.close()
+                self._publish_pending()
+            if isinstance(backend, NoOffload):
+                offloader = None
+                self.block_pool.on_evict = lambda blocks: None
+                self._scheduler.offloader = NoAdmissions()
+            else:
+                offloader = Offloader(backend, self.block_pool, self.kv_pool, wait_s=wait_s, wake=self._kick.set)
+                self.block_pool.on_evict = offloader.on_evict
+                self._scheduler.offloader = offloader
+            self._offloader = offloader
+            self._backend = backend
+
+    def drain_offload(self, timeout: float | None = 30.0) -> bool:
+        """Wait until the offloader's queued jobs have run and are collected (tests, benchmarks); False on timeout.
+
+        Stores of blocks already free are queued first, so afterwards every
+        cached free block is in the tier (or refused by it).
+        """
+        with self._step_lock, self._lock:
+            offloader = self._offloader
+            if offloader is None:
+                return True
+            for _ in range(self.block_pool.num_blocks + 1):
+                if not offloader.drain(timeout):
+                    return False
+                offloader.launch_stores()
+                if not offloader.busy:
+                    break
+            self._publish_pending()
+            return True
 
     # ------------------------------------------------------------- requests
 
@@ -269,11 +326,19 @@ class KVWorker:
     def check_invariants(self) -> None:
         """Assert pool, manager and scheduler bookkeeping between steps; raises AssertionError naming the fault."""
         with self._step_lock, self._lock:
+            if self._offloader is not None:  # let running jobs end: their holds are then counted exactly
+                self._offloader.drain(30.0)
+                self._publish_pending()
             self._scheduler.check_invariants()
             assert self.kv_pool.num_blocks == self.block_pool.num_blocks, "KV tensors and block pool disagree"
             queued = {id(s) for s in (*self._scheduler.waiting, *self._scheduler.running)}
             held = {id(s) for g in self._groups.values() for s in g.choices if not s.is_finished}
             assert queued == held, "a queued choice has no request, or an unfinished choice is not queued"
+
+    def recent_steps(self) -> list[StepRecord]:
+        """The last steps that ran work (up to 8192), oldest first: for benchmarks and diagnosis."""
+        with self._lock:
+            return list(self._step_log)
 
     def metrics_text(self) -> bytes:
         """This worker's metrics in the Prometheus text format."""
@@ -297,6 +362,9 @@ class KVWorker:
         self._thread.join()
         with self._step_lock, self._lock:
             self._scheduler.abort_all()
+            if self._offloader is not None:
+                self._offloader.release_all(timeout=30.0)
+                self._offloader.close()
             self._publish_pending()
             groups = list(self._groups.values())
             self._groups.clear()
@@ -314,28 +382,46 @@ class KVWorker:
         try:
             while True:
                 with self._lock:
-                    while not self._closed and not self._scheduler.has_work:
-                        self._work.wait()
+                    while not self._closed and not self._scheduler.has_work and not self._offload_pending():
+                        # Idle, with offload jobs out: look again soon to collect them and store more.
+                        self._work.wait(_IDLE_WAIT_S if self._offload_busy() else None)
                     if self._closed:
                         return
+                self._kick.clear()
                 with self._step_lock:
+                    started = time.perf_counter()
+                    offload_before = self._offload_seconds()
                     progressed = self._step()
-                if not progressed:
-                    time.sleep(_IDLE_WAIT_S)
+                    seconds = time.perf_counter() - started
+                    self._counters.step_seconds += seconds
+                    if self._last_batch is not None:
+                        requests, tokens = self._last_batch
+                        record = StepRecord(seconds, requests, tokens, self._offload_seconds() - offload_before)
+                        with self._lock:
+                            self._step_log.append(record)
+                if not progressed:  # waiting on room, or on the offloader: a finished job wakes us early
+                    self._kick.wait(_IDLE_WAIT_S)
         except BaseException as exc:
             logger.exception("worker %s: step loop died", self.name)
             self._die(exc)
 
     def _step(self) -> bool:
         """One scheduler step; False when nothing could be scheduled."""
+        offloader = self._offloader
         with self._lock:
+            if offloader is not None:
+                offloader.poll()
             cancelled = self._drop_cancelled()
             output = self._scheduler.schedule(time.monotonic())
+            if offloader is not None:
+                offloader.launch_stores()
             self._counters.steps += 1
             self._publish_pending()
         self._emit(cancelled)
+        self._last_batch = None
         if not output.scheduled:
             return bool(cancelled)
+        self._last_batch = (len(output.scheduled), sum(work.num_new_tokens for work in output.scheduled))
         try:
             logits = self._runner.execute([work.slice for work in output.scheduled])
         except Exception as exc:
@@ -359,6 +445,8 @@ class KVWorker:
         now = time.monotonic()
         with self._lock:
             finished = self._scheduler.update(output, tokens, now)
+            if finished and self._offloader is not None:
+                self._offloader.launch_stores()  # the finished choices' cached blocks
             self._publish_pending()
             for state in finished:
                 self._counters.generation_tokens += len(state.output_token_ids)
@@ -396,7 +484,10 @@ class KVWorker:
     def _recover_from_model_failure(self, exc: Exception) -> None:
         with self._lock:
             aborted = self._scheduler.abort_running()
-            # Blocks registered in the prefix cache for the failed step were never filled.
+            # Blocks registered in the prefix cache for the failed step were never filled. The offloader's
+            # holds go first (a failure path: it waits for the copies running, bounded by the tier's deadline).
+            if self._offloader is not None:
+                self._offloader.release_all(timeout=None)
             cleared = self.block_pool.reset_prefix_cache()
             assert cleared, "no request runs, yet blocks are referenced"
             self._publish_pending()
@@ -437,10 +528,24 @@ class KVWorker:
             return Snapshot(self._publisher.last_seq, self.block_pool.snapshot_events())
 
     def _tier_link_state(self) -> TierLinkState | None:
-        connector = self._connector
-        if isinstance(connector, LinkedOffload):
-            return TierLinkState(connector.counters, connector.connected)
+        backend = self._backend
+        if isinstance(backend, LinkedOffload):
+            return TierLinkState(backend.counters, backend.connected)
         return None
+
+    def _offload_state(self) -> OffloadState | None:
+        offloader = self._offloader
+        return None if offloader is None else offloader.state()
+
+    def _offload_seconds(self) -> float:
+        offloader = self._offloader
+        return 0.0 if offloader is None else offloader.counters.step_loop_seconds
+
+    def _offload_pending(self) -> bool:
+        return self._offloader is not None and self._offloader.has_done
+
+    def _offload_busy(self) -> bool:
+        return self._offloader is not None and self._offloader.busy
 
     def _gauges(self) -> LoopGauges:
         return LoopGauges(len(self._scheduler.running), len(self._scheduler.waiting), self._scheduler.num_preemptions)

@@ -57,6 +57,7 @@ def test_spilled_prefix_is_promoted_into_another_worker_exactly(
         # The first worker computes every prompt; its 48-block pool evicts (spills) the older ones.
         for prompt, want in zip(prompts, expected, strict=True):
             assert run(first, prompt, 6).output_token_ids == want
+        assert ray.get(first.drain_offload.remote())  # its stores run after the requests returned
         ray.get(next(iter(tiers.values())).handle.flush_events.remote())
         # The second worker has never seen prompt 0: its prefix comes from the node's tiers.
         result = run(second, prompts[0], 6)

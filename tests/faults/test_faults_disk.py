@@ -134,6 +134,7 @@ def test_corrupt_truncated_and_deleted_block_files_never_serve_a_wrong_token(tmp
         # 1. Fill: one worker computes every prompt; its evictions go through the 32-slot arena to disk.
         for prompt, want in zip(prompts, expected, strict=True):
             assert fill.generate(GenerateRequest(prompt, MAX_TOKENS)).output_token_ids == want
+        assert fill.drain_offload()  # stores run off the step loop: every file is written before the damage
         disk = client.store.disk
         assert disk is not None
         whole = [d for d, h in enumerate(doc_hashes) if client.lookup(h).media == ("STORAGE",) * DOC_BLOCKS]
@@ -234,6 +235,7 @@ def test_full_disk_stops_storing_and_is_counted_while_every_output_stays_exact(
     with tiered_workers(config, ["w0"]) as (client, (worker,)):
         for i, prompt in enumerate(early):
             assert worker.generate(GenerateRequest(prompt, MAX_TOKENS)).output_token_ids == expected[i]
+        assert worker.drain_offload()  # stores run off the step loop: let the last ones land
         before = client.stats()
         assert before.blocks["STORAGE"] == 150 and before.evictions["STORAGE"] > 0  # capacity reached: LRU evicts
 
@@ -242,6 +244,7 @@ def test_full_disk_stops_storing_and_is_counted_while_every_output_stays_exact(
         monkeypatch.setattr(disk_files, "write_all", failing)
         for i, prompt in enumerate(late, start=len(early)):
             assert worker.generate(GenerateRequest(prompt, MAX_TOKENS)).output_token_ids == expected[i]
+        assert worker.drain_offload()
         full = client.stats()
         calls = dict(failing.calls)
         assert calls["ENOSPC"] > 0 and calls["EIO"] > 0, calls
@@ -262,6 +265,7 @@ def test_full_disk_stops_storing_and_is_counted_while_every_output_stays_exact(
         monkeypatch.undo()
         results = [worker.generate(GenerateRequest(p, MAX_TOKENS)) for p in prompts]
         assert [r.output_token_ids for r in results] == expected
+        assert worker.drain_offload()
         after = client.stats()
         assert after.capacity_bytes["STORAGE"] == before.capacity_bytes["STORAGE"]  # the configured capacity is back
         assert after.blocks["STORAGE"] == 150  # full again, of new blocks

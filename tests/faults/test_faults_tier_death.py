@@ -97,8 +97,12 @@ def test_tier_actor_killed_while_serving_then_restarted_on_the_same_disk(ray_ses
         for prompt in spilled:
             assert ray.get(submit(first, prompt), timeout=60).output_token_ids == expected[prompts.index(prompt)]
         hashes = [to_external(h) for h in hasher.hash_blocks(spilled[0])]
-        on_disk_before = ray.get(tier.handle.lookup.remote(hashes), timeout=30)
-        assert on_disk_before.media == ("STORAGE",) * PROMPT_BLOCKS, on_disk_before
+
+        # Stores run on the worker's offload thread, after the requests that freed the blocks returned.
+        def on_disk() -> bool:
+            return ray.get(tier.handle.lookup.remote(hashes), timeout=30).media == ("STORAGE",) * PROMPT_BLOCKS
+
+        assert wait_for(on_disk, timeout=20), ray.get(tier.handle.lookup.remote(hashes), timeout=30)
 
         # 2. Both workers take a burst; the tier actor is killed while they run it.
         refs = [(i, submit(workers[i % 2], prompt)) for i, prompt in enumerate(burst, start=5)]

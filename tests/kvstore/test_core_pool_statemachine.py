@@ -12,6 +12,7 @@ prefix hit is exactly the longest cached prefix (capped at prompt length - 1).
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 from hypothesis import HealthCheck, settings
@@ -133,6 +134,21 @@ class PoolMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.preempted)))
         if self._admit(self.preempted[rid]):
             self.running[rid] = self.preempted.pop(rid)
+
+    @rule(data=st.data())
+    def hold_and_release(self, data: st.DataObject) -> None:
+        """An offloader's hold: cached free blocks from the head are referenced, then released to the tail.
+
+        While held they are not free (no allocation can reuse them) and the manager's check counts them.
+        """
+        pool = self.pool
+        head = [b for b in itertools.islice(pool.iter_free(), 8) if b.block_hash is not None]
+        held = head[: data.draw(st.integers(min_value=0, max_value=len(head)))]
+        pool.touch(held)
+        assert not {b.block_id for b in held} & set(pool.free_block_ids())
+        self.manager.check_invariants({b.block_id: 1 for b in held})
+        pool.free_blocks(held)
+        assert pool.free_block_ids()[len(pool.free_block_ids()) - len(held) :] == [b.block_id for b in held]
 
     @rule()
     def reset(self) -> None:

@@ -6,12 +6,15 @@ scheduler sees of the model.
 
 from __future__ import annotations
 
-from kvstore.block_pool import BlockPool
+from collections import Counter
+from collections.abc import Mapping
+
+from kvstore.block_pool import BlockPool, KVCacheBlock
 from kvstore.events import BlockRemoved
 from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.worker_api import FinishReason, GenerateRequest
-from kvstore.workers.scheduler import RequestState, Scheduler, SchedulerOutput
+from kvstore.workers.scheduler import NoAdmissions, RequestState, Scheduler, SchedulerOutput
 
 
 def make(num_blocks: int, block_size: int, *, budget: int, max_num_seqs: int = 8) -> Scheduler:
@@ -114,3 +117,46 @@ def test_a_request_preempts_itself_when_it_is_the_last_running() -> None:
     while s.has_work:
         step(s, 3)
     assert a.output_token_ids == [1, 2, 3] and b.output_token_ids == [1, 3, 3] and b.num_preemptions == 1
+
+
+class HeldStores(NoAdmissions):
+    """The part of the offloader the scheduler sees when stores hold blocks: pool references, then release."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.held: list[KVCacheBlock] = []
+
+    def hold(self, blocks: list[KVCacheBlock]) -> None:
+        self.pool.touch(blocks)
+        self.held += blocks
+
+    def release(self) -> None:
+        self.pool.free_blocks(self.held)
+        self.held = []
+
+    @property
+    def store_held_blocks(self) -> int:
+        return len(self.held)
+
+    def held_refs(self) -> Mapping[int, int]:
+        return Counter(b.block_id for b in self.held)
+
+
+def test_a_running_request_waits_for_blocks_held_by_stores_instead_of_preempting() -> None:
+    s = make(6, 4, budget=100)
+    stores = HeldStores(s.manager.pool)
+    s.offloader = stores
+    a = add(s, "a", [1, 2, 3, 4, 5, 6, 7], 6)
+    b = add(s, "b", [11, 12, 13, 14, 15, 16, 17], 6)
+    c = add(s, "c", [21, 22, 23, 24], 1)
+    out, finished = step(s, 50)  # a -> [0, 1], b -> [2, 3], c -> [4] and done: its cached block is free
+    assert finished == [c] and s.manager.pool.free_block_ids() == [5, 4]
+    stores.hold([s.manager.pool.blocks[4]])  # ... and held while its store runs
+    step(s, 51)  # both decode into their second block
+    out, _ = step(s, 52)  # a takes block 5; b finds only the held block: it waits, it is not preempted
+    assert plan(out) == [("a", 8, 1)] and out.preempted == [] and s.running == [a, b]
+    assert s.num_preemptions == 0 and b.num_computed_tokens == 8
+    stores.release()  # the store ended: the block is free again (still cached: b's allocation evicts it)
+    out, _ = step(s, 53)
+    assert plan(out) == [("a", 9, 1), ("b", 8, 1)] and out.preempted == []
+    assert s.manager.block_ids(b.key) == [2, 3, 4] and s.num_preemptions == 0
