@@ -29,6 +29,13 @@ Contracts
   block, in order; ``write`` / ``read_into`` are batches of one.
 - Eviction unlinks inline: it is a metadata operation, and unlinking later
   could delete a newer file of the same block.
+- A block leaves the index only once its file is deleted (or it must not be
+  served any more). On a read-only file system eviction stops at the first
+  file it cannot delete -- that block stays indexed and readable, writes are
+  *not stored* (``cannot_evict``, ``read_only``) -- and a refused file that
+  cannot be deleted stays counted until a later write's room-making deletes
+  it. So ``used_bytes`` is always the files on disk, and once the file
+  system is writable again the tier carries on with exact accounting.
 
 Not thread-safe: drive it from one event loop; :meth:`DiskTier.snapshot_events`
 may run on another thread.
@@ -67,6 +74,7 @@ from kvstore.tiers.tier_events import MediumEvents
 logger = logging.getLogger(__name__)
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_REFUSED_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)  # a read-only (or locked-down) file system
 
 
 class DiskCounters:
@@ -110,6 +118,7 @@ class DiskTier:
         self._temp_names = itertools.count()
         self._temp_prefix = uuid.uuid4().hex[:8]  # this tier instance's: two on one directory never collide
         self._events = MediumEvents(Medium.STORAGE, identity.block_size)
+        self._deletes_refused = False  # the last deletion failed (logged once per episode)
         for shard in range(256):
             (self.directory / f"{shard:02x}").mkdir(parents=True, exist_ok=True)
         self.direct_io, self.io_mode = self._choose_io_mode(direct_io)
@@ -211,12 +220,12 @@ class DiskTier:
         if self._index.is_writing(block_hash):
             self.counters.not_stored["in_flight"] += 1
             return False
-        room = self._index.make_room()
+        room = self._index.make_room(self._delete)
         for entry in room.evicted:
-            self._removed(entry, unlink=True)
+            self._events.removed(entry.meta)
             self.counters.evictions += 1
         if not room.fits:
-            self.counters.not_stored["capacity"] += 1
+            self.counters.not_stored["cannot_evict" if room.stuck else "capacity"] += 1
             return False
         self._index.start_write(block_hash)
         final = self.path_of(block_hash)
@@ -245,6 +254,9 @@ class DiskTier:
         if exc.errno in _FULL_ERRNOS:
             self.counters.not_stored["disk_full"] += 1
             self._index.disk_full(exc)
+        elif exc.errno in _REFUSED_ERRNOS:
+            self.counters.not_stored["read_only"] += 1
+            self.counters.io_errors[errno_name(exc)] += 1
         else:
             self.counters.not_stored["io_error"] += 1
             self.counters.io_errors[errno_name(exc)] += 1
@@ -299,15 +311,30 @@ class DiskTier:
     # ---------------------------------------------------------------- internal
 
     def _forget(self, entry: Entry, *, unlink: bool) -> None:
-        """Drop ``entry`` unless it is gone already (evicted) or a newer file of its block replaced it."""
+        """Stop serving ``entry`` (BlockRemoved) unless it is gone already (evicted) or a newer file of its
+        block replaced it; with ``unlink`` delete its file -- kept counted as undeleted if that is refused."""
         if self._index.discard(entry):
-            self._removed(entry, unlink=unlink)
+            self._events.removed(entry.meta)
+            if unlink and not self._delete(entry):
+                self._index.keep_undeleted(entry)
 
-    def _removed(self, entry: Entry, *, unlink: bool) -> None:
-        """``entry`` has left the index: remove its file (unless told otherwise) and record BlockRemoved."""
-        if unlink:
-            remove(self.path_of(entry.meta.block_hash))
-        self._events.removed(entry.meta)
+    def _delete(self, entry: Entry) -> bool:
+        """Delete ``entry``'s file; False if the file system refused (logged when refusals start and end)."""
+        path = self.path_of(entry.meta.block_hash)
+        if remove(path, log=False):
+            if self._deletes_refused:
+                self._deletes_refused = False
+                logger.warning("disk tier %s: files can be deleted again", self.directory)
+            return True
+        if not self._deletes_refused:
+            self._deletes_refused = True
+            logger.warning(
+                "disk tier %s: could not delete %s (a read-only file system?): such blocks stay indexed "
+                "and counted, and their deletion is retried before each write",
+                self.directory,
+                path,
+            )
+        return False
 
     def _choose_io_mode(self, wanted: bool) -> tuple[bool, str]:
         if not wanted:

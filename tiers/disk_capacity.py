@@ -18,6 +18,14 @@ Contracts
 - Every block file has one size, so bytes are counted in files.
 - Each entry carries a generation that tells a file apart from a later file of
   the same block: a late answer about the old one must not drop the new one.
+- A block leaves the index only once its file is gone. Eviction deletes
+  through the caller's ``delete``; a file that cannot be deleted (a
+  read-only file system: EROFS, EACCES, EPERM) keeps its entry, readable
+  and at the LRU head, so the next :meth:`DiskIndex.make_room` retries it.
+  A file that must not be served any more (refused by its checksum) but
+  cannot be deleted is kept aside as *undeleted*: out of the index, still
+  counted in the bytes held, its deletion retried by every ``make_room``.
+  So the bytes held are always the files on disk, read-only or not.
 
 Mutations run on the tier's event loop; :meth:`DiskIndex.metas` may run on
 another thread (the event publisher's snapshot), so index mutations and that
@@ -30,6 +38,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,7 +56,8 @@ class Room(NamedTuple):
     """What :meth:`DiskIndex.make_room` did."""
 
     fits: bool  # one more file fits under the limit now
-    evicted: list[Entry]  # forgotten by the index: their files are the caller's to remove
+    evicted: list[Entry]  # deleted (by the caller's ``delete``) and forgotten by the index
+    stuck: bool  # a file that had to go could not be deleted (the file system refused)
 
 
 class DiskIndex:
@@ -61,6 +71,7 @@ class DiskIndex:
         self._limit = capacity_bytes
         self._index: OrderedDict[int, Entry] = OrderedDict()
         self._inflight: set[int] = set()  # hashes being written
+        self._undeleted: dict[int, Entry] = {}  # out of the index, file still on disk: to delete
         self._generation = 0
         self._lock = threading.Lock()
 
@@ -72,7 +83,13 @@ class DiskIndex:
 
     @property
     def used_bytes(self) -> int:
-        return len(self._index) * self.file_bytes
+        """Bytes of the files on disk: the indexed ones and those not deleted yet."""
+        return (len(self._index) + len(self._undeleted)) * self.file_bytes
+
+    @property
+    def num_undeleted(self) -> int:
+        """Files refused (no longer served) whose deletion the file system has refused so far."""
+        return len(self._undeleted)
 
     @property
     def limit_bytes(self) -> int:
@@ -113,9 +130,10 @@ class DiskIndex:
         self._inflight.discard(block_hash)
 
     def insert(self, meta: BlockMeta) -> Entry:
-        """Index ``meta``'s file as the most recently used block."""
+        """Index ``meta``'s file as the most recently used block (it replaced any undeleted file of it)."""
         self._generation += 1
         entry = Entry(meta, self._generation)
+        self._undeleted.pop(meta.block_hash, None)
         with self._lock:
             self._index[meta.block_hash] = entry
         return entry
@@ -133,17 +151,37 @@ class DiskIndex:
             del self._index[block_hash]
         return True
 
-    def make_room(self) -> Room:
-        """Evict least recently used blocks until one more file (beside those in flight) fits."""
+    def keep_undeleted(self, entry: Entry) -> None:
+        """``entry`` left the index (:meth:`discard`) but its file could not be deleted: count it until it is."""
+        assert entry.meta.block_hash not in self._index, "an indexed block is not undeleted"
+        self._undeleted[entry.meta.block_hash] = entry
+
+    def make_room(self, delete: Callable[[Entry], bool]) -> Room:
+        """Free room until one more file (beside those in flight) fits.
+
+        First retries the undeleted files, then evicts least recently used
+        blocks; ``delete(entry)`` removes a file, False if the file system
+        refused. An entry whose file stays is kept (readable, next in line)
+        and eviction stops there: the file system is refusing deletions.
+        """
         if self._limit < self.capacity_bytes:
             self._regrow_limit()
+        for block_hash, entry in list(self._undeleted.items()):
+            # One being written again is replaced by its rename: deleting now could delete the new file.
+            if block_hash not in self._inflight and delete(entry):
+                del self._undeleted[block_hash]
         need = (len(self._inflight) + 1) * self.file_bytes
         evicted = []
+        stuck = False
         while self._index and self.used_bytes + need > self._limit:
+            block_hash, entry = next(iter(self._index.items()))
+            if not delete(entry):
+                stuck = True
+                break
             with self._lock:
-                _, entry = self._index.popitem(last=False)
+                del self._index[block_hash]
             evicted.append(entry)
-        return Room(self.used_bytes + need <= self._limit, evicted)
+        return Room(self.used_bytes + need <= self._limit, evicted, stuck)
 
     def disk_full(self, exc: OSError) -> None:
         """A write failed with ENOSPC / EDQUOT: limit the tier to the bytes it holds."""
@@ -171,6 +209,9 @@ class DiskIndex:
             assert len(entry.meta.token_ids) == block_size
         for block_hash in self._inflight:
             assert block_hash not in self._index, f"block {block_hash:#x} is both stored and being written"
+        for block_hash, entry in self._undeleted.items():
+            assert block_hash not in self._index, f"block {block_hash:#x} is both stored and undeleted"
+            assert entry.meta.block_hash == block_hash
 
 
 def fs_room(directory: Path) -> int:

@@ -193,15 +193,19 @@ def read_full(fd: int, views: list[memoryview]) -> int:
     return offset
 
 
-def remove(path: Path) -> None:
-    """Unlink ``path``; a file already gone is fine, any other failure is logged, never raised
-    (a file left behind is a miss later, or the start-up scan's)."""
+def remove(path: Path, *, log: bool = True) -> bool:
+    """Unlink ``path``; True once it is gone (already gone is fine). Any other failure -- a read-only
+    file system, say -- is logged (unless ``log`` is off) and answered False, never raised: the caller
+    keeps counting the file."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        logger.warning("could not remove %s: %s", path, exc)
+        if log:
+            logger.warning("could not remove %s: %s", path, exc)
+        return False
+    return True
 
 
 def errno_name(exc: OSError) -> str:
