@@ -199,6 +199,7 @@ def _spill_all(link: TierLink, metas: list[BlockMeta], pool: torch.Tensor, order
         rows = order[first : first + batch]
         stored = link.spill(metas[first : first + batch], pool, rows)
         assert stored == len(rows), "the arena must hold the whole run"
+    link.settle()  # the last commit, sent without waiting, is part of the work measured
 
 
 def _allocator(rows: list[int]) -> Callable[[int], list[int]]:
@@ -212,6 +213,7 @@ def _promote_all(link: TierLink, metas: list[BlockMeta], pool: torch.Tensor, ord
     for first in range(0, len(metas), batch):
         promoted = link.promote(metas[first : first + batch], pool, _allocator(order[first : first + batch]))
         assert len(promoted.block_ids) == min(batch, len(metas) - first), "a block went missing"
+    link.settle()  # and the last release
 
 
 def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, progress: tqdm) -> CpuRow:
