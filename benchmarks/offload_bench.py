@@ -15,7 +15,10 @@ memories (pool -> arena, arena -> pool), i.e. memcpy bandwidth.
 
 Disk tier -- the same blocks are written from arena slots to their files by
 one ``DiskTier.write_many`` (``--io`` I/Os in flight), as the store writes
-CPU evictions, then ``os.sync()``; the page cache of the files is dropped
+CPU evictions, then ``os.sync()``. By default the tier is full of other
+blocks first (filled once, untimed), so every write evicts a block and reuses
+its file, as the store's write-back does in steady state; ``--disk-fresh``
+writes into an empty tier each run instead (every write creates a file); the page cache of the files is dropped
 (``posix_fadvise(DONTNEED)``) and they are read back into arena slots by one
 ``DiskTier.read_many`` (header and checksum verified), as the store promotes
 a prompt's disk hits. Baseline: one large sequential O_DIRECT write (then fsync) and
@@ -77,6 +80,7 @@ from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_files import direct_io_refusal
+from kvstore.tiers.disk_format import header_len
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.link import TierLink
 from kvstore.tiers.shared_memory import SharedSlots
@@ -339,8 +343,22 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
         io_mode = ""
         try:
             big = run_dir / "baseline.bin"
+            full: DiskTier | None = None
+            if not args.disk_fresh:
+                # Steady state: a tier exactly full of other blocks, so every write evicts one (and reuses
+                # its file), as the store's write-back does once its disk tier has filled up.
+                full = DiskTier(
+                    run_dir / "tier",
+                    identity,
+                    capacity_bytes=count * (header_len(identity.block_size) + block_bytes),
+                    deadline_s=args.deadline_s,
+                    max_concurrent_io=args.io,
+                )
+                filler = _metas(identity, count, args.repeat + 1)
+                ok = await full.write_many([(m, arena.view(i), _ignore) for i, m in enumerate(filler)])
+                assert all(ok), f"{ok.count(False)} blocks not stored: {dict(full.counters.not_stored)}"
             for rep in range(args.repeat):
-                disk = DiskTier(
+                disk = full or DiskTier(
                     run_dir / f"tier-{rep}",
                     identity,
                     capacity_bytes=count * (block_bytes + 8192),
@@ -376,10 +394,13 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                 reads.append(mine)
                 base_reads.append(base)
                 progress.update()
-                await disk.aclose()
-                shutil.rmtree(disk.directory.parent)
+                if full is None:
+                    await disk.aclose()
+                    shutil.rmtree(disk.directory.parent)
                 big.unlink()
                 progress.update()
+            if full is not None:
+                await full.aclose()
         finally:
             arena.close()
         return io_mode, writes, reads, base_writes, base_reads
@@ -449,7 +470,11 @@ def print_tables(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespac
                 f"{_target(CPU_TARGETS, row.shape, row.spill_ratio, row.promote_ratio):>8}"
             )
     if disk:
-        print(f"\nDisk tier: {args.io} I/Os in flight, files under {disk_dir}, vs one large sequential O_DIRECT file")
+        fill = "an empty tier each run" if args.disk_fresh else "a full tier (every write evicts a block)"
+        print(
+            f"\nDisk tier: {args.io} I/Os in flight, writes into {fill}, files under {disk_dir}, "
+            "vs one large sequential O_DIRECT file"
+        )
         for mode in sorted({row.io_mode for row in disk}):
             print(f"  I/O mode: {mode}")
         print(
@@ -513,6 +538,7 @@ def report(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], args: ar
         "io": args.io,
         "repeat": args.repeat,
         "settle_s": args.settle_s,
+        "disk_fill": "fresh" if args.disk_fresh else "full (every write evicts a block)",
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "machine": platform.platform(),
@@ -673,6 +699,11 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     p.add_argument(
         "--repeat", type=int, default=6, help="runs per measurement (even: disk runs alternate who goes first)"
+    )
+    p.add_argument(
+        "--disk-fresh",
+        action="store_true",
+        help="write into an empty disk tier each run (default: into a full one, every write evicting a block)",
     )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG bar chart here")

@@ -99,9 +99,20 @@ def test_plot_names_every_series_and_needs_no_ttft(tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(bench, "save_figure", keep_legends)
     plot = tmp_path / "offload.png"
-    flags = "--shapes tiny --disk-shapes tiny --total-mib 1 --disk-total-mib 1 --repeat 1 --settle-s 0 --no-progress"
+    flags = "--shapes tiny --disk-shapes tiny --total-mib 1 --disk-total-mib 1 --repeat 1 --settle-s 0 --disk-fresh"
     args = build_parser().parse_args(
-        ["bench", "offload", *flags.split(), "--disk-dir", str(tmp_path), "--plot", str(plot), "--ttft-lengths", ""]
+        [
+            "bench",
+            "offload",
+            *flags.split(),
+            "--no-progress",
+            "--disk-dir",
+            str(tmp_path),
+            "--plot",
+            str(plot),
+            "--ttft-lengths",
+            "",
+        ]
     )
     assert args.func(args) == 0 and plot.stat().st_size > 0
     cpu, disk = legends
