@@ -19,7 +19,7 @@ Contracts
   (capacity, ENOSPC, I/O error, deadline) returns False: *not stored*,
   counted by reason. A read of a file that is missing, short, for another
   block or identity, of another format version, or fails its checksum
-  returns False: a *miss*, counted by reason, and the file is removed.
+  returns False: a *miss*, counted by reason, and the file is retired to a spare.
   Wrong KV is never handed back.
 - Every I/O keeps the runner's deadline and hands its buffer back through
   ``on_settled(ok)``, exactly once, possibly after its answer (see
@@ -27,15 +27,21 @@ Contracts
   indexed; a read that completes late is still verified.
 - ``write_many`` / ``read_many`` take a batch and give one answer per
   block, in order; ``write`` / ``read_into`` are batches of one.
-- Eviction unlinks inline: it is a metadata operation, and unlinking later
-  could delete a newer file of the same block.
-- A block leaves the index only once its file is deleted (or it must not be
+- Files are reused: eviction renames the evicted block's file to a spare
+  (``<identity>/spare/<n>.kvs``) inline -- a metadata operation; renaming
+  later could move a newer file of the same block -- and the write that
+  needed the room overwrites that spare (its blocks are allocated already)
+  and renames it into place. A refused file becomes a spare the same way.
+  Only with no spare left does a write create a file (temporary + rename).
+  A file being read is not made a spare until the read is done.
+- A block leaves the index only once its file is moved (or it must not be
   served any more). On a read-only file system eviction stops at the first
-  file it cannot delete -- that block stays indexed and readable, writes are
+  file it cannot move -- that block stays indexed and readable, writes are
   *not stored* (``cannot_evict``, ``read_only``) -- and a refused file that
-  cannot be deleted stays counted until a later write's room-making deletes
-  it. So ``used_bytes`` is always the files on disk, and once the file
-  system is writable again the tier carries on with exact accounting.
+  cannot be moved stays counted until a later write's room-making moves
+  it. So ``used_bytes`` is always the files on disk (blocks, spares, files
+  being written), and once the file system is writable again the tier
+  carries on with exact accounting.
 
 Not thread-safe: drive it from one event loop; :meth:`DiskTier.snapshot_events`
 may run on another thread.
