@@ -15,7 +15,10 @@ memories (pool -> arena, arena -> pool), i.e. memcpy bandwidth.
 
 Disk tier -- the same blocks are written from arena slots to their files by
 one ``DiskTier.write_many`` (``--io`` I/Os in flight), as the store writes
-CPU evictions, then ``os.sync()``; the page cache of the files is dropped
+CPU evictions, then ``os.sync()``. By default the tier is full of other
+blocks first (filled once, untimed), so every write evicts a block and reuses
+its file, as the store's write-back does in steady state; ``--disk-fresh``
+writes into an empty tier each run instead (every write creates a file); the page cache of the files is dropped
 (``posix_fadvise(DONTNEED)``) and they are read back into arena slots by one
 ``DiskTier.read_many`` (header and checksum verified), as the store promotes
 a prompt's disk hits. Baseline: one large sequential O_DIRECT write (then fsync) and
@@ -77,11 +80,15 @@ from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_files import direct_io_refusal
+from kvstore.tiers.disk_format import header_len
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.link import TierLink
 from kvstore.tiers.shared_memory import SharedSlots
 
 HEADLINE_SHAPE = "llama-3-8b"
+# Issue 16's targets, as a share of the same-run baseline (both directions): shape -> ratio.
+CPU_TARGETS = {"tiny": 0.5, "qwen2.5-0.5b": 0.8, "llama-3-8b": 0.85}
+DISK_TARGETS = {"qwen2.5-0.5b": 0.8, "llama-3-8b": 0.9}
 _GB = 1e9
 _CHUNK = 256 * 1024 * 1024
 
@@ -199,6 +206,7 @@ def _spill_all(link: TierLink, metas: list[BlockMeta], pool: torch.Tensor, order
         rows = order[first : first + batch]
         stored = link.spill(metas[first : first + batch], pool, rows)
         assert stored == len(rows), "the arena must hold the whole run"
+    link.settle()  # the last commit, sent without waiting, is part of the work measured
 
 
 def _allocator(rows: list[int]) -> Callable[[int], list[int]]:
@@ -212,6 +220,7 @@ def _promote_all(link: TierLink, metas: list[BlockMeta], pool: torch.Tensor, ord
     for first in range(0, len(metas), batch):
         promoted = link.promote(metas[first : first + batch], pool, _allocator(order[first : first + batch]))
         assert len(promoted.block_ids) == min(batch, len(metas) - first), "a block went missing"
+    link.settle()  # and the last release
 
 
 def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, progress: tqdm) -> CpuRow:
@@ -334,8 +343,22 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
         io_mode = ""
         try:
             big = run_dir / "baseline.bin"
+            full: DiskTier | None = None
+            if not args.disk_fresh:
+                # Steady state: a tier exactly full of other blocks, so every write evicts one (and reuses
+                # its file), as the store's write-back does once its disk tier has filled up.
+                full = DiskTier(
+                    run_dir / "tier",
+                    identity,
+                    capacity_bytes=count * (header_len(identity.block_size) + block_bytes),
+                    deadline_s=args.deadline_s,
+                    max_concurrent_io=args.io,
+                )
+                filler = _metas(identity, count, args.repeat + 1)
+                ok = await full.write_many([(m, arena.view(i), _ignore) for i, m in enumerate(filler)])
+                assert all(ok), f"{ok.count(False)} blocks not stored: {dict(full.counters.not_stored)}"
             for rep in range(args.repeat):
-                disk = DiskTier(
+                disk = full or DiskTier(
                     run_dir / f"tier-{rep}",
                     identity,
                     capacity_bytes=count * (block_bytes + 8192),
@@ -371,10 +394,13 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                 reads.append(mine)
                 base_reads.append(base)
                 progress.update()
-                await disk.aclose()
-                shutil.rmtree(disk.directory.parent)
+                if full is None:
+                    await disk.aclose()
+                    shutil.rmtree(disk.directory.parent)
                 big.unlink()
                 progress.update()
+            if full is not None:
+                await full.aclose()
         finally:
             arena.close()
         return io_mode, writes, reads, base_writes, base_reads
@@ -434,28 +460,41 @@ def print_tables(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespac
         )
         print(
             f"{'shape':<17}{'block':>9}{'blocks':>8}{'spill GB/s':>12}{'promote GB/s':>14}"
-            f"{'memcpy GB/s':>13}{'spill/memcpy':>14}{'promote/memcpy':>16}"
+            f"{'memcpy GB/s':>13}{'spill/memcpy':>14}{'promote/memcpy':>16}{'target':>8}"
         )
         for row in cpu:
             memcpy = (row.memcpy_spill_gbps + row.memcpy_promote_gbps) / 2
             print(
                 f"{row.shape:<17}{_mib(row.block_bytes):>9}{row.blocks:>8}{row.spill_gbps:>12.2f}"
                 f"{row.promote_gbps:>14.2f}{memcpy:>13.2f}{row.spill_ratio:>14.2f}{row.promote_ratio:>16.2f}"
+                f"{_target(CPU_TARGETS, row.shape, row.spill_ratio, row.promote_ratio):>8}"
             )
     if disk:
-        print(f"\nDisk tier: {args.io} I/Os in flight, files under {disk_dir}, vs one large sequential O_DIRECT file")
+        fill = "an empty tier each run" if args.disk_fresh else "a full tier (every write evicts a block)"
+        print(
+            f"\nDisk tier: {args.io} I/Os in flight, writes into {fill}, files under {disk_dir}, "
+            "vs one large sequential O_DIRECT file"
+        )
         for mode in sorted({row.io_mode for row in disk}):
             print(f"  I/O mode: {mode}")
         print(
             f"{'shape':<17}{'block':>9}{'blocks':>8}{'write GB/s':>12}{'read GB/s':>11}"
-            f"{'base write':>12}{'base read':>11}{'write ratio':>13}{'read ratio':>12}"
+            f"{'base write':>12}{'base read':>11}{'write ratio':>13}{'read ratio':>12}{'target':>8}"
         )
         for drow in disk:
             print(
                 f"{drow.shape:<17}{_mib(drow.block_bytes):>9}{drow.blocks:>8}{drow.write_gbps:>12.2f}"
                 f"{drow.read_gbps:>11.2f}{drow.baseline_write_gbps:>12.2f}{drow.baseline_read_gbps:>11.2f}"
                 f"{drow.write_ratio:>13.2f}{drow.read_ratio:>12.2f}"
+                f"{_target(DISK_TARGETS, drow.shape, drow.write_ratio, drow.read_ratio):>8}"
             )
+
+
+def _target(targets: dict[str, float], shape: str, *ratios: float) -> str:
+    """``0.80 ok`` / ``0.80 no`` (both directions against the shape's target), ``-`` without one."""
+    if shape not in targets:
+        return "-"
+    return f"{targets[shape]:.2f} {'ok' if min(ratios) >= targets[shape] else 'no'}"
 
 
 def _spread(values: list[float]) -> str:
@@ -490,6 +529,7 @@ def report(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], args: ar
             "io_mode": dhead.io_mode,
             "rows": [row._asdict() for row in disk],
         }
+    result["targets"] = {"cpu": CPU_TARGETS, "disk": DISK_TARGETS}
     result["setup"] = {
         "total_mib": args.total_mib,
         "disk_total_mib": args.disk_total_mib,
@@ -498,6 +538,7 @@ def report(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], args: ar
         "io": args.io,
         "repeat": args.repeat,
         "settle_s": args.settle_s,
+        "disk_fill": "fresh" if args.disk_fresh else "full (every write evicts a block)",
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "machine": platform.platform(),
@@ -506,55 +547,65 @@ def report(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], args: ar
 
 
 def plot(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], path: Path) -> None:
+    """One panel per part measured (CPU tier, disk tier, TTFT), each series named in its legend."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(19, 4.8))
-    panels: list[tuple[Any, list[str], dict[str, list[float]], str]] = [
-        (
-            axes[0],
-            [row.shape for row in cpu],
-            {
-                "spill": [row.spill_gbps for row in cpu],
-                "promote": [row.promote_gbps for row in cpu],
-                "memcpy (pool->arena)": [row.memcpy_spill_gbps for row in cpu],
-                "memcpy (arena->pool)": [row.memcpy_promote_gbps for row in cpu],
-            },
-            "CPU tier vs memcpy",
-        ),
-        (
-            axes[1],
-            [row.shape for row in disk],
-            {
-                "write": [row.write_gbps for row in disk],
-                "read": [row.read_gbps for row in disk],
-                "O_DIRECT write": [row.baseline_write_gbps for row in disk],
-                "O_DIRECT read": [row.baseline_read_gbps for row in disk],
-            },
-            "Disk tier vs one sequential O_DIRECT file",
-        ),
-    ]
-    for axis, labels, series, title in panels:
-        width = 0.8 / max(len(series), 1)
+    bars: list[tuple[list[str], dict[str, list[float]], str]] = []
+    if cpu:
+        bars.append(
+            (
+                [f"{row.shape}\n{_mib(row.block_bytes)}" for row in cpu],
+                {
+                    "spill: TierLink.spill, pool -> arena": [row.spill_gbps for row in cpu],
+                    "promote: TierLink.promote, arena -> pool": [row.promote_gbps for row in cpu],
+                    "baseline: one memcpy, pool -> arena": [row.memcpy_spill_gbps for row in cpu],
+                    "baseline: one memcpy, arena -> pool": [row.memcpy_promote_gbps for row in cpu],
+                },
+                "CPU tier vs memcpy of the same bytes",
+            )
+        )
+    if disk:
+        bars.append(
+            (
+                [f"{row.shape}\n{_mib(row.block_bytes)}" for row in disk],
+                {
+                    "write: DiskTier.write_many, arena -> files": [row.write_gbps for row in disk],
+                    "read: DiskTier.read_many, files -> arena": [row.read_gbps for row in disk],
+                    "baseline: one sequential file, write + fsync": [row.baseline_write_gbps for row in disk],
+                    "baseline: one sequential file, read": [row.baseline_read_gbps for row in disk],
+                },
+                f"Disk tier vs one sequential file ({disk[0].io_mode.split(';')[0]})",
+            )
+        )
+    panels = len(bars) + (1 if ttft else 0)
+    if not panels:
+        raise ConfigError("--plot: nothing was measured (all parts skipped)")
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 5.2), squeeze=False)
+    for axis, (labels, series, title) in zip(axes[0], bars, strict=False):
+        width = 0.8 / len(series)
         for index, (label, values) in enumerate(series.items()):
             axis.bar([x + index * width for x in range(len(labels))], values, width, label=label)
-        axis.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, rotation=20)
-        axis.set_ylabel("GB/s")
-        axis.set_title(title)
-        axis.legend(fontsize=8)
-    lengths = [row.prompt_tokens for row in ttft]
-    for label, values in (
-        ("recompute", [row.recompute_ms for row in ttft]),
-        ("GPU hit", [row.gpu_hit_ms for row in ttft]),
-        ("CPU-tier hit", [row.cpu_hit_ms for row in ttft]),
-        ("disk-tier hit", [row.disk_hit_ms for row in ttft]),
-    ):
-        axes[2].plot(lengths, values, marker="o", label=label)
-    axes[2].set_xscale("log", base=2)
-    axes[2].set_yscale("log")
-    axes[2].set_xlabel("prompt tokens")
-    axes[2].set_ylabel("TTFT ms (log)")
-    axes[2].set_title("TTFT: recompute vs a hit in each tier")
-    axes[2].grid(True, which="both", alpha=0.3)
-    axes[2].legend(fontsize=8)
+        axis.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels)
+        axis.set_ylabel("GB/s (median of runs)")
+        axis.set_title(title, fontsize=10)
+        axis.legend(fontsize=7, loc="upper left")
+        axis.set_ylim(top=axis.get_ylim()[1] * 1.45)  # room for the legend above the bars
+    if ttft:
+        axis = axes[0][-1]
+        lengths = [row.prompt_tokens for row in ttft]
+        for label, values in (
+            ("recompute (no cache)", [row.recompute_ms for row in ttft]),
+            ("hit in the worker's pool", [row.gpu_hit_ms for row in ttft]),
+            ("hit in the CPU tier (promoted)", [row.cpu_hit_ms for row in ttft]),
+            ("hit on the disk tier (promoted)", [row.disk_hit_ms for row in ttft]),
+        ):
+            axis.plot(lengths, values, marker="o", label=label)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("prompt tokens")
+        axis.set_ylabel("TTFT ms (log)")
+        axis.set_title("TTFT: recompute vs a hit in each tier", fontsize=10)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
 
@@ -614,14 +665,15 @@ def run(args: argparse.Namespace) -> int:
         head = _headline(cpu_rows)
         print(
             f"\nheadline ({head.shape}): spill {head.spill_ratio:.2f}x memcpy (runs {_spread(head.spill_ratio_runs)}), "
-            f"promote {head.promote_ratio:.2f}x (runs {_spread(head.promote_ratio_runs)}); target >= 0.70"
+            f"promote {head.promote_ratio:.2f}x (runs {_spread(head.promote_ratio_runs)}); "
+            f"target >= {CPU_TARGETS.get(head.shape, float('nan')):.2f}"
         )
     if disk_rows:
         dhead = _headline(disk_rows)
         print(
             f"headline ({dhead.shape}): disk write {dhead.write_ratio:.2f}x O_DIRECT "
             f"(runs {_spread(dhead.write_ratio_runs)}), read {dhead.read_ratio:.2f}x "
-            f"(runs {_spread(dhead.read_ratio_runs)}); target >= 0.80"
+            f"(runs {_spread(dhead.read_ratio_runs)}); target >= {DISK_TARGETS.get(dhead.shape, float('nan')):.2f}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -647,6 +699,11 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     p.add_argument(
         "--repeat", type=int, default=6, help="runs per measurement (even: disk runs alternate who goes first)"
+    )
+    p.add_argument(
+        "--disk-fresh",
+        action="store_true",
+        help="write into an empty disk tier each run (default: into a full one, every write evicting a block)",
     )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG bar chart here")

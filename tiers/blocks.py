@@ -9,6 +9,7 @@ against them before any KV is served (the nano-vllm collision guard).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import NamedTuple
 
 import msgspec
@@ -52,7 +53,28 @@ _MAX_TOKEN = (1 << 63) - 1
 
 
 def check_blocks(blocks: Sequence[BlockMeta], block_size: int) -> None:
-    """Raise InvalidBlockError unless every block is a full BlockMeta with 64-bit hashes."""
+    """Raise InvalidBlockError unless every block is a full BlockMeta with 64-bit hashes and token ids
+    in 0..2**63-1.
+
+    Runs for every block spilled or promoted, so the common case is checked per batch (a few
+    builtin passes over all blocks); a batch that fails is checked block by block for the message.
+    """
+    if not blocks:
+        return
+    try:
+        if all(type(meta) is BlockMeta and len(meta.token_ids) == block_size for meta in blocks):
+            hashes = [meta.block_hash for meta in blocks]
+            hashes += [meta.parent_hash for meta in blocks if meta.parent_hash is not None]
+            if min(hashes) >= 0 and max(hashes) <= _MAX_HASH:
+                flat = list(chain.from_iterable(meta.token_ids for meta in blocks))
+                if min(flat) >= 0 and max(flat) <= _MAX_TOKEN:
+                    return
+    except TypeError:
+        pass  # a field of the wrong type: the loop below names the block
+    _check_each(blocks, block_size)
+
+
+def _check_each(blocks: Sequence[BlockMeta], block_size: int) -> None:
     for meta in blocks:
         if not isinstance(meta, BlockMeta):
             raise InvalidBlockError(f"expected BlockMeta, got {type(meta).__name__}")
@@ -61,8 +83,7 @@ def check_blocks(blocks: Sequence[BlockMeta], block_size: int) -> None:
         parent = meta.parent_hash
         if not 0 <= meta.block_hash <= _MAX_HASH or not (parent is None or 0 <= parent <= _MAX_HASH):
             raise InvalidBlockError(f"block hashes are unsigned 64-bit ints, got {meta.block_hash} / {parent}")
-        tokens = meta.token_ids
-        if min(tokens) < 0 or max(tokens) > _MAX_TOKEN:  # builtins: this runs for every block spilled
+        if min(meta.token_ids) < 0 or max(meta.token_ids) > _MAX_TOKEN:  # builtins: this runs for every block spilled
             raise InvalidBlockError(f"block {meta.block_hash:#x} has a token id outside 0..2**63-1")
 
 

@@ -4,7 +4,11 @@ Both clients have the same methods (:class:`TierClient`): one reaches the
 node's :class:`~kvstore.tiers.actor.TierActor` through Ray, the other runs a
 :class:`~kvstore.tiers.store.TierStore` in this process on its own event-loop
 thread (tests, single-process deployments). Every call blocks until the
-store answers, at most ``timeout_s``. A tier that cannot answer -- a
+store answers, at most ``timeout_s`` -- except ``commit_later`` /
+``release_later``, which send the call and return a :class:`Pending` at once
+(the store runs calls from one client in the order they were sent, so a
+later call sees their effect; their answer, or error, is read from the
+Pending). A tier that cannot answer -- a
 timeout (:class:`~kvstore.tiers.errors.TierTimeoutError`, also a ``TimeoutError``),
 a dead or unreachable actor, a closed store -- raises
 :class:`~kvstore.tiers.errors.TierUnavailableError`; callers' mistakes raise the
@@ -14,6 +18,7 @@ store's own typed errors.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
@@ -33,6 +38,14 @@ from kvstore.tiers.store import TierStore
 T = TypeVar("T")
 
 
+class Pending(Protocol):
+    """A call sent without waiting: ``result()`` waits for its answer (at most the client's timeout)
+    and raises what the call raised."""
+
+    def done(self) -> bool: ...
+    def result(self) -> Any: ...
+
+
 class TierClient(Protocol):
     """What a worker asks its node's tier (contracts on :class:`TierStore`)."""
 
@@ -40,9 +53,41 @@ class TierClient(Protocol):
     def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit: ...
     def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]: ...
     def commit(self, lease_ids: Sequence[int]) -> int: ...
+    def commit_later(self, lease_ids: Sequence[int]) -> Pending: ...
     def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]: ...
     def release(self, lease_ids: Sequence[int]) -> None: ...
+    def release_later(self, lease_ids: Sequence[int]) -> Pending: ...
     def stats(self) -> TierStats: ...
+
+
+class _RayPending:
+    def __init__(self, client: RayTierClient, ref: Any) -> None:
+        self._client = client
+        self._ref = ref
+
+    def done(self) -> bool:
+        ready, _ = ray.wait([self._ref], timeout=0)
+        return bool(ready)
+
+    def result(self) -> Any:
+        return self._client._get(self._ref)
+
+
+class _LocalPending:
+    def __init__(self, future: concurrent.futures.Future[Any], timeout_s: float) -> None:
+        self._future = future
+        self._timeout_s = timeout_s
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        try:
+            return self._future.result(self._timeout_s)
+        except concurrent.futures.CancelledError:
+            raise TierUnavailableError("the tier store closed before answering") from None
+        except TimeoutError:
+            raise TierTimeoutError(f"the tier store did not answer within {self._timeout_s} s") from None
 
 
 class RayTierClient:
@@ -76,6 +121,12 @@ class RayTierClient:
     def commit(self, lease_ids: Sequence[int]) -> int:
         return self._get(self._handle.commit.remote(list(lease_ids)))  # type: ignore[no-any-return]
 
+    def commit_later(self, lease_ids: Sequence[int]) -> Pending:
+        return _RayPending(self, self._handle.commit.remote(list(lease_ids)))
+
+    def release_later(self, lease_ids: Sequence[int]) -> Pending:
+        return _RayPending(self, self._handle.release.remote(list(lease_ids)))
+
     def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
         return self._get(self._handle.acquire.remote(list(blocks), arena))  # type: ignore[no-any-return]
 
@@ -102,45 +153,63 @@ class LocalTierClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-tier-loop", daemon=True)
         self._thread.start()
+        self._pending: list[concurrent.futures.Future[Any]] = []  # sent by *_later, maybe not answered yet
         try:
-            self.store: TierStore = self._run(_build(config, identity, events, arena_name))
+            self._store: TierStore = self._run(_build(config, identity, events, arena_name))
         except BaseException:
             self._stop_loop()
             raise
 
+    @property
+    def store(self) -> TierStore:
+        """The store, for inspection between calls: calls sent without waiting are answered first."""
+        self._settle()
+        return self._store
+
     def arena_info(self) -> ArenaInfo:
-        return self._call(lambda: self.store.arena_info)
+        return self._call(lambda: self._store.arena_info)
 
     def event_endpoints(self) -> EventEndpoints | None:
-        return self._call(lambda: self.store.event_endpoints)
+        return self._call(lambda: self._store.event_endpoints)
 
     def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit:
-        return self._call(lambda: self.store.lookup(block_hashes, start))
+        return self._call(lambda: self._store.lookup(block_hashes, start))
 
     def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
-        return self._run(self.store.reserve(blocks, arena))
+        return self._run(self._store.reserve(blocks, arena))
 
     def commit(self, lease_ids: Sequence[int]) -> int:
-        return self._run(self.store.commit(lease_ids))
+        return self._run(self._store.commit(lease_ids))
+
+    def commit_later(self, lease_ids: Sequence[int]) -> Pending:
+        return self._send(self._store.commit(list(lease_ids)))
 
     def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
-        return self._run(self.store.acquire(blocks, arena))
+        return self._run(self._store.acquire(blocks, arena))
 
     def release(self, lease_ids: Sequence[int]) -> None:
-        self._call(lambda: self.store.release(lease_ids))
+        self._call(lambda: self._store.release(lease_ids))
+
+    def release_later(self, lease_ids: Sequence[int]) -> Pending:
+        ids = list(lease_ids)
+
+        async def on_loop() -> None:
+            self._store.release(ids)
+
+        return self._send(on_loop())
 
     def stats(self) -> TierStats:
-        return self._call(self.store.stats)
+        return self._call(self._store.stats)
 
     def check_invariants(self) -> None:
-        self._call(self.store.check_invariants)
+        self._call(self._store.check_invariants)
 
     def close(self) -> None:
         """Close the store (unlinking its arena) and stop the loop thread. Idempotent."""
         if self._loop.is_closed():
             return
         try:
-            self._run(self.store.aclose())
+            self._run(self._store.aclose())
         finally:
             self._stop_loop()
 
@@ -162,6 +231,24 @@ class LocalTierClient:
         except TimeoutError:
             future.cancel()
             raise TierTimeoutError(f"the tier store did not answer within {self._timeout_s} s") from None
+
+    def _send(self, coro: Coroutine[Any, Any, Any]) -> Pending:
+        """Start ``coro`` on the loop (after every call sent before it) and return without waiting."""
+        if self._loop.is_closed():
+            coro.close()
+            raise TierUnavailableError("the tier store is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(future)
+        return _LocalPending(future, self._timeout_s)
+
+    def _settle(self) -> None:
+        """Wait (each at most the timeout) for the calls sent without waiting; their errors are their callers'."""
+        if threading.current_thread() is self._thread:
+            return
+        pending, self._pending = self._pending, []
+        if pending:
+            concurrent.futures.wait(pending, timeout=self._timeout_s)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -5,11 +5,13 @@ are coalesced into one slice copy each, so neighbouring blocks move as one
 large span.
 
 - Host tensors (a CPU worker's pool, the tier store's own staging): the
-  runs are split by rows across a thread pool and copied with libc
-  ``memmove`` (bounds checked first), which releases the GIL, so the copy
-  overlaps the caller's compute. Batches of at most 1 MiB
-  are copied on the caller's thread, where a hand-off would cost more than
-  the copy.
+  runs are split by rows into ``num_threads`` shares, copied with libc
+  ``memmove`` (bounds checked first; it releases the GIL): the caller's
+  thread copies the first share and the thread pool the others, so the
+  caller waits for at most ``num_threads - 1`` hand-offs. Batches of at
+  most 1 MiB are copied on the caller's thread alone, where a hand-off
+  (a wake-up: tens of microseconds on a loaded machine) would cost more
+  than it saves.
 - CUDA tensors (*CUDA path*, kept thin; no GPU on the development
   machines, so it is exercised only where one exists): the arena is
   registered once per process as pinned memory (``cudaHostRegister``), the
@@ -34,8 +36,7 @@ import torch
 
 from kvstore.tiers.errors import InvalidBlockError, TierError
 
-_INLINE_BYTES = 1 << 20  # up to this a batch is copied on the caller's thread (a hand-off costs more)
-_MIN_SPLIT_BYTES = 4 << 20  # below this a batch is one task: splitting it costs more than it saves
+_INLINE_BYTES = 1 << 20  # up to this a batch is copied on the caller's thread alone (a hand-off costs more)
 
 
 class Run(NamedTuple):
@@ -140,18 +141,19 @@ class CopyEngine:
                 raise TierError("a CUDA tensor was given but this copy engine was built without pinning (pin=False)")
             return self._cuda.copy(src, dst, runs)
         nbytes = len(src_rows) * self.block_bytes
-        if nbytes <= _INLINE_BYTES:
-            # Tens of microseconds of copying: a thread hand-off (and the wake-up after it) costs more.
-            done: Future[None] = Future()
-            try:
-                _copy_runs(src, dst, runs)
-            except BaseException as exc:
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
-            return done
-        parts = 1 if nbytes < _MIN_SPLIT_BYTES else self._threads
-        return _gather([self._pool.submit(_copy_runs, src, dst, group) for group in split_runs(runs, parts)])
+        parts = 1 if nbytes <= _INLINE_BYTES else self._threads
+        groups = split_runs(runs, parts)
+        # The caller's thread copies the first share itself (it would only wait otherwise): one hand-off
+        # fewer, and a batch too small to be worth a hand-off (tens of microseconds) is copied inline.
+        handed = [self._pool.submit(_copy_runs, src, dst, group) for group in groups[1:]]
+        mine: Future[None] = Future()
+        try:
+            _copy_runs(src, dst, groups[0])
+        except BaseException as exc:
+            mine.set_exception(exc)
+        else:
+            mine.set_result(None)
+        return _gather([mine, *handed]) if handed else mine
 
 
 def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[Run]) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 
 from kvstore.events import BlockStored, KVEvent, Medium
 from kvstore.tiers.blocks import BlockMeta
@@ -168,6 +169,27 @@ class CpuArena:
         self._writing[meta.block_hash] = slot
         return self._grant(slot, meta, LeaseKind.WRITE)
 
+    def reserve_many(self, metas: Sequence[BlockMeta]) -> list[Lease | None]:
+        """:meth:`reserve` for each of ``metas`` (None where it gives None), the free slots taken in
+        ascending order so that a batch lands in as few runs of neighbouring slots as the free list allows
+        (a run is copied as one span)."""
+        index, writing, free = self._index, self._writing, self._free
+        wanted = [meta for meta in metas if meta.block_hash not in index and meta.block_hash not in writing]
+        if len({meta.block_hash for meta in wanted}) != len(wanted):  # one hash twice: the later is a duplicate
+            return [self.reserve(meta) for meta in metas]
+        slots = sorted(free.popleft() for _ in range(min(len(wanted), len(free))))
+        taken = dict(zip((meta.block_hash for meta in wanted), slots, strict=False))
+        leases: list[Lease | None] = []
+        for meta in metas:
+            slot = taken.pop(meta.block_hash, None)
+            if slot is None:
+                leases.append(None)
+                continue
+            self._meta[slot] = meta
+            writing[meta.block_hash] = slot
+            leases.append(self._grant(slot, meta, LeaseKind.WRITE))
+        return leases
+
     def commit(self, lease_id: int) -> None:
         """Publish a written slot as the most recently used block; ends the write lease."""
         lease = self.lease(lease_id)
@@ -217,22 +239,34 @@ class CpuArena:
         elif self._leases[slot] == 0 and self._index.get(lease.meta.block_hash) != slot:
             self._free_slot(slot)
 
-    def evict_lru(self, count: int) -> list[Lease]:
+    def evict_lru(self, count: int, keep: Callable[[int], bool] | None = None) -> list[Lease]:
         """Detach up to ``count`` least recently used unleased blocks (BlockRemoved each).
 
-        Each comes back with a read lease: its bytes stay in the slot (to be
-        written to disk, say) until that lease is released, which frees it.
+        A block for which ``keep(hash)`` is true (all of them without ``keep``) comes back with a
+        read lease: its bytes stay in the slot (to be written to disk, say) until that lease is
+        released, which frees it. The others' slots are freed at once.
         """
         victims: list[int] = []
+        leased = self._leases
         for block_hash, slot in self._index.items():
             if len(victims) == count:
                 break
-            if self._leases[slot] == 0:
+            if leased[slot] == 0:
                 victims.append(block_hash)
         leases = []
-        for block_hash in victims:
-            leases.append(self._detach(block_hash))
-        self.num_evictions += len(leases)
+        dropped: list[int] = []
+        with self._lock:
+            for block_hash in victims:
+                if keep is None or keep(block_hash):
+                    leases.append(self._detach(block_hash, locked=True))
+                else:
+                    dropped.append(self._index.pop(block_hash))
+        for slot in dropped:
+            meta = self._meta[slot]
+            assert meta is not None
+            self._events.removed(meta)
+            self._free_slot(slot)
+        self.num_evictions += len(victims)
         return leases
 
     def remove(self, block_hash: int) -> bool:
@@ -273,10 +307,14 @@ class CpuArena:
         if self._leases[slot] == 0:
             self._num_leased -= 1
 
-    def _detach(self, block_hash: int) -> Lease:
-        """Take a block out of the index, returning a read lease that keeps its slot."""
-        with self._lock:
+    def _detach(self, block_hash: int, *, locked: bool = False) -> Lease:
+        """Take a block out of the index, returning a read lease that keeps its slot (``locked``: the
+        caller holds ``_lock``)."""
+        if locked:
             slot = self._index.pop(block_hash)
+        else:
+            with self._lock:
+                slot = self._index.pop(block_hash)
         meta = self._meta[slot]
         assert meta is not None
         self._events.removed(meta)

@@ -19,7 +19,7 @@ Contracts
   (capacity, ENOSPC, I/O error, deadline) returns False: *not stored*,
   counted by reason. A read of a file that is missing, short, for another
   block or identity, of another format version, or fails its checksum
-  returns False: a *miss*, counted by reason, and the file is removed.
+  returns False: a *miss*, counted by reason, and the file is retired to a spare.
   Wrong KV is never handed back.
 - Every I/O keeps the runner's deadline and hands its buffer back through
   ``on_settled(ok)``, exactly once, possibly after its answer (see
@@ -27,8 +27,21 @@ Contracts
   indexed; a read that completes late is still verified.
 - ``write_many`` / ``read_many`` take a batch and give one answer per
   block, in order; ``write`` / ``read_into`` are batches of one.
-- Eviction unlinks inline: it is a metadata operation, and unlinking later
-  could delete a newer file of the same block.
+- Files are reused: eviction renames the evicted block's file to a spare
+  (``<identity>/spare/<n>.kvs``) inline -- a metadata operation; renaming
+  later could move a newer file of the same block -- and the write that
+  needed the room overwrites that spare (its blocks are allocated already)
+  and renames it into place. A refused file becomes a spare the same way.
+  Only with no spare left does a write create a file (temporary + rename).
+  A file being read is not made a spare until the read is done.
+- A block leaves the index only once its file is moved (or it must not be
+  served any more). On a read-only file system eviction stops at the first
+  file it cannot move -- that block stays indexed and readable, writes are
+  *not stored* (``cannot_evict``, ``read_only``) -- and a refused file that
+  cannot be moved stays counted until a later write's room-making moves
+  it. So ``used_bytes`` is always the files on disk (blocks, spares, files
+  being written), and once the file system is writable again the tier
+  carries on with exact accounting.
 
 Not thread-safe: drive it from one event loop; :meth:`DiskTier.snapshot_events`
 may run on another thread.
@@ -39,6 +52,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import os
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -53,11 +67,12 @@ from kvstore.tiers.disk_files import (
     aligned,
     direct_io_refusal,
     errno_name,
+    overwrite_block_file,
     read_block_file,
     remove,
     write_block_file,
 )
-from kvstore.tiers.disk_format import ALIGN, TEMP_SUFFIX, IntegrityError, file_name, shard_name
+from kvstore.tiers.disk_format import ALIGN, SPARE_DIR, TEMP_SUFFIX, IntegrityError, file_name, shard_name, spare_name
 from kvstore.tiers.disk_runner import BlockIo, IoRunner, Request, Settled, settled_nothing
 from kvstore.tiers.disk_scan import scan
 from kvstore.tiers.errors import InvalidBlockError
@@ -67,6 +82,7 @@ from kvstore.tiers.tier_events import MediumEvents
 logger = logging.getLogger(__name__)
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_REFUSED_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)  # a read-only (or locked-down) file system
 
 
 class DiskCounters:
@@ -110,15 +126,18 @@ class DiskTier:
         self._temp_names = itertools.count()
         self._temp_prefix = uuid.uuid4().hex[:8]  # this tier instance's: two on one directory never collide
         self._events = MediumEvents(Medium.STORAGE, identity.block_size)
+        self._deletes_refused = False  # the last deletion failed (logged once per episode)
         for shard in range(256):
             (self.directory / f"{shard:02x}").mkdir(parents=True, exist_ok=True)
         self.direct_io, self.io_mode = self._choose_io_mode(direct_io)
+        (self.directory / SPARE_DIR).mkdir(exist_ok=True)
         found = scan(self.directory, self._layout, self._index.max_blocks)
         self.counters.scan_removed.update(found.removed)
         self.counters.io_errors.update(found.io_errors)
         for meta in found.kept:
             self._index.insert(meta)
             self._events.stored(meta)
+        self._index.add_spares(found.spares)
 
     # ----------------------------------------------------------------- queries
 
@@ -211,40 +230,52 @@ class DiskTier:
         if self._index.is_writing(block_hash):
             self.counters.not_stored["in_flight"] += 1
             return False
-        room = self._index.make_room()
+        room = self._index.make_room(self._retire)
+        for spare in room.dropped:
+            if not remove(self._spare_path(spare)):
+                self._index.keep_spare(spare)
         for entry in room.evicted:
-            self._removed(entry, unlink=True)
+            self._events.removed(entry.meta)
             self.counters.evictions += 1
         if not room.fits:
-            self.counters.not_stored["capacity"] += 1
+            self.counters.not_stored["cannot_evict" if room.stuck else "capacity"] += 1
             return False
-        self._index.start_write(block_hash)
+        self._index.start_write(block_hash, room.spare)
         final = self.path_of(block_hash)
-        temp = final.with_name(f".{final.name}.{self._temp_prefix}-{next(self._temp_names)}{TEMP_SUFFIX}")
         direct = self.direct_io and aligned(payload)
-        job = partial(write_block_file, temp, final, meta, payload, self._layout, direct, self._fsync)
-        return BlockIo(job, partial(self._settle_write, meta, on_settled))
+        if room.spare is not None:
+            spare_path = self._spare_path(room.spare)
+            job = partial(overwrite_block_file, spare_path, final, meta, payload, self._layout, direct, self._fsync)
+        else:
+            temp = final.with_name(f".{final.name}.{self._temp_prefix}-{next(self._temp_names)}{TEMP_SUFFIX}")
+            job = partial(write_block_file, temp, final, meta, payload, self._layout, direct, self._fsync)
+        return BlockIo(job, partial(self._settle_write, meta, on_settled, room.spare))
 
-    def _settle_write(self, meta: BlockMeta, on_settled: Settled, io: BlockIo) -> bool:
-        ok = False
+    def _settle_write(self, meta: BlockMeta, on_settled: Settled, spare: int | None, io: BlockIo) -> bool:
+        ok = io.started and io.error is None
         try:
+            # The write's own file first: a failed write into a spare leaves the spare where it was (it stays
+            # a spare if its file is there); a failed new file's temporary is gone. Then what it means.
+            left = not ok and spare is not None and os.path.exists(self._spare_path(spare))
+            self._index.end_write(meta.block_hash, spare_left=left)
             if not io.started:
                 self.counters.not_stored["timeout"] += 1
             elif isinstance(io.error, OSError):
                 self._count_write_error(io.error)
-            elif io.error is None:
+            elif ok:
                 self._index.insert(meta)
                 self._events.stored(meta)
-                ok = True
             return ok
         finally:
-            self._index.end_write(meta.block_hash)
             on_settled(ok)
 
     def _count_write_error(self, exc: OSError) -> None:
         if exc.errno in _FULL_ERRNOS:
             self.counters.not_stored["disk_full"] += 1
             self._index.disk_full(exc)
+        elif exc.errno in _REFUSED_ERRNOS:
+            self.counters.not_stored["read_only"] += 1
+            self.counters.io_errors[errno_name(exc)] += 1
         else:
             self.counters.not_stored["io_error"] += 1
             self.counters.io_errors[errno_name(exc)] += 1
@@ -264,11 +295,13 @@ class DiskTier:
         stored = entry.meta
         direct = self.direct_io and aligned(out)
         job = partial(read_block_file, self.path_of(stored.block_hash), stored, out, direct, self._layout)
+        self._index.start_read(stored.block_hash)
         return BlockIo(job, partial(self._settle_read, entry, on_settled, collision))
 
     def _settle_read(self, entry: Entry, on_settled: Settled, collision: bool, io: BlockIo) -> bool:
         """A read's answer; with ``collision`` an intact file is counted as a hash collision and still a miss."""
         ok = False
+        self._index.end_read(entry.meta.block_hash)
         try:
             error = io.error
             if not io.started:
@@ -299,15 +332,39 @@ class DiskTier:
     # ---------------------------------------------------------------- internal
 
     def _forget(self, entry: Entry, *, unlink: bool) -> None:
-        """Drop ``entry`` unless it is gone already (evicted) or a newer file of its block replaced it."""
+        """Stop serving ``entry`` (BlockRemoved) unless it is gone already (evicted) or a newer file of its
+        block replaced it; with ``unlink`` retire its file to a spare -- kept counted as undeleted if refused."""
         if self._index.discard(entry):
-            self._removed(entry, unlink=unlink)
+            self._events.removed(entry.meta)
+            if unlink:
+                self._index.retire_file(entry, self._retire)
 
-    def _removed(self, entry: Entry, *, unlink: bool) -> None:
-        """``entry`` has left the index: remove its file (unless told otherwise) and record BlockRemoved."""
-        if unlink:
-            remove(self.path_of(entry.meta.block_hash))
-        self._events.removed(entry.meta)
+    def _spare_path(self, spare: int) -> Path:
+        return self.directory / SPARE_DIR / spare_name(spare)
+
+    def _retire(self, entry: Entry, spare: int) -> bool | None:
+        """Rename ``entry``'s file to spare ``spare``: True done, None the file was gone, False refused
+        (logged when refusals start and when they end)."""
+        path = self.path_of(entry.meta.block_hash)
+        try:
+            os.replace(path, self._spare_path(spare))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if not self._deletes_refused:
+                self._deletes_refused = True
+                logger.warning(
+                    "disk tier %s: could not move %s (%s; a read-only file system?): such blocks stay indexed "
+                    "and counted, and moving them is retried before each write",
+                    self.directory,
+                    path,
+                    exc,
+                )
+            return False
+        if self._deletes_refused:
+            self._deletes_refused = False
+            logger.warning("disk tier %s: files can be moved again", self.directory)
+        return True
 
     def _choose_io_mode(self, wanted: bool) -> tuple[bool, str]:
         if not wanted:

@@ -18,6 +18,20 @@ Contracts
 - Every block file has one size, so bytes are counted in files.
 - Each entry carries a generation that tells a file apart from a later file of
   the same block: a late answer about the old one must not drop the new one.
+- Files are reused, not deleted: creating a file and allocating its blocks
+  is what a small-block write costs most (docs/tiers.md). An evicted
+  block's file is *retired* -- renamed to a spare -- and the next write
+  overwrites a spare and renames it into place; only when no spare is left
+  does a write create a file. Spares are files on disk, so they count in
+  the bytes held, and a write that takes one needs no new room.
+- A block leaves the index only once its file is gone. Eviction retires
+  through the caller's ``retire``; a file that cannot be deleted (a
+  read-only file system: EROFS, EACCES, EPERM) keeps its entry, readable
+  and at the LRU head, so the next :meth:`DiskIndex.make_room` retries it.
+  A file that must not be served any more (refused by its checksum) but
+  cannot be deleted is kept aside as *undeleted*: out of the index, still
+  counted in the bytes held, its deletion retried by every ``make_room``.
+  So the bytes held are always the files on disk, read-only or not.
 
 Mutations run on the tier's event loop; :meth:`DiskIndex.metas` may run on
 another thread (the event publisher's snapshot), so index mutations and that
@@ -29,7 +43,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,7 +62,15 @@ class Room(NamedTuple):
     """What :meth:`DiskIndex.make_room` did."""
 
     fits: bool  # one more file fits under the limit now
-    evicted: list[Entry]  # forgotten by the index: their files are the caller's to remove
+    evicted: list[Entry]  # retired (by the caller's ``retire``) and forgotten by the index
+    stuck: bool  # a file that had to go could not be retired (the file system refused)
+    spare: int | None  # the spare the write takes (then it needs no new room), or None: a new file
+    dropped: list[int]  # spares beyond the limit (after ENOSPC lowered it): the caller deletes them
+
+
+Retire = Callable[[Entry, int], bool | None]
+"""Rename ``entry``'s file to spare ``id``: True when it is a spare now, None when the file was gone
+already, False when the file system refused (the file stays where it is)."""
 
 
 class DiskIndex:
@@ -60,7 +83,12 @@ class DiskIndex:
         self.file_bytes = file_bytes
         self._limit = capacity_bytes
         self._index: OrderedDict[int, Entry] = OrderedDict()
-        self._inflight: set[int] = set()  # hashes being written
+        self._inflight: set[int] = set()  # hashes being written (each a temporary or a taken spare on disk)
+        self._undeleted: dict[int, Entry] = {}  # out of the index, file still on disk: to retire
+        self._spares: list[int] = []  # ids of spare files, ready to be overwritten
+        self._taken: dict[int, int] = {}  # hash being written -> the spare it overwrites
+        self._next_spare = 0
+        self._reading: Counter[int] = Counter()  # hash -> reads of its file in flight: not retired meanwhile
         self._generation = 0
         self._lock = threading.Lock()
 
@@ -72,7 +100,21 @@ class DiskIndex:
 
     @property
     def used_bytes(self) -> int:
-        return len(self._index) * self.file_bytes
+        """Bytes of the files on disk: indexed, not deleted yet, spare, and being written."""
+        files = len(self._index) + len(self._undeleted) + len(self._spares) + len(self._inflight)
+        return files * self.file_bytes
+
+    @property
+    def num_spares(self) -> int:
+        return len(self._spares)
+
+    def spare_ids(self) -> list[int]:
+        return list(self._spares)
+
+    @property
+    def num_undeleted(self) -> int:
+        """Files refused (no longer served) whose deletion the file system has refused so far."""
+        return len(self._undeleted)
 
     @property
     def limit_bytes(self) -> int:
@@ -104,18 +146,41 @@ class DiskIndex:
 
     # ---------------------------------------------------------------- mutation
 
-    def start_write(self, block_hash: int) -> None:
-        """Count a write in flight against the limit until :meth:`end_write`."""
+    def start_read(self, block_hash: int) -> None:
+        """A read of the block's file is in flight: until :meth:`end_read` the file is not made a spare
+        (a spare is overwritten by the next write, under the reader)."""
+        self._reading[block_hash] += 1
+
+    def end_read(self, block_hash: int) -> None:
+        self._reading[block_hash] -= 1
+        if not self._reading[block_hash]:
+            del self._reading[block_hash]
+
+    def add_spares(self, ids: list[int]) -> None:
+        """Spare files found on disk (the start-up scan)."""
+        self._spares.extend(ids)
+        self._next_spare = max([self._next_spare - 1, *ids]) + 1
+
+    def start_write(self, block_hash: int, spare: int | None) -> None:
+        """Count a write in flight (into ``spare``, taken by :meth:`make_room`, or a new file) until
+        :meth:`end_write`."""
         assert block_hash not in self._inflight and block_hash not in self._index, f"{block_hash:#x} written twice"
         self._inflight.add(block_hash)
+        if spare is not None:
+            self._taken[block_hash] = spare
 
-    def end_write(self, block_hash: int) -> None:
+    def end_write(self, block_hash: int, *, spare_left: bool) -> None:
+        """The write settled; ``spare_left``: it failed and the spare it took is still a spare file."""
         self._inflight.discard(block_hash)
+        spare = self._taken.pop(block_hash, None)
+        if spare is not None and spare_left:
+            self._spares.append(spare)
 
     def insert(self, meta: BlockMeta) -> Entry:
-        """Index ``meta``'s file as the most recently used block."""
+        """Index ``meta``'s file as the most recently used block (it replaced any undeleted file of it)."""
         self._generation += 1
         entry = Entry(meta, self._generation)
+        self._undeleted.pop(meta.block_hash, None)
         with self._lock:
             self._index[meta.block_hash] = entry
         return entry
@@ -133,17 +198,73 @@ class DiskIndex:
             del self._index[block_hash]
         return True
 
-    def make_room(self) -> Room:
-        """Evict least recently used blocks until one more file (beside those in flight) fits."""
+    def keep_undeleted(self, entry: Entry) -> None:
+        """``entry`` left the index (:meth:`discard`) but its file could not be deleted: count it until it is."""
+        assert entry.meta.block_hash not in self._index, "an indexed block is not undeleted"
+        self._undeleted[entry.meta.block_hash] = entry
+
+    def make_room(self, retire: Retire) -> Room:
+        """Room for one more write: a spare to overwrite, or room under the limit for a new file.
+
+        First retries the undeleted files, then drops spares beyond the
+        limit, then takes a spare, or fits a new file, or retires the least
+        recently used block to a spare and takes that. An entry whose file
+        the file system refuses to move is kept (readable, next in line) and
+        eviction stops there.
+        """
         if self._limit < self.capacity_bytes:
             self._regrow_limit()
-        need = (len(self._inflight) + 1) * self.file_bytes
-        evicted = []
-        while self._index and self.used_bytes + need > self._limit:
+        for block_hash, entry in list(self._undeleted.items()):
+            # One being written again is replaced by its rename: moving it now could move the new file;
+            # one being read is moved once the read is done.
+            if block_hash not in self._inflight and block_hash not in self._reading:
+                retired = retire(entry, self._next_spare)
+                if retired is not False:
+                    del self._undeleted[block_hash]
+                if retired:
+                    self._spares.append(self._next_spare)
+                    self._next_spare += 1
+        dropped = []
+        while self._spares and self.used_bytes > self._limit:
+            dropped.append(self._spares.pop())
+        evicted: list[Entry] = []
+        if self._spares:
+            return Room(True, evicted, False, self._spares.pop(), dropped)
+        while self.used_bytes + self.file_bytes > self._limit and self._index:
+            block_hash, entry = next(iter(self._index.items()))
+            if block_hash in self._reading:  # evicted now, its file retired once the read is done
+                with self._lock:
+                    del self._index[block_hash]
+                evicted.append(entry)
+                self.keep_undeleted(entry)
+                continue
+            retired = retire(entry, self._next_spare)
+            if retired is False:
+                return Room(False, evicted, True, None, dropped)
             with self._lock:
-                _, entry = self._index.popitem(last=False)
+                del self._index[block_hash]
             evicted.append(entry)
-        return Room(self.used_bytes + need <= self._limit, evicted)
+            if retired:
+                self._next_spare += 1
+                return Room(True, evicted, False, self._next_spare - 1, dropped)
+        return Room(self.used_bytes + self.file_bytes <= self._limit, evicted, False, None, dropped)
+
+    def retire_file(self, entry: Entry, retire: Retire) -> None:
+        """``entry`` left the index (:meth:`discard`): make its file a spare, or keep it undeleted if refused
+        (or while a read of it is in flight)."""
+        if entry.meta.block_hash in self._reading:
+            self.keep_undeleted(entry)
+            return
+        retired = retire(entry, self._next_spare)
+        if retired:
+            self._spares.append(self._next_spare)
+            self._next_spare += 1
+        elif retired is False:
+            self.keep_undeleted(entry)
+
+    def keep_spare(self, spare: int) -> None:
+        """A spare :meth:`make_room` dropped could not be deleted: it stays a spare."""
+        self._spares.append(spare)
 
     def disk_full(self, exc: OSError) -> None:
         """A write failed with ENOSPC / EDQUOT: limit the tier to the bytes it holds."""
@@ -171,6 +292,13 @@ class DiskIndex:
             assert len(entry.meta.token_ids) == block_size
         for block_hash in self._inflight:
             assert block_hash not in self._index, f"block {block_hash:#x} is both stored and being written"
+        for block_hash, entry in self._undeleted.items():
+            assert block_hash not in self._index, f"block {block_hash:#x} is both stored and undeleted"
+            assert entry.meta.block_hash == block_hash
+        spares = [*self._spares, *self._taken.values()]
+        assert len(set(spares)) == len(spares), "a spare file is counted twice"
+        assert all(0 <= spare < self._next_spare for spare in spares), "a spare id was handed out twice"
+        assert set(self._taken) <= self._inflight, "a spare is taken by no write"
 
 
 def fs_room(directory: Path) -> int:

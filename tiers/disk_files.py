@@ -97,6 +97,27 @@ def write_block_file(
         raise
 
 
+def overwrite_block_file(
+    spare: Path, final: Path, meta: BlockMeta, payload: memoryview, layout: FileLayout, direct: bool, fsync: bool
+) -> None:
+    """:func:`write_block_file` into an existing spare file (a retired block's: its blocks are allocated
+    already), then rename it to ``final``. Raises OSError; the spare stays where it was then."""
+    header = encode_header(meta, payload, layout.identity_digest)
+    if direct:
+        head = _header_buffer(len(header))
+        head[:] = header
+    else:
+        head = memoryview(header)
+    fd = os.open(spare, os.O_WRONLY | (os.O_DIRECT if direct else 0))
+    try:
+        write_all(fd, [head, payload])
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(spare, final)
+
+
 def read_block_file(path: Path, meta: BlockMeta, out: memoryview, direct: bool, layout: FileLayout) -> None:
     """Read ``meta``'s file into ``out`` and check all of it against ``meta`` and ``layout``.
 
@@ -193,15 +214,19 @@ def read_full(fd: int, views: list[memoryview]) -> int:
     return offset
 
 
-def remove(path: Path) -> None:
-    """Unlink ``path``; a file already gone is fine, any other failure is logged, never raised
-    (a file left behind is a miss later, or the start-up scan's)."""
+def remove(path: Path, *, log: bool = True) -> bool:
+    """Unlink ``path``; True once it is gone (already gone is fine). Any other failure -- a read-only
+    file system, say -- is logged (unless ``log`` is off) and answered False, never raised: the caller
+    keeps counting the file."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        logger.warning("could not remove %s: %s", path, exc)
+        if log:
+            logger.warning("could not remove %s: %s", path, exc)
+        return False
+    return True
 
 
 def errno_name(exc: OSError) -> str:

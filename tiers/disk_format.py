@@ -41,6 +41,8 @@ FORMAT_VERSION = 1
 ALIGN = 4096
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
+SPARE_DIR = "spare"  # retired block files, overwritten by later writes (their content is never read)
+SPARE_SUFFIX = ".kvs"
 _FIXED = struct.Struct("<8sHHIIIQQQ16s")
 _CHECKSUM = struct.Struct("<Q")
 _HAS_PARENT = 1
@@ -70,6 +72,10 @@ def header_len(num_tokens: int) -> int:
 
 def file_name(block_hash: int) -> str:
     return f"{block_hash:016x}{SUFFIX}"
+
+
+def spare_name(spare: int) -> str:
+    return f"{spare:08d}{SPARE_SUFFIX}"
 
 
 def shard_name(block_hash: int) -> str:

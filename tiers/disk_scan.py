@@ -22,7 +22,15 @@ from typing import NamedTuple
 
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.disk_files import FileLayout, errno_name, read_header_meta, remove
-from kvstore.tiers.disk_format import SUFFIX, TEMP_SUFFIX, IntegrityError, file_name, shard_name
+from kvstore.tiers.disk_format import (
+    SPARE_DIR,
+    SPARE_SUFFIX,
+    SUFFIX,
+    TEMP_SUFFIX,
+    IntegrityError,
+    file_name,
+    shard_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +39,7 @@ class ScanResult(NamedTuple):
     kept: list[BlockMeta]  # oldest modification first
     removed: Counter[str]  # reason -> files removed
     io_errors: Counter[str]  # errno name -> files that could not be checked (left in place, not indexed)
+    spares: list[int]  # ids of the spare files kept (retired block files, sized right)
 
 
 def scan(directory: Path, layout: FileLayout, max_blocks: int) -> ScanResult:
@@ -39,7 +48,7 @@ def scan(directory: Path, layout: FileLayout, max_blocks: int) -> ScanResult:
     io_errors: Counter[str] = Counter()
     found: list[tuple[int, BlockMeta]] = []
     for shard in sorted(directory.iterdir()):
-        if not shard.is_dir():
+        if not shard.is_dir() or shard.name == SPARE_DIR:
             continue
         with os.scandir(shard) as listing:
             for item in listing:
@@ -64,9 +73,29 @@ def scan(directory: Path, layout: FileLayout, max_blocks: int) -> ScanResult:
     for _, meta in found[: len(found) - keep]:
         remove(directory / shard_name(meta.block_hash) / file_name(meta.block_hash))
         removed["over_capacity"] += 1
-    if found or removed:
-        logger.info("disk tier %s: %d blocks kept, removed %s", directory, keep, dict(removed))
-    return ScanResult([meta for _, meta in found[len(found) - keep :]], removed, io_errors)
+    spares = _scan_spares(directory / SPARE_DIR, layout, max_blocks - keep, removed)
+    if found or removed or spares:
+        logger.info(
+            "disk tier %s: %d blocks and %d spares kept, removed %s", directory, keep, len(spares), dict(removed)
+        )
+    return ScanResult([meta for _, meta in found[len(found) - keep :]], removed, io_errors, spares)
+
+
+def _scan_spares(spare_dir: Path, layout: FileLayout, room: int, removed: Counter[str]) -> list[int]:
+    """Spare files named and sized right, at most ``room`` of them; the rest are removed."""
+    spares: list[int] = []
+    if not spare_dir.is_dir():
+        return spares
+    with os.scandir(spare_dir) as listing:
+        for item in listing:
+            stem = item.name[: -len(SPARE_SUFFIX)] if item.name.endswith(SPARE_SUFFIX) else ""
+            good = stem.isdigit() and item.is_file(follow_symlinks=False) and item.stat().st_size == layout.file_bytes
+            if good and len(spares) < room:
+                spares.append(int(stem))
+            else:
+                remove(Path(item.path))
+                removed["spare" if good else "bad_spare"] += 1
+    return spares
 
 
 def _check_file(path: Path, size: int, shard: str, layout: FileLayout) -> BlockMeta:

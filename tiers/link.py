@@ -13,10 +13,23 @@ done right (every grant committed or released, even when a copy fails):
 Copies go straight between the worker's pool tensor and the shared arena
 (pinned, on a side stream, when the pool is on a GPU); only block metas and
 lease ids travel to the tier.
+
+Round trips: a spill waits for one answer (``reserve``) and a promotion
+for one per chunk (``acquire``). The ``commit`` after a spill's copy and the
+``release`` after a promotion's are sent without waiting
+(``commit_later`` / ``release_later``): the tier runs one client's calls in
+the order sent, so any later call -- this link's, or a lookup -- sees them
+done, and the caller need not sit through a second round trip per call
+(on small blocks that round trip costs more than the copy). Their answers
+are collected by the link's next call (and by :meth:`TierLink.close`); an
+error one of them raised is raised there, so none is lost. A spill counts
+its granted blocks as stored: a commit of live write leases always
+publishes them all.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -24,10 +37,12 @@ import torch
 
 from kvstore.events import Medium
 from kvstore.tiers.blocks import BlockMeta, TierHit
-from kvstore.tiers.client import TierClient
+from kvstore.tiers.client import Pending, TierClient
 from kvstore.tiers.copy_engine import CopyEngine
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.shared_memory import SharedSlots
+
+logger = logging.getLogger(__name__)
 
 
 class Promoted(NamedTuple):
@@ -50,9 +65,23 @@ class TierLink:
         except BaseException:
             self.slots.close()
             raise
+        self._pending: list[Pending] = []  # commits and releases sent without waiting
 
     def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit:
+        self.settle()
         return self.client.lookup(block_hashes, start)
+
+    def settle(self) -> None:
+        """Collect the answers of the commits and releases sent without waiting; raises the first error."""
+        pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for call in pending:
+            try:
+                call.result()
+            except BaseException as exc:  # every answer is collected before one error is raised
+                error = error or exc
+        if error is not None:
+            raise error
 
     def spill(self, blocks: Sequence[BlockMeta], pool: torch.Tensor, block_ids: Sequence[int]) -> int:
         """Copy pool rows ``block_ids`` out as ``blocks``; returns how many the tier newly stored.
@@ -64,6 +93,7 @@ class TierLink:
         """
         if len(blocks) != len(block_ids):
             raise ValueError(f"{len(blocks)} blocks but {len(block_ids)} block ids")
+        self.settle()
         stored = 0
         chunk = self.slots.num_slots
         for first in range(0, len(blocks), chunk):
@@ -82,7 +112,8 @@ class TierLink:
         except BaseException:
             self.client.release([g.lease_id for _, g in chosen])
             raise
-        return self.client.commit([g.lease_id for _, g in chosen])
+        self._pending.append(self.client.commit_later([g.lease_id for _, g in chosen]))
+        return len(chosen)
 
     def promote(
         self, blocks: Sequence[BlockMeta], pool: torch.Tensor, allocate: Callable[[int], Sequence[int]]
@@ -95,6 +126,7 @@ class TierLink:
         blocks copied by earlier chunks stay in the ids already returned.
         Returns after the copies.
         """
+        self.settle()
         block_ids: list[int] = []
         media: list[Medium] = []
         while len(media) < len(blocks):
@@ -106,12 +138,20 @@ class TierLink:
                 if len(chunk_ids) != len(grants):
                     raise ValueError(f"allocate({len(grants)}) returned {len(chunk_ids)} block ids")
                 self.engine.promote([g.slot for g in grants], pool, chunk_ids).result()
-            finally:
+            except BaseException:
                 self.client.release([g.lease_id for g in grants])
+                raise
+            self._pending.append(self.client.release_later([g.lease_id for g in grants]))
             block_ids.extend(chunk_ids)
             media.extend(g.medium for g in grants)
         return Promoted(tuple(block_ids), tuple(media))
 
     def close(self) -> None:
-        self.engine.close()
-        self.slots.close()
+        """Collect what is still pending (an error is logged, not raised), stop copying, unmap the arena."""
+        try:
+            self.settle()
+        except Exception as exc:
+            logger.warning("tier link: a commit or release sent before close failed: %s", exc)
+        finally:
+            self.engine.close()
+            self.slots.close()

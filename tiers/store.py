@@ -196,16 +196,24 @@ class TierStore:
         await self._make_cpu_room(len(wanted))
         grants: list[SlotGrant | None] = [None] * len(blocks)
         now = time.perf_counter()
+        # Held or being written by now (a duplicate within the batch, or one that arrived while the
+        # room was made): duplicates; the rest get slots while free ones last.
+        fresh = []
         for index in wanted:
-            meta = blocks[index]
-            if meta.block_hash in cpu or cpu.is_writing(meta.block_hash):
+            block_hash = blocks[index].block_hash
+            if block_hash in cpu or cpu.is_writing(block_hash):
                 self._counters.duplicates += 1
-                continue
-            lease = cpu.reserve(meta)
-            if lease is None:
+            else:
+                fresh.append(index)
+        leases = cpu.reserve_many([blocks[index] for index in fresh])
+        grant = self._leases.grant
+        for index, lease in zip(fresh, leases, strict=True):
+            if lease is not None:
+                grants[index] = grant(lease, Medium.CPU, now)
+            elif cpu.is_writing(blocks[index].block_hash):
+                self._counters.duplicates += 1  # the same block earlier in this batch
+            else:
                 self._counters.not_stored["no_free_slot"] += 1
-                continue
-            grants[index] = self._leases.grant(lease, Medium.CPU, now)
         self._publish()
         return grants
 
@@ -237,29 +245,38 @@ class TierStore:
         """
         self._leases.check_arena(arena)
         check_blocks(blocks, self.identity.block_size)
-        budget = self._cpu.num_slots - self._cpu.num_leased_slots
+        cpu, disk = self._cpu, self._disk
+        budget = cpu.num_slots - cpu.num_leased_slots
         found: list[Lease | BlockMeta] = []  # a CPU lease, or a block to read from disk
+        from_disk: list[BlockMeta] = []
         for meta in blocks[:budget]:
-            lease = self._cpu.acquire(meta)
+            lease = cpu.acquire(meta)
             if lease is not None:
                 found.append(lease)
-            elif self._disk is not None and meta.block_hash in self._disk:
+            elif disk is not None and meta.block_hash in disk:
                 found.append(meta)
+                from_disk.append(meta)
             else:
                 break
-        promoted = await self._promote_from_disk([item for item in found if isinstance(item, BlockMeta)])
+        promoted = await self._promote_from_disk(from_disk) if from_disk else {}
         grants: list[SlotGrant] = []
         now = time.perf_counter()
+        grant = self._leases.grant
         for position, item in enumerate(found):
-            lease = item if isinstance(item, Lease) else promoted.pop(item.block_hash, None)
+            if isinstance(item, Lease):
+                grants.append(grant(item, Medium.CPU, now))
+                continue
+            lease = promoted.pop(item.block_hash, None)
             if lease is None:  # the prefix ends at a block that could not be read
                 for rest in found[position + 1 :]:
                     if isinstance(rest, Lease):
                         rest.release()
                 break
-            medium = Medium.CPU if isinstance(item, Lease) else Medium.STORAGE
-            self._counters.hits[medium] += 1
-            grants.append(self._leases.grant(lease, medium, now))
+            grants.append(grant(lease, Medium.STORAGE, now))
+        disk_hits = sum(1 for g in grants if g.medium is Medium.STORAGE) if from_disk else 0
+        for medium, count in ((Medium.CPU, len(grants) - disk_hits), (Medium.STORAGE, disk_hits)):
+            if count:
+                self._counters.hits[medium] += count
         for lease in promoted.values():  # read, but beyond the prefix: stays cached in CPU
             lease.release()
         self._publish()
@@ -304,14 +321,12 @@ class TierStore:
         shortfall = count - self._cpu.num_free_slots
         if shortfall <= 0:
             return
-        victims = self._cpu.evict_lru(shortfall)
         disk = self._disk
-        writes = []
-        for lease in victims:
-            if disk is None or lease.meta.block_hash in disk:
-                lease.release()
-            else:
-                writes.append(lease)
+        if disk is None:
+            self._cpu.evict_lru(shortfall, keep=lambda block_hash: False)
+            return
+        # Blocks on disk already are dropped at once; the others are held (read leases) until written.
+        writes = self._cpu.evict_lru(shortfall, keep=lambda block_hash: block_hash not in disk)
         await self._write_to_disk(writes)
 
     async def _write_to_disk(self, leases: list[Lease]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,3 +83,40 @@ def test_offload_bench_rejects_bad_flags(tmp_path: Path, flag: str, value: str, 
     args = build_parser().parse_args(["bench", "offload", flag, value, "--disk-dir", str(tmp_path)])
     with pytest.raises(ConfigError, match=message):
         args.func(args)
+
+
+def test_plot_names_every_series_and_needs_no_ttft(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without TTFT rows the plot has the two bar panels (it once failed: a log axis with no data); every
+    series' legend entry says what was measured and what the baseline is."""
+    pytest.importorskip("matplotlib")
+    bench = offload_bench
+    legends: list[list[str]] = []
+    real_save = bench.save_figure
+
+    def keep_legends(fig: Any, path: str | Path, *, dpi: int) -> None:
+        legends.extend([text.get_text() for text in axis.get_legend().get_texts()] for axis in fig.axes)
+        real_save(fig, path, dpi=dpi)
+
+    monkeypatch.setattr(bench, "save_figure", keep_legends)
+    plot = tmp_path / "offload.png"
+    flags = "--shapes tiny --disk-shapes tiny --total-mib 1 --disk-total-mib 1 --repeat 1 --settle-s 0 --disk-fresh"
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "offload",
+            *flags.split(),
+            "--no-progress",
+            "--disk-dir",
+            str(tmp_path),
+            "--plot",
+            str(plot),
+            "--ttft-lengths",
+            "",
+        ]
+    )
+    assert args.func(args) == 0 and plot.stat().st_size > 0
+    cpu, disk = legends
+    assert any(label.startswith("spill: TierLink.spill") for label in cpu)
+    assert any(label.startswith("baseline: one memcpy") for label in cpu)
+    assert any(label.startswith("write: DiskTier.write_many") for label in disk)
+    assert any(label.startswith("baseline: one sequential file") for label in disk)

@@ -35,6 +35,30 @@ def store(cpu: CpuArena, meta: BlockMeta, fill: int) -> int:
     return lease.slot
 
 
+def test_a_batch_takes_free_slots_in_ascending_runs_and_drops_evict_without_leases() -> None:
+    cpu = CpuArena(SharedSlots.create(arena_name(), 8, SLOT_BYTES, prefault=False), block_size=4)
+    try:
+        metas, _ = make_blocks(9)
+        first = cpu.reserve_many(metas[:4])
+        assert [lease.slot for lease in first if lease is not None] == [0, 1, 2, 3]
+        for lease in first:
+            assert lease is not None
+            cpu.commit(lease.lease_id)
+        cpu.reserve_many(metas[4:5])[0].release()  # type: ignore[union-attr]  # slot 4 back at the free list's tail
+        cpu.take_events()
+        assert cpu.evict_lru(2, keep=lambda block_hash: False) == []  # not bound for disk: no lease, freed now
+        assert cpu.take_events() == [BlockRemoved(block_hashes=[metas[0].block_hash], medium="CPU"),
+                                     BlockRemoved(block_hashes=[metas[1].block_hash], medium="CPU")]  # fmt: skip
+        # Free now, in list order: 5 6 7 4 0 1 -- a batch takes them in ascending order: runs 0-1 and 4-7.
+        again = cpu.reserve_many([metas[0], metas[4], metas[5], metas[6], metas[7], metas[8]])
+        assert [lease.slot for lease in again if lease is not None] == [0, 1, 4, 5, 6, 7]
+        # Held, being written, or twice in one batch: None, as reserve() gives.
+        assert cpu.reserve_many([metas[2], metas[0]]) == [None, None]
+        cpu.check_invariants()
+    finally:
+        cpu.close()
+
+
 def test_lru_order_and_eviction(arena: CpuArena) -> None:
     metas, _ = make_blocks(4)
     a, b, c, d = metas
@@ -161,6 +185,16 @@ class ArenaMachine(RuleBasedStateMachine):
         for victim in victims[1:]:
             victim.release()
         return self._hold(victims[0] if victims else None)
+
+    @rule(indices=st.lists(st.integers(0, 7), max_size=4))
+    def reserve_many_and_commit(self, indices: list[int]) -> None:
+        for lease in self.cpu.reserve_many([self.blocks[i] for i in indices]):
+            if lease is not None:
+                self.cpu.commit(lease.lease_id)
+
+    @rule(count=st.integers(1, 3))
+    def evict_dropping(self, count: int) -> None:
+        assert self.cpu.evict_lru(count, keep=lambda block_hash: False) == []
 
     @rule(lease=consumes(leases))
     def finish(self, lease: Lease | None) -> None:

@@ -478,7 +478,9 @@ def test_read_deadline_is_a_miss_and_the_buffer_is_handed_back_later(
 
 def test_a_block_evicted_while_it_is_read_is_still_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another batch's write evicts the block a read has open: the bytes read were verified, so the read is a hit
-    (it used to raise KeyError, touching an index entry that was gone)."""
+    (it used to raise KeyError, touching an index entry that was gone). The file being read is not reused for the
+    write (a spare is overwritten: the reader would read another block), so the next block is evicted for it, and
+    the file becomes a spare once the read is done."""
     real_read_full = files_module.read_full
     reading, release = threading.Event(), threading.Event()
 
@@ -496,10 +498,13 @@ def test_a_block_evicted_while_it_is_read_is_still_served(tmp_path: Path, monkey
         read = asyncio.create_task(tier.read_into(metas[0], out, settled))
         await loop_until(reading.is_set)
         assert await tier.write(metas[2], views[2])  # the tier is full: evicts the LRU block, the one being read
-        assert tier.lru_hashes() == [metas[1].block_hash, metas[2].block_hash]
+        assert tier.lru_hashes() == [metas[2].block_hash] and tier.counters.evictions == 2
+        assert tier.used_bytes == 2 * FILE_BYTES == tier.capacity_bytes  # the file being read still counts
         release.set()
         assert await read and settled.calls == [True] and bytes(out) == bytes(views[0])
-        assert tier.lru_hashes() == [metas[1].block_hash, metas[2].block_hash] and tier.counters.evictions == 1
+        assert await tier.write(metas[0], views[0])  # the read file is retired now, and reused
+        assert tier.lru_hashes() == [metas[2].block_hash, metas[0].block_hash]
+        assert tier.used_bytes == 2 * FILE_BYTES and tier.num_blocks == 2
         tier.check_invariants()
         await tier.aclose()
 
@@ -676,3 +681,59 @@ def test_a_bug_in_an_io_is_raised_after_every_io_in_the_batch_settled(
         await tier.aclose()
 
     asyncio.run(scenario())
+
+
+def test_evicted_files_are_reused_not_deleted(tmp_path: Path) -> None:
+    """A write into a full tier overwrites the evicted block's file (renamed to a spare, then into place): no new
+    file is created, so no blocks are allocated, and the bytes held stay the files on disk."""
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=3)
+        metas, views = payloads(6)
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[:3], views[:3], strict=True)]))
+        inodes = {os.stat(tier.path_of(m.block_hash)).st_ino for m in metas[:3]}
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[3:], views[3:], strict=True)]))
+        assert {os.stat(tier.path_of(m.block_hash)).st_ino for m in metas[3:]} == inodes
+        assert tier.lru_hashes() == [m.block_hash for m in metas[3:]] and tier.counters.evictions == 3
+        assert not any(tier.path_of(m.block_hash).exists() for m in metas[:3])
+        assert list(tier.directory.glob("spare/*")) == [] and tier.used_bytes == 3 * FILE_BYTES
+        for meta, view in zip(metas[3:], views[3:], strict=True):
+            out = out_buffer()
+            assert await tier.read_into(meta, out) and bytes(out) == bytes(view)
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_spares_survive_a_restart_and_are_reused(tmp_path: Path) -> None:
+    """A refused file becomes a spare; a restart keeps spares of the right size (and removes others), and the
+    next write reuses one instead of creating a file."""
+
+    async def first_life() -> list[BlockMeta]:
+        tier = new_tier(tmp_path, files=4)
+        metas, views = payloads(2)
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas, views, strict=True)]))
+        _flip(FILE_BYTES - 1)(tier.path_of(metas[0].block_hash), tier.path_of(metas[1].block_hash))
+        assert not await tier.read_into(metas[0], out_buffer())  # refused: its file is now a spare
+        assert len(list(tier.directory.glob("spare/*"))) == 1 and tier.used_bytes == 2 * FILE_BYTES
+        (tier.directory / "spare" / "99999999.kvs").write_bytes(b"short")  # not a spare: removed at start
+        await tier.aclose()
+        return metas
+
+    metas = asyncio.run(first_life())
+
+    async def second_life() -> None:
+        tier = new_tier(tmp_path, files=4)
+        assert tier.counters.scan_removed["bad_spare"] == 1
+        assert tier.lru_hashes() == [metas[1].block_hash] and tier.used_bytes == 2 * FILE_BYTES
+        (spare,) = tier.directory.glob("spare/*")
+        inode = spare.stat().st_ino
+        more, views = payloads(3, seed=1)
+        assert await tier.write(more[2], views[2])
+        assert os.stat(tier.path_of(more[2].block_hash)).st_ino == inode  # the spare, reused
+        assert list(tier.directory.glob("spare/*")) == [] and tier.used_bytes == 2 * FILE_BYTES
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(second_life())

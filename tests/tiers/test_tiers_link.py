@@ -10,7 +10,7 @@ import torch
 from tiers_helpers import IDENTITY, arena_name, hashes, make_blocks, tier_config
 
 from kvstore.tiers.client import LocalTierClient
-from kvstore.tiers.errors import InvalidBlockError
+from kvstore.tiers.errors import InvalidBlockError, LeaseError
 from kvstore.tiers.link import Promoted, TierLink
 
 
@@ -82,6 +82,50 @@ def test_a_pool_that_does_not_fit_is_the_callers_error_and_leaves_no_lease(tmp_p
         with pytest.raises(ValueError, match="returned 1 block ids"):
             link.promote(metas, data, lambda n: [0])
         assert client.store.cpu.num_leased_slots == 0
+        client.check_invariants()
+    finally:
+        link.close()
+        client.close()
+
+
+def test_commit_and_release_are_not_waited_for_but_ordered_before_later_calls(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=8), IDENTITY, arena_name=arena_name())
+    link = TierLink(client, IDENTITY)
+    try:
+        metas, data = make_blocks(4)
+        assert link.spill(metas, data, range(4)) == 4
+        # No settle: the commit was sent before this lookup, so the tier answers it first.
+        assert client.lookup(hashes(metas)) == (4, ("CPU",) * 4)
+        target = torch.zeros_like(data)
+        assert link.promote(metas, target, lambda n: list(range(n))).block_ids == (0, 1, 2, 3)
+        assert torch.equal(target, data)
+        client.check_invariants()  # sent after the release: no lease is left
+        assert client.store.cpu.num_leased_slots == 0
+    finally:
+        link.close()
+        client.close()
+
+
+def test_an_error_of_a_commit_sent_without_waiting_is_raised_by_the_next_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=8), IDENTITY, arena_name=arena_name())
+    link = TierLink(client, IDENTITY)
+    try:
+        metas, data = make_blocks(3)
+        store = client.store
+
+        async def refused(lease_ids: Sequence[int]) -> int:
+            raise LeaseError("injected: the tier does not know these leases")
+
+        monkeypatch.setattr(store, "commit", refused)
+        assert link.spill(metas[:2], data, [0, 1]) == 2  # returned after the copy, commit in flight
+        with pytest.raises(LeaseError, match="injected"):
+            link.lookup(hashes(metas))
+        monkeypatch.undo()
+        client.release([lease for lease in store.cpu._held])  # the refused commit's write leases
+        assert link.spill(metas[2:], data, [2]) == 1
+        assert link.lookup(hashes(metas[2:])) == (1, ("CPU",))
         client.check_invariants()
     finally:
         link.close()

@@ -95,8 +95,13 @@ def linked_tier(
 
 
 def spill_all(link: TierLink, metas: Sequence[BlockMeta], data: torch.Tensor) -> int:
-    """Spill ``metas[i]`` from row ``i`` of ``data`` in one call; how many the tier newly stored."""
-    return link.spill(metas, data, range(len(metas)))
+    """Spill ``metas[i]`` from row ``i`` of ``data`` in one call; how many the tier newly stored.
+
+    The link's commit is then answered (``settle``), so the store may be inspected directly.
+    """
+    stored = link.spill(metas, data, range(len(metas)))
+    link.settle()
+    return stored
 
 
 def promote_all(link: TierLink, metas: Sequence[BlockMeta]) -> tuple[Promoted, torch.Tensor]:
@@ -105,6 +110,7 @@ def promote_all(link: TierLink, metas: Sequence[BlockMeta]) -> tuple[Promoted, t
     pool = torch.zeros((len(metas), *identity.layout.block_shape), dtype=identity.torch_dtype)
     rows = iter(range(len(metas)))
     promoted = link.promote(metas, pool, lambda n: list(islice(rows, n)))
+    link.settle()  # its releases answered: the store may be inspected directly
     return promoted, pool[: len(promoted.block_ids)]
 
 
