@@ -73,6 +73,7 @@ from tqdm import tqdm
 
 from kvstore.benchmarks.figures import pyplot, save_figure
 from kvstore.benchmarks.offload_ttft import TTFTRow, measure_ttft
+from kvstore.deploy.model_args import add_model_arguments, model_overrides
 from kvstore.errors import ConfigError
 from kvstore.kv_layout import KVLayout
 from kvstore.tiers.blocks import BlockMeta
@@ -436,10 +437,16 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 1024:.0f} KiB" if nbytes < 1024 * 1024 else f"{nbytes / 1024 / 1024:.0f} MiB"
 
 
-def print_ttft(rows: list[TTFTRow]) -> None:
+def ttft_model(args: argparse.Namespace) -> str:
+    """What the TTFT rows run: the flags' model, else the ``kvstore bench ttft`` model."""
+    overrides = model_overrides(args)
+    return ", ".join(overrides) if overrides else "the `kvstore bench ttft` model"
+
+
+def print_ttft(rows: list[TTFTRow], model: str) -> None:
     if not rows:
         return
-    print("\nTTFT (one worker, the `kvstore bench ttft` model on the CPU): recompute vs a hit in each tier")
+    print(f"\nTTFT (one worker, {model}, on the CPU): recompute vs a hit in each tier")
     print(
         f"{'prompt':>8}{'recompute ms':>14}{'GPU hit ms':>12}{'CPU hit ms':>12}{'disk hit ms':>13}"
         f"{'recompute/CPU':>15}{'recompute/disk':>16}"
@@ -510,6 +517,7 @@ def _headline(rows: list[Any]) -> Any:
 
 def report(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"cpu": {}, "disk": {}, "ttft": [row._asdict() for row in ttft]}
+    result["ttft_model"] = ttft_model(args)
     if cpu:
         head = _headline(cpu)
         result["cpu"] = {
@@ -654,12 +662,12 @@ def run(args: argparse.Namespace) -> int:
                 disk_rows.append(measure_disk(name, SHAPES[name], args, disk_dir, progress))
             for length in ttft_lengths:
                 progress.set_postfix_str(f"ttft {length}")
-                ttft_rows.extend(measure_ttft([length], seed=length))
+                ttft_rows.extend(measure_ttft([length], seed=length, model=model_overrides(args)))
                 progress.update(1)
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
     print_tables(cpu_rows, disk_rows, args, disk_root)
-    print_ttft(ttft_rows)
+    print_ttft(ttft_rows, ttft_model(args))
     result = report(cpu_rows, disk_rows, ttft_rows, args)
     if cpu_rows:
         head = _headline(cpu_rows)
@@ -712,5 +720,7 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default="1024,2048,4096,8192",
         help="prompt lengths for TTFT recompute vs GPU/CPU/disk hit, comma-separated ('' skips)",
     )
+    # The TTFT rows' model: --model PATH (a checkpoint) or --shape NAME (a real architecture, random weights).
+    add_model_arguments(p, shapes=True)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)

@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.benchmarks import offload_bench
 from kvstore.errors import ConfigError
+from tests.checkpoints import TinyCheckpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,3 +121,19 @@ def test_plot_names_every_series_and_needs_no_ttft(tmp_path: Path, monkeypatch: 
     assert any(label.startswith("baseline: one memcpy") for label in cpu)
     assert any(label.startswith("write: DiskTier.write_many") for label in disk)
     assert any(label.startswith("baseline: one sequential file") for label in disk)
+
+
+def test_ttft_by_tier_runs_on_the_model_the_flags_name(
+    llama_checkpoint: TinyCheckpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--model PATH`` puts a checkpoint (its own geometry and block bytes) under the TTFT-by-tier rows."""
+    out = tmp_path / "offload.json"
+    argv = ["bench", "offload", "--total-mib", "0", "--disk-total-mib", "0", "--ttft-lengths", "256",
+            "--model", str(llama_checkpoint.path), "--no-progress", "--json", str(out)]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["ttft_model"] == f"worker.model={llama_checkpoint.path}"
+    (row,) = report["ttft"]
+    assert all(row[k] > 0 for k in ("recompute_ms", "gpu_hit_ms", "cpu_hit_ms", "disk_hit_ms"))
+    assert f"TTFT (one worker, worker.model={llama_checkpoint.path}, on the CPU)" in capsys.readouterr().out
