@@ -87,7 +87,7 @@ from kvstore.tiers.link import TierLink
 from kvstore.tiers.shared_memory import SharedSlots
 
 HEADLINE_SHAPE = "llama-3-8b"
-# Issue 16's targets, as a share of the same-run baseline (both directions): shape -> ratio.
+# The project's bandwidth targets, as a share of the same-run baseline (both directions): shape -> ratio.
 CPU_TARGETS = {"tiny": 0.5, "qwen2.5-0.5b": 0.8, "llama-3-8b": 0.85}
 DISK_TARGETS = {"qwen2.5-0.5b": 0.8, "llama-3-8b": 0.9}
 _GB = 1e9
