@@ -127,10 +127,13 @@ class DiskTier:
         self._temp_prefix = uuid.uuid4().hex[:8]  # this tier instance's: two on one directory never collide
         self._events = MediumEvents(Medium.STORAGE, identity.block_size)
         self._deletes_refused = False  # the last deletion failed (logged once per episode)
+        # Prompts can be read back from KV, so the files are the tier user's alone: directories 0700
+        # (tightened where an older version left them open), files 0600 (disk_files).
+        _private_dir(self.directory, parents=True)
         for shard in range(256):
-            (self.directory / f"{shard:02x}").mkdir(parents=True, exist_ok=True)
+            _private_dir(self.directory / f"{shard:02x}")
         self.direct_io, self.io_mode = self._choose_io_mode(direct_io)
-        (self.directory / SPARE_DIR).mkdir(exist_ok=True)
+        _private_dir(self.directory / SPARE_DIR)
         found = scan(self.directory, self._layout, self._index.max_blocks)
         self.counters.scan_removed.update(found.removed)
         self.counters.io_errors.update(found.io_errors)
@@ -379,3 +382,13 @@ class DiskTier:
     def check_invariants(self) -> None:
         """Assert index and accounting agree; raises AssertionError naming the fault."""
         self._index.check_invariants(self.identity.block_size)
+
+
+def _private_dir(path: Path, *, parents: bool = False) -> None:
+    """``path`` as a directory only its owner can enter (0700), created or tightened."""
+    path.mkdir(mode=0o700, parents=parents, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        try:
+            path.chmod(0o700)
+        except OSError as exc:  # e.g. a read-only file system: the tier still works, only less private
+            logger.warning("could not make %s private (0700): %s", path, exc)

@@ -83,7 +83,7 @@ def write_block_file(
         head[:] = header
     else:
         head = memoryview(header)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o600)
     try:
         try:
             write_all(fd, [head, payload])
@@ -167,7 +167,7 @@ def direct_io_refusal(directory: Path) -> str | None:
     probe = directory / f".probe-{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
     buffer = mmap.mmap(-1, ALIGN)
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
         try:
             os.write(fd, buffer)
         finally:
