@@ -12,8 +12,13 @@ Modules, one concern each:
   (``shapes``) or seeded weights (``seeded``); ``rope`` -- rotary tables;
 - ``scheduler`` -- continuous batching, admission, preemption by recompute;
 - ``validation`` -- request checks before queuing;
-- ``offload`` -- the seam where a lower tier spills and promotes blocks;
-- ``worker`` -- :class:`KVWorker`, the thread-safe replica;
+- ``offload`` -- the seam where a lower tier spills and promotes blocks
+  (``offload_backend``: the tier contract; ``offload_jobs``: the offload
+  thread; ``offload_loads`` / ``offload_stores``: the two paths;
+  ``offload_slot``: the tier a worker has attached);
+- ``worker`` -- :class:`KVWorker`, the thread-safe replica and its step loop
+  (``request_table``: its requests in flight; ``worker_telemetry``: its step
+  log and metrics registry);
 - ``actor`` -- the thin Ray wrapper (imports Ray; not imported here).
 """
 
@@ -26,7 +31,8 @@ from kvstore.worker_api import (
     WorkerShutdownError,
 )
 from kvstore.workers.kv_tensor_pool import KVTensorPool
-from kvstore.workers.offload import NoOffload, OffloadBackend, Offloader, Promotion
+from kvstore.workers.offload import Offloader
+from kvstore.workers.offload_backend import NoOffload, OffloadBackend, Promotion
 from kvstore.workers.worker import KVWorker
 
 __all__ = [

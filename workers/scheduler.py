@@ -49,7 +49,7 @@ from kvstore.events import MEDIA, Medium
 from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
 from kvstore.worker_api import FinishReason, GenerateRequest
 from kvstore.workers.attention import SequenceSlice
-from kvstore.workers.offload import Promotion
+from kvstore.workers.offload_backend import Promotion
 
 _internal_ids = itertools.count()
 

@@ -1,4 +1,4 @@
-"""The worker's backend for its node's tiers: an :class:`~kvstore.workers.offload.OffloadBackend` over a TierLink.
+"""The worker's tier backend: an :class:`~kvstore.workers.offload_backend.OffloadBackend` over a TierLink.
 
 - ``store``: cached pool blocks' KV is copied into the node's shared CPU
   arena (write-back: reserve, copy, commit); the tier actor then owns them
@@ -55,7 +55,7 @@ Reconnect = Callable[[], TierLink]
 
 
 class TierOffload:
-    """An :class:`~kvstore.workers.offload.OffloadBackend` over one node's tier actor, through a mapped arena.
+    """An :class:`~kvstore.workers.offload_backend.OffloadBackend` over one node's tier actor, through a mapped arena.
 
     ``reconnect`` (optional) builds a new link after an outage; attempts
     start ``backoff_s[0]`` after the outage and back off, doubling, to at

@@ -9,6 +9,8 @@ runs the scheduler (:mod:`kvstore.workers.scheduler`), the model runner
 A request of ``n`` choices is ``n`` scheduler entries that share the
 prompt's blocks through the prefix cache (the second is admitted onto the
 blocks the first registered). Its output is a :class:`RequestStream`.
+The requests in flight are a :class:`~kvstore.workers.request_table.RequestTable`;
+the step log and the metrics come from :mod:`kvstore.workers.worker_telemetry`.
 
 Each step::
 
@@ -20,9 +22,9 @@ Each step::
     (no lock)   put each request's chunk on its stream
 
 A lower tier's copies and calls run on the offloader's own thread
-(:mod:`kvstore.workers.offload`), never under ``_lock``: ``load``,
-``health`` and ``metrics_text`` take only ``_lock``, which is held for
-bookkeeping alone, so a slow or dead tier never delays them.
+(:mod:`kvstore.workers.offload`, held in its :mod:`~kvstore.workers.offload_slot`),
+never under ``_lock``: ``load``, ``health`` and ``metrics_text`` take only ``_lock``,
+held for bookkeeping alone, so a slow or dead tier never delays them.
 
 Locks
 -----
@@ -52,63 +54,48 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from prometheus_client import CollectorRegistry
 
 from kvstore.block_pool import BlockPool
 from kvstore.errors import ConfigError, InvalidRequestError
 from kvstore.events import Medium
 from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import KVCacheManager
-from kvstore.metrics import CacheCollector, render
-from kvstore.openai.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from kvstore.metrics import render
+from kvstore.openai.tokenizer import Tokenizer
 from kvstore.publisher import EventEndpoints, NullEventPublisher, Snapshot, ZmqEventPublisher
-from kvstore.worker_api import (
-    ChoiceDelta,
-    GenerateRequest,
-    GenerateResult,
-    ModelInfo,
-    WorkerLoad,
-    WorkerShutdownError,
-)
+from kvstore.worker_api import ChoiceDelta, GenerateRequest, GenerateResult, ModelInfo, WorkerLoad, WorkerShutdownError
 from kvstore.workers.config import WorkerSettings
 from kvstore.workers.device import resolve_device
 from kvstore.workers.kv_tensor_pool import KVTensorPool
-from kvstore.workers.metrics import (
-    LoopGauges,
-    OffloadCollector,
-    OffloadState,
-    TierLinkCollector,
-    TierLinkState,
-    WorkerCollector,
-    WorkerCounters,
-)
+from kvstore.workers.metrics import LoopGauges, WorkerCounters
 from kvstore.workers.model_runner import ModelRunner
-from kvstore.workers.model_spec import ServedModel
-from kvstore.workers.offload import LinkedOffload, NoOffload, OffloadBackend, Offloader
-from kvstore.workers.output import ChoiceRecord, RequestGroup
-from kvstore.workers.sampler import GREEDY, Sampler, SamplingDefaults
-from kvstore.workers.scheduler import NoAdmissions, RequestState, Scheduler, SchedulerOutput
+from kvstore.workers.offload import Offloader
+from kvstore.workers.offload_backend import NoOffload, OffloadBackend
+from kvstore.workers.offload_slot import OffloadSlot
+from kvstore.workers.output import RequestGroup
+from kvstore.workers.request_table import (
+    RequestTable,
+    choice_record,
+    default_tokenizer,
+    emit_aborts,
+    new_group,
+    sampling_defaults,
+)
+from kvstore.workers.sampler import Sampler
+from kvstore.workers.scheduler import Scheduler, SchedulerOutput
 from kvstore.workers.stream import RequestStream
 from kvstore.workers.validation import RequestLimits, validate_request
+from kvstore.workers.worker_telemetry import STEP_LOG, StepRecord, worker_registry
+
+__all__ = ["KVWorker", "StepRecord"]
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.01
-_STEP_LOG = 8192
-
-
-class StepRecord(NamedTuple):
-    """One step that ran work: its wall time, what it computed, and its time inside the offloader."""
-
-    seconds: float
-    requests: int  # requests scheduled
-    tokens: int  # tokens computed (a decode is one)
-    offload_seconds: float  # of ``seconds``, spent in the offloader's bookkeeping on the step loop
 
 
 class KVWorker:
@@ -151,20 +138,18 @@ class KVWorker:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._step_lock = threading.Lock()
-        self.tokenizer: Tokenizer = tokenizer or _default_tokenizer(self.served)
+        self.tokenizer: Tokenizer = tokenizer or default_tokenizer(self.served)
         self._defaults = sampling_defaults(self.served)
         self._eos = self.served.generation.eos_token_ids or self.tokenizer.eos_token_ids
         self._sampler = Sampler()
-        self._groups: dict[int, RequestGroup] = {}  # id(group) -> group, every request queued or running
-        self._cancelled: list[RequestGroup] = []
         self._counters = WorkerCounters()
+        self._requests = RequestTable(self._scheduler, self._counters)
         self._closed = False
         self._last_error: str | None = None
         self._kick = threading.Event()  # set by the offload thread when a job finishes
-        self._step_log: deque[StepRecord] = deque(maxlen=_STEP_LOG)
+        self._step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)
         self._last_batch: tuple[int, int] | None = None
-        self._backend: OffloadBackend = NoOffload()
-        self._offloader: Offloader | None = None
+        self._offload = OffloadSlot(self.block_pool, self.kv_pool, self._scheduler, self._kick.set)
         self.attach_offload(offload or NoOffload())
 
         self._publisher: ZmqEventPublisher | NullEventPublisher
@@ -172,11 +157,9 @@ class KVWorker:
             self._publisher = ZmqEventPublisher(config.events, snapshot_source=self._snapshot)
         else:
             self._publisher = NullEventPublisher()
-        self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(CacheCollector(lambda: [(self.name, self._manager)]))
-        self._registry.register(WorkerCollector(name, self._counters, self._gauges))
-        self._registry.register(TierLinkCollector(name, self._tier_link_state))
-        self._registry.register(OffloadCollector(name, self._counters, self._offload_state))
+        self._registry = worker_registry(
+            name, self._manager, self._counters, self._gauges, self._offload.link_state, self._offload.state
+        )
         self._thread = threading.Thread(target=self._loop, name=f"kv-worker-{name}", daemon=True)
         self._thread.start()
 
@@ -187,27 +170,15 @@ class KVWorker:
 
         An :class:`~kvstore.workers.offload.Offloader` over ``backend`` (one
         offload thread) becomes the block pool's eviction hook and the
-        scheduler's admission step (contracts in :mod:`kvstore.workers.offload`);
+        scheduler's admission step (:mod:`kvstore.workers.offload_slot`; contracts in
+        :mod:`kvstore.workers.offload`);
         :class:`NoOffload` detaches any tier. An admission waits at most ``wait_s``
         for the tier's answer and its copy, then recomputes. Replaces the tier attached before,
         waiting for the jobs it has running; takes effect from the next step.
         """
         with self._step_lock, self._lock:
-            old = self._offloader
-            if old is not None:
-                old.release_all()  # loads it finished registered blocks: publish them
-                old.close()
-                self._publish_pending()
-            if isinstance(backend, NoOffload):
-                offloader = None
-                self.block_pool.on_evict = lambda blocks: None
-                self._scheduler.offloader = NoAdmissions()
-            else:
-                offloader = Offloader(backend, self.block_pool, self.kv_pool, wait_s=wait_s, wake=self._kick.set)
-                self.block_pool.on_evict = offloader.on_evict
-                self._scheduler.offloader = offloader
-            self._offloader = offloader
-            self._backend = backend
+            if self._offload.attach(backend, wait_s):
+                self._publish_pending()  # loads the old tier finished registered blocks
 
     def drain_offload(self, timeout: float | None = 30.0) -> bool:
         """Wait until the offloader's queued jobs have run and are collected (tests, benchmarks); False on timeout.
@@ -216,15 +187,8 @@ class KVWorker:
         cached free block is in the tier (or refused by it).
         """
         with self._step_lock, self._lock:
-            offloader = self._offloader
-            if offloader is None:
-                return True
-            for _ in range(self.block_pool.num_blocks + 1):
-                if not offloader.drain(timeout):
-                    return False
-                offloader.launch_stores()
-                if not offloader.busy:
-                    break
+            if not self._offload.flush(timeout):
+                return False
             self._publish_pending()
             return True
 
@@ -242,24 +206,13 @@ class KVWorker:
             with self._lock:
                 self._counters.rejected += 1
             raise
-        request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        arrival = time.monotonic()
-        stream = RequestStream(request_id, request.sampling.n, self._cancel)
-        group = RequestGroup(request_id, stream, arrival)
-        for index in range(request.sampling.n):
-            state = RequestState(request, request_id, arrival)
-            state.output = ChoiceRecord(
-                group, index, request.sampling, self._defaults, self.tokenizer, self._eos, request.token_ids
-            )
-            group.choices.append(state)
+        group = new_group(request, self._defaults, self.tokenizer, self._eos, self._cancel)
         with self._lock:
             if self._closed:
                 raise WorkerShutdownError(f"worker {self.name} is shut down; send the request to another replica")
-            self._groups[id(group)] = group
-            for state in group.choices:
-                self._scheduler.add(state)
+            self._requests.add(group)
             self._work.notify()
-        return stream
+        return group.stream
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
         """Submit and wait. Raises what :meth:`submit` raises, or the error that stopped the request."""
@@ -268,9 +221,7 @@ class KVWorker:
     def _cancel(self, stream: RequestStream) -> None:
         """A stream's consumer gave up: drop its request at the start of the next step (see the module docstring)."""
         with self._lock:
-            group = next((g for g in self._groups.values() if g.stream is stream), None)
-            if group is not None and group not in self._cancelled:
-                self._cancelled.append(group)
+            if self._requests.cancel(stream):
                 self._work.notify()
 
     # -------------------------------------------------------------- queries
@@ -326,13 +277,12 @@ class KVWorker:
     def check_invariants(self) -> None:
         """Assert pool, manager and scheduler bookkeeping between steps; raises AssertionError naming the fault."""
         with self._step_lock, self._lock:
-            if self._offloader is not None:  # let running jobs end: their holds are then counted exactly
-                self._offloader.drain(30.0)
-                self._publish_pending()
+            self._offload.drain(30.0)  # let running jobs end: their holds are then counted exactly
+            self._publish_pending()
             self._scheduler.check_invariants()
             assert self.kv_pool.num_blocks == self.block_pool.num_blocks, "KV tensors and block pool disagree"
             queued = {id(s) for s in (*self._scheduler.waiting, *self._scheduler.running)}
-            held = {id(s) for g in self._groups.values() for s in g.choices if not s.is_finished}
+            held = self._requests.unfinished_choices()
             assert queued == held, "a queued choice has no request, or an unfinished choice is not queued"
 
     def recent_steps(self) -> list[StepRecord]:
@@ -362,13 +312,10 @@ class KVWorker:
         self._thread.join()
         with self._step_lock, self._lock:
             self._scheduler.abort_all()
-            if self._offloader is not None:
-                self._offloader.release_all(timeout=30.0)
-                self._offloader.close()
+            self._offload.release(timeout=30.0)
+            self._offload.close()
             self._publish_pending()
-            groups = list(self._groups.values())
-            self._groups.clear()
-            self._counters.failed += len(groups)
+            groups = self._requests.take_all()
         for group in groups:
             group.stream.fail(
                 WorkerShutdownError(f"worker {self.name} shut down before request {group.request_id!r} finished")
@@ -382,21 +329,21 @@ class KVWorker:
         try:
             while True:
                 with self._lock:
-                    while not self._closed and not self._scheduler.has_work and not self._offload_pending():
+                    while not self._closed and not self._scheduler.has_work and not self._offload.has_done:
                         # Idle, with offload jobs out: look again soon to collect them and store more.
-                        self._work.wait(_IDLE_WAIT_S if self._offload_busy() else None)
+                        self._work.wait(_IDLE_WAIT_S if self._offload.busy else None)
                     if self._closed:
                         return
                 self._kick.clear()
                 with self._step_lock:
                     started = time.perf_counter()
-                    offload_before = self._offload_seconds()
+                    offload_before = self._offload.step_loop_seconds
                     progressed = self._step()
                     seconds = time.perf_counter() - started
                     self._counters.step_seconds += seconds
                     if self._last_batch is not None:
                         requests, tokens = self._last_batch
-                        record = StepRecord(seconds, requests, tokens, self._offload_seconds() - offload_before)
+                        record = StepRecord(seconds, requests, tokens, self._offload.step_loop_seconds - offload_before)
                         with self._lock:
                             self._step_log.append(record)
                 if not progressed:  # waiting on room, or on the offloader: a finished job wakes us early
@@ -407,17 +354,14 @@ class KVWorker:
 
     def _step(self) -> bool:
         """One scheduler step; False when nothing could be scheduled."""
-        offloader = self._offloader
         with self._lock:
-            if offloader is not None:
-                offloader.poll()
-            cancelled = self._drop_cancelled()
+            self._offload.poll()
+            cancelled = self._requests.drop_cancelled()
             output = self._scheduler.schedule(time.monotonic())
-            if offloader is not None:
-                offloader.launch_stores()
+            self._offload.launch_stores()
             self._counters.steps += 1
             self._publish_pending()
-        self._emit(cancelled)
+        emit_aborts(cancelled, self.name)
         self._last_batch = None
         if not output.scheduled:
             return bool(cancelled)
@@ -434,7 +378,7 @@ class KVWorker:
     def _finish_step(self, output: SchedulerOutput, logits: torch.Tensor) -> None:
         rows = [row for row, work in enumerate(output.scheduled) if work.samples]
         states = [output.scheduled[row].state for row in rows]
-        records = [_record(state) for state in states]
+        records = [choice_record(state) for state in states]
         sampled = self._sampler.sample(logits[rows], [record.sampling for record in records])
         deltas: dict[int, tuple[RequestGroup, list[ChoiceDelta]]] = {}
         tokens: dict[int, int] = {}
@@ -445,61 +389,31 @@ class KVWorker:
         now = time.monotonic()
         with self._lock:
             finished = self._scheduler.update(output, tokens, now)
-            if finished and self._offloader is not None:
-                self._offloader.launch_stores()  # the finished choices' cached blocks
+            if finished:
+                self._offload.launch_stores()  # the finished choices' cached blocks
             self._publish_pending()
             for state in finished:
                 self._counters.generation_tokens += len(state.output_token_ids)
             done = [group for group, _ in deltas.values() if group.done]
             for group in done:
-                self._groups.pop(id(group), None)
-                self._counters.finished += 1
-                self._counters.prompt_tokens += group.choices[0].prompt_tokens
+                self._requests.finish(group)
         for group, group_deltas in deltas.values():
             group.stream.put(group.chunk(group_deltas, self.name, now))
             if group.done:
                 group.stream.close()
-
-    def _drop_cancelled(self) -> list[RequestGroup]:
-        """Remove cancelled requests from the scheduler (blocks freed). Caller holds ``_lock``."""
-        cancelled, self._cancelled = self._cancelled, []
-        dropped = []
-        for group in cancelled:
-            if self._groups.pop(id(group), None) is None:
-                continue  # it finished before the cancel took effect
-            for state in group.choices:
-                if not state.is_finished:
-                    self._scheduler.abort(state)
-                    self._counters.generation_tokens += len(state.output_token_ids)
-            self._counters.aborted += 1
-            dropped.append(group)
-        return dropped
-
-    def _emit(self, cancelled: list[RequestGroup]) -> None:
-        now = time.monotonic()
-        for group in cancelled:
-            group.stream.put(group.chunk(group.abort_deltas(), self.name, now))
-            group.stream.close()
 
     def _recover_from_model_failure(self, exc: Exception) -> None:
         with self._lock:
             aborted = self._scheduler.abort_running()
             # Blocks registered in the prefix cache for the failed step were never filled. The offloader's
             # holds go first (a failure path: it waits for the copies running, bounded by the tier's deadline).
-            if self._offloader is not None:
-                self._offloader.release_all(timeout=None)
+            self._offload.release(timeout=None)
             cleared = self.block_pool.reset_prefix_cache()
             assert cleared, "no request runs, yet blocks are referenced"
             self._publish_pending()
-            # A request with a choice that ran fails whole; its other choices leave the queue too.
-            groups = {id(_record(s).group): _record(s).group for s in aborted}
-            for group in groups.values():
-                for state in group.choices:
-                    self._scheduler.abort(state)
-                self._groups.pop(id(group), None)
-            self._counters.failed += len(groups)
+            groups = self._requests.fail(aborted)  # a request with a choice that ran fails whole
             self._last_error = f"model step failed: {exc!r}"
-        for group in groups.values():
+        for group in groups:
             error = RuntimeError(f"worker {self.name}: model step failed for request {group.request_id!r}: {exc!r}")
             error.__cause__ = exc
             group.stream.fail(error)
@@ -508,9 +422,7 @@ class KVWorker:
         with self._lock:
             self._closed = True
             self._last_error = f"step loop died: {exc!r}"
-            groups = list(self._groups.values())
-            self._groups.clear()
-            self._counters.failed += len(groups)
+            groups = self._requests.take_all()
         for group in groups:
             group.stream.fail(WorkerShutdownError(f"worker {self.name}: step loop died ({exc!r})"))
 
@@ -527,50 +439,13 @@ class KVWorker:
         with self._lock:
             return Snapshot(self._publisher.last_seq, self.block_pool.snapshot_events())
 
-    def _tier_link_state(self) -> TierLinkState | None:
-        backend = self._backend
-        if isinstance(backend, LinkedOffload):
-            return TierLinkState(backend.counters, backend.connected)
-        return None
-
-    def _offload_state(self) -> OffloadState | None:
-        offloader = self._offloader
-        return None if offloader is None else offloader.state()
-
-    def _offload_seconds(self) -> float:
-        offloader = self._offloader
-        return 0.0 if offloader is None else offloader.counters.step_loop_seconds
-
-    def _offload_pending(self) -> bool:
-        return self._offloader is not None and self._offloader.has_done
-
-    def _offload_busy(self) -> bool:
-        return self._offloader is not None and self._offloader.busy
+    @property
+    def _offloader(self) -> Offloader | None:
+        """The attached tier's Offloader, if any (``benchmarks/offload_serving.py`` reads its counters)."""
+        return self._offload.offloader
 
     def _gauges(self) -> LoopGauges:
         return LoopGauges(len(self._scheduler.running), len(self._scheduler.waiting), self._scheduler.num_preemptions)
 
     def __repr__(self) -> str:
         return f"KVWorker({self.name!r}, device={self.device}, blocks={self.block_pool.num_blocks})"
-
-
-def _record(state: RequestState) -> ChoiceRecord:
-    record = state.output
-    assert isinstance(record, ChoiceRecord), f"{state} has no choice record"
-    return record
-
-
-def _default_tokenizer(served: ServedModel) -> Tokenizer:
-    return load_tokenizer(served.checkpoint) if served.checkpoint is not None else ByteTokenizer()
-
-
-def sampling_defaults(served: ServedModel) -> SamplingDefaults:
-    """A checkpoint's generation_config over vLLM's defaults; seeded weights (the toy, shapes) are greedy."""
-    if served.checkpoint is None:
-        return GREEDY
-    gen, base = served.generation, SamplingDefaults()
-    return SamplingDefaults(
-        temperature=base.temperature if gen.temperature is None else gen.temperature,
-        top_p=base.top_p if gen.top_p is None else gen.top_p,
-        top_k=base.top_k if gen.top_k is None else gen.top_k,
-    )

@@ -29,7 +29,7 @@ from faults_helpers import BLOCK, HttpFleet, fault_config, tokens, wait_for
 
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit
-from kvstore.tiers.client import LocalTierClient
+from kvstore.tiers.client import LocalTierClient, Pending
 from kvstore.tiers.link import TierLink
 from kvstore.tiers.shared_memory import ArenaInfo
 from kvstore.tiers.stats import TierStats
@@ -84,11 +84,17 @@ class SlowTier:
     def commit(self, lease_ids: Sequence[int]) -> int:
         return self._call(self.inner.commit, lease_ids)
 
+    def commit_later(self, lease_ids: Sequence[int]) -> Pending:
+        return self._call(self.inner.commit_later, lease_ids)
+
     def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
         return self._call(self.inner.acquire, blocks, arena)
 
     def release(self, lease_ids: Sequence[int]) -> None:
         self._call(self.inner.release, lease_ids)
+
+    def release_later(self, lease_ids: Sequence[int]) -> Pending:
+        return self._call(self.inner.release_later, lease_ids)
 
 
 class Probe:

@@ -119,7 +119,7 @@ def test_a_slow_or_failing_load_recomputes_and_frees_its_blocks(
             tier.gate.clear()  # the load never answers in time: the request gives up and recomputes
         else:
             tier.fail_loads = True
-        with caplog.at_level(logging.ERROR, logger="kvstore.workers.offload"):
+        with caplog.at_level(logging.ERROR, logger="kvstore.workers.offload_jobs"):
             result = worker.generate(request)
             assert result.output_token_ids == reference(request)
             assert result.cached_tokens_by_medium["CPU"] == 0
@@ -192,7 +192,7 @@ def test_a_lease_error_is_a_fault_not_an_outage(
     worker = KVWorker("lease", config, offload=offload)
     try:
         rng = random.Random(8)
-        with caplog.at_level(logging.ERROR, logger="kvstore.workers.offload"):
+        with caplog.at_level(logging.ERROR, logger="kvstore.workers.offload_jobs"):
             for _ in range(3):
                 request = GenerateRequest(random_tokens(rng, 9 * 16 + 3), 2)
                 assert worker.generate(request).output_token_ids == reference(request)
