@@ -114,7 +114,11 @@ class TierOffload:
             self.counters.spill_skipped_blocks += len(blocks)
             return 0
         try:
-            return link.spill(blocks, kv, block_ids)
+            stored = link.spill(blocks, kv, block_ids)
+            # The link sends the commit without waiting; collect its answer here, on the offload thread,
+            # so that a commit's error is this store's (counted below), not the next call's.
+            link.settle()
+            return stored
         except TierUnavailableError as exc:
             self.counters.spill_skipped_blocks += len(blocks)
             self._down(link, exc)
@@ -140,6 +144,7 @@ class TierOffload:
 
         try:
             promoted = link.promote(blocks, kv, allocate)
+            link.settle()  # the releases' answers: an error in them is this load's
         except TierUnavailableError as exc:  # blocks already copied are dropped: their leases are in doubt
             self.counters.promote_failures += 1
             self._down(link, exc)

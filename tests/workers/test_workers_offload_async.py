@@ -169,7 +169,7 @@ def test_blocks_are_held_until_their_store_is_done(reference: Reference) -> None
 
 
 class LeaseFaultClient:
-    """A real LocalTierClient whose commit answers LeaseError (a caller's mistake, as a buggy link would make)."""
+    """A real LocalTierClient whose commits answer LeaseError (a caller's mistake, as a buggy link would make)."""
 
     def __init__(self, inner: LocalTierClient) -> None:
         self.inner = inner
@@ -180,6 +180,23 @@ class LeaseFaultClient:
     def commit(self, lease_ids: Sequence[int]) -> int:
         self.inner.release(lease_ids)
         raise LeaseError(f"lease ids {list(lease_ids)} are not write grants")
+
+    def commit_later(self, lease_ids: Sequence[int]) -> _Refused:
+        self.inner.release(lease_ids)  # as the store answers a commit it refuses: the slots are freed
+        return _Refused(LeaseError(f"lease ids {list(lease_ids)} are not write grants"))
+
+
+class _Refused:
+    """The answer of a call sent without waiting, already in: an error."""
+
+    def __init__(self, error: Exception) -> None:
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> object:
+        raise self._error
 
 
 def test_a_lease_error_is_a_fault_not_an_outage(
