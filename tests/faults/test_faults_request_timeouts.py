@@ -126,7 +126,9 @@ def test_64_abandoned_long_requests_do_not_delay_a_probe(fleet: Fleet) -> None:
         f"(of {ABANDONED * LONG} asked)"
     )
     assert probe_s < 5.0, f"the probe waited {probe_s:.1f} s behind abandoned work"
-    assert generated < ABANDONED * LONG * 0.1
+    # Uncancelled, all 128,000 tokens run. Cancelled, what runs is what the workers generate while the 64
+    # clients are still hanging up: about 1,300 tokens on a quiet 2-core machine, ~14,000 under a full suite's load.
+    assert generated < ABANDONED * LONG * 0.25
     ray.get([w.handle.check_invariants.remote() for w in fleet.workers], timeout=60)
 
 
