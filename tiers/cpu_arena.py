@@ -350,6 +350,34 @@ class CpuArena:
         self.num_evictions += len(victims)
         return leases
 
+    def drop_lru(self, count: int) -> int:
+        """``evict_lru(count, keep=lambda block_hash: False)`` in one pass: up to ``count`` least recently
+        used unleased blocks removed (BlockRemoved each) and their slots freed; returns how many."""
+        victims: list[int] = []
+        leased = self._leases
+        for slot in self._index.values():
+            if len(victims) == count:
+                break
+            if leased[slot] == 0:
+                victims.append(slot)
+        if not victims:
+            return 0
+        slot_meta = self._meta
+        metas = [slot_meta[slot] for slot in victims]
+        with self._lock:
+            pop = self._index.pop
+            for meta in metas:
+                assert meta is not None
+                pop(meta.block_hash)
+        removed = self._events.removed
+        for slot, meta in zip(victims, metas, strict=True):
+            assert meta is not None
+            removed(meta)
+            slot_meta[slot] = None  # unleased (checked above): free at once
+        self._free.extend(victims)
+        self.num_evictions += len(victims)
+        return len(victims)
+
     def remove(self, block_hash: int) -> bool:
         """Drop a cached block (BlockRemoved); its slot is freed once no lease holds it."""
         if block_hash not in self._index:

@@ -338,7 +338,7 @@ class TierStore:
             return
         disk = self._disk
         if disk is None:
-            self._cpu.evict_lru(shortfall, keep=lambda block_hash: False)
+            self._cpu.drop_lru(shortfall)
             return
         # Blocks on disk already are dropped at once; the others are held (read leases) until written.
         writes = self._cpu.evict_lru(shortfall, keep=lambda block_hash: block_hash not in disk)

@@ -240,6 +240,15 @@ class ArenaMachine(RuleBasedStateMachine):
     def evict_dropping(self, count: int) -> None:
         assert self.cpu.evict_lru(count, keep=lambda block_hash: False) == []
 
+    @rule(count=st.integers(1, 3))
+    def drop_lru(self, count: int) -> None:
+        lru = self.cpu.lru_hashes()
+        unleased = [h for h in lru if not self.model_pinned.get(self.cpu._index[h], 0)][
+            :count
+        ]  # read leases: the test's
+        assert self.cpu.drop_lru(count) == len(unleased)
+        assert self.cpu.lru_hashes() == [h for h in lru if h not in unleased]
+
     @rule(lease=consumes(leases))
     def finish(self, lease: Lease | None) -> None:
         if lease is None:
