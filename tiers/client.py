@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
@@ -138,7 +139,16 @@ class RayTierClient:
 
 
 class LocalTierClient:
-    """A :class:`TierClient` that owns a TierStore running on a private event-loop thread."""
+    """A :class:`TierClient` that owns a TierStore running on a private event-loop thread.
+
+    Direct calls: a store without a disk tier never awaits anything (no I/O: every operation is
+    bookkeeping on the arena), so its calls run on the caller's thread under ``_direct_lock``
+    instead of hopping to the loop thread and back -- a wake-up each way, which on small blocks
+    costs more than the copy. The lock serialises them as the loop would (one at a time, in the
+    order callers take it), ``commit_later`` / ``release_later`` are then done when they return,
+    and a call that would await anyway (a bug: the store grew I/O) raises instead of blocking. A
+    store with a disk tier is always driven from the loop, where its disk I/O settles.
+    """
 
     def __init__(
         self,
@@ -159,6 +169,8 @@ class LocalTierClient:
         except BaseException:
             self._stop_loop()
             raise
+        self._direct_lock = threading.Lock()
+        self._direct = self._store.disk is None  # no I/O to await: calls run on the caller's thread
 
     @property
     def store(self) -> TierStore:
@@ -182,6 +194,8 @@ class LocalTierClient:
         return self._run(self._store.commit(lease_ids))
 
     def commit_later(self, lease_ids: Sequence[int]) -> Pending:
+        if self._direct:
+            return self._done_now(lambda: self._run(self._store.commit(lease_ids)))
         return self._send(self._store.commit(list(lease_ids)))
 
     def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
@@ -191,6 +205,8 @@ class LocalTierClient:
         self._call(lambda: self._store.release(lease_ids))
 
     def release_later(self, lease_ids: Sequence[int]) -> Pending:
+        if self._direct:
+            return self._done_now(lambda: self._call(lambda: self._store.release(lease_ids)))
         ids = list(lease_ids)
 
         async def on_loop() -> None:
@@ -209,11 +225,21 @@ class LocalTierClient:
         if self._loop.is_closed():
             return
         try:
-            self._run(self._store.aclose())
+            if self._direct_ready():
+                with self._locked():
+                    self._direct = False  # calls waiting for the lock find the store closed
+                    _run_now(self._store.aclose())
+            else:
+                self._run(self._store.aclose())
         finally:
+            self._direct = False
             self._stop_loop()
 
     def _call(self, fn: Callable[[], T]) -> T:
+        if self._direct_ready():
+            with self._locked():
+                return fn()
+
         async def on_loop() -> T:
             return fn()
 
@@ -221,16 +247,41 @@ class LocalTierClient:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
+            coro.close()
             raise RuntimeError("LocalTierClient called from its own loop thread: await the store instead")
         if self._loop.is_closed():
             coro.close()
             raise TierUnavailableError("the tier store is closed")
+        if self._direct_ready():
+            with self._locked():
+                return _run_now(coro)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(self._timeout_s)
         except TimeoutError:
             future.cancel()
             raise TierTimeoutError(f"the tier store did not answer within {self._timeout_s} s") from None
+
+    def _direct_ready(self) -> bool:
+        # Set once the store is built (the build itself runs on the loop); never while closing.
+        return getattr(self, "_direct", False) and not self._loop.is_closed()
+
+    def _locked(self) -> contextlib.AbstractContextManager[bool]:
+        if not self._direct_lock.acquire(timeout=self._timeout_s):
+            raise TierTimeoutError(f"the tier store did not answer within {self._timeout_s} s")
+        if not self._direct:  # closed while this call waited
+            self._direct_lock.release()
+            raise TierUnavailableError("the tier store is closed")
+        return _Unlock(self._direct_lock)
+
+    def _done_now(self, fn: Callable[[], Any]) -> Pending:
+        """Run ``fn`` now (a direct call) and return its answer, or error, as an answered Pending."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+        return _LocalPending(future, self._timeout_s)
 
     def _send(self, coro: Coroutine[Any, Any, Any]) -> Pending:
         """Start ``coro`` on the loop (after every call sent before it) and return without waiting."""
@@ -254,6 +305,29 @@ class LocalTierClient:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+
+
+class _Unlock:
+    """Releases an acquired lock on exit (``_locked``: the acquire may time out, so it is done first)."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> bool:
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def _run_now(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends to its end on this thread; raises if it suspends."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("a direct tier call awaited: a store that does I/O must run on its loop")
 
 
 async def _build(

@@ -180,14 +180,95 @@ class CpuArena:
         slots = sorted(free.popleft() for _ in range(min(len(wanted), len(free))))
         taken = dict(zip((meta.block_hash for meta in wanted), slots, strict=False))
         leases: list[Lease | None] = []
+        # Free slots hold no lease: each grant below pins a slot that was unpinned (as _grant would).
+        slot_meta, pins, held, write = self._meta, self._leases, self._held, LeaseKind.WRITE
+        lease_id = self._next_lease
         for meta in metas:
             slot = taken.pop(meta.block_hash, None)
             if slot is None:
                 leases.append(None)
                 continue
-            self._meta[slot] = meta
+            slot_meta[slot] = meta
             writing[meta.block_hash] = slot
-            leases.append(self._grant(slot, meta, LeaseKind.WRITE))
+            lease = held[lease_id] = Lease(self, lease_id, slot, meta, write)
+            pins[slot] = 1
+            lease_id += 1
+            leases.append(lease)
+        self._num_leased += lease_id - self._next_lease
+        self._next_lease = lease_id
+        return leases
+
+    def commit_many(self, lease_ids: Sequence[int]) -> list[Lease]:
+        """:meth:`commit` each of ``lease_ids``, in order; returns their leases.
+
+        Raises LeaseError, changing nothing, if any is not a live write lease or one is named twice.
+        """
+        leases = self._distinct(lease_ids)
+        for lease in leases:
+            if lease.kind is not LeaseKind.WRITE:
+                raise LeaseError(f"lease {lease.lease_id} is a read lease: release it, only write leases commit")
+        held, writing, index, pins = self._held, self._writing, self._index, self._leases
+        unpinned = 0
+        with self._lock:
+            for lease in leases:
+                del held[lease.lease_id]
+                slot = lease.slot
+                pins[slot] -= 1
+                if pins[slot] == 0:
+                    unpinned += 1
+                del writing[lease.meta.block_hash]
+                index[lease.meta.block_hash] = slot
+        self._num_leased -= unpinned
+        stored = self._events.stored
+        for lease in leases:
+            stored(lease.meta)
+        return leases
+
+    def acquire_prefix(self, metas: Sequence[BlockMeta]) -> list[Lease]:
+        """:meth:`acquire` the longest prefix of ``metas`` cached here; one read lease per block of it.
+
+        Stops before the first block that is not a clean hit: a miss, or a hash collision, which is
+        left to the caller's :meth:`acquire` of that block to count (so it is counted once).
+        """
+        index, slot_meta = self._index, self._meta
+        found: list[tuple[int, BlockMeta]] = []
+        for meta in metas:
+            slot = index.get(meta.block_hash)
+            if slot is None:
+                break
+            stored = slot_meta[slot]
+            assert stored is not None
+            if stored.token_ids != meta.token_ids or stored.parent_hash != meta.parent_hash:
+                break
+            found.append((slot, stored))
+        if not found:
+            return []
+        with self._lock:
+            move = index.move_to_end
+            for _, stored in found:
+                move(stored.block_hash)
+        grant, read = self._grant, LeaseKind.READ
+        return [grant(slot, stored, read) for slot, stored in found]
+
+    def release_many(self, lease_ids: Sequence[int]) -> list[Lease]:
+        """:meth:`release` each of ``lease_ids``; returns their leases.
+
+        Raises LeaseError, changing nothing, if any is unknown or released, or one is named twice.
+        """
+        leases = self._distinct(lease_ids)
+        held, pins, index = self._held, self._leases, self._index
+        for lease in leases:
+            del held[lease.lease_id]
+            slot = lease.slot
+            pins[slot] -= 1
+            if pins[slot]:
+                continue
+            self._num_leased -= 1
+            if lease.kind is LeaseKind.WRITE:
+                del self._writing[lease.meta.block_hash]
+                self._free_slot(slot)
+            elif index.get(lease.meta.block_hash) != slot:
+                self._free_slot(slot)
         return leases
 
     def commit(self, lease_id: int) -> None:
@@ -269,6 +350,34 @@ class CpuArena:
         self.num_evictions += len(victims)
         return leases
 
+    def drop_lru(self, count: int) -> int:
+        """``evict_lru(count, keep=lambda block_hash: False)`` in one pass: up to ``count`` least recently
+        used unleased blocks removed (BlockRemoved each) and their slots freed; returns how many."""
+        victims: list[int] = []
+        leased = self._leases
+        for slot in self._index.values():
+            if len(victims) == count:
+                break
+            if leased[slot] == 0:
+                victims.append(slot)
+        if not victims:
+            return 0
+        slot_meta = self._meta
+        metas = [slot_meta[slot] for slot in victims]
+        with self._lock:
+            pop = self._index.pop
+            for meta in metas:
+                assert meta is not None
+                pop(meta.block_hash)
+        removed = self._events.removed
+        for slot, meta in zip(victims, metas, strict=True):
+            assert meta is not None
+            removed(meta)
+            slot_meta[slot] = None  # unleased (checked above): free at once
+        self._free.extend(victims)
+        self.num_evictions += len(victims)
+        return len(victims)
+
     def remove(self, block_hash: int) -> bool:
         """Drop a cached block (BlockRemoved); its slot is freed once no lease holds it."""
         if block_hash not in self._index:
@@ -292,6 +401,17 @@ class CpuArena:
         self.slots.close()
 
     # ---------------------------------------------------------------- internal
+
+    def _distinct(self, lease_ids: Sequence[int]) -> list[Lease]:
+        """The live leases ``lease_ids``; raises LeaseError for an unknown or ended one, or one named twice."""
+        held = self._held
+        try:
+            leases = [held[lease_id] for lease_id in lease_ids]
+        except (KeyError, TypeError):
+            leases = [self.lease(lease_id) for lease_id in lease_ids]  # names the bad id
+        if len(set(lease_ids)) != len(leases):
+            raise LeaseError("a lease id is listed twice")
+        return leases
 
     def _grant(self, slot: int, meta: BlockMeta, kind: LeaseKind) -> Lease:
         lease = Lease(self, self._next_lease, slot, meta, kind)

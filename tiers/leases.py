@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from kvstore.events import Medium
 from kvstore.tiers.blocks import SlotGrant
 from kvstore.tiers.cpu_arena import CpuArena, Lease, LeaseKind
-from kvstore.tiers.errors import ArenaMovedError, LeaseError
+from kvstore.tiers.errors import ArenaMovedError
 from kvstore.tiers.stats import PROMOTE, SPILL, StoreCounters
 
 
@@ -68,20 +68,21 @@ class LeaseBook:
         self._started[lease.lease_id] = now
         return SlotGrant(lease.lease_id, lease.slot, lease.meta.block_hash, medium)
 
+    def grant_many(self, leases: Sequence[Lease], medium: Medium, now: float) -> list[SlotGrant]:
+        """:meth:`grant` each of ``leases``, in order."""
+        grants = [SlotGrant(lease.lease_id, lease.slot, lease.meta.block_hash, medium) for lease in leases]
+        self._started.update(dict.fromkeys([grant.lease_id for grant in grants], now))
+        return grants
+
     def commit(self, lease_ids: Sequence[int]) -> list[Lease]:
         """Publish written slots as cached blocks; returns their leases (now ended).
 
         Raises LeaseError (changing nothing) if any id is not a live write lease.
         """
-        leases = self._take(lease_ids)
-        for lease in leases:
-            if lease.kind is not LeaseKind.WRITE:
-                raise LeaseError(f"lease {lease.lease_id} is a {lease.kind.value} lease; this call takes write")
         now = time.perf_counter()
-        for lease in leases:
-            self._cpu.commit(lease.lease_id)
+        leases = self._cpu.commit_many(lease_ids)  # checks them all before it changes anything
         self._counters.offload_bytes[SPILL] += len(leases) * self._block_bytes
-        self._observe(SPILL, [lease.lease_id for lease in leases], now)
+        self._observe(SPILL, lease_ids, now)
         return leases
 
     def release(self, lease_ids: Sequence[int]) -> None:
@@ -89,27 +90,22 @@ class LeaseBook:
 
         Raises LeaseError (changing nothing) if any id is unknown or ended.
         """
-        leases = self._take(lease_ids)
         now = time.perf_counter()
+        leases = self._cpu.release_many(lease_ids)  # checks them all before it changes anything
         reads = [lease.lease_id for lease in leases if lease.kind is LeaseKind.READ]
         self._counters.offload_bytes[PROMOTE] += len(reads) * self._block_bytes
         self._observe(PROMOTE, reads, now)
-        for lease in leases:
-            self._started.pop(lease.lease_id, None)
-            self._cpu.release(lease.lease_id)
+        if len(reads) != len(leases):  # abandoned write leases: no longer timed
+            started = self._started
+            for lease in leases:
+                started.pop(lease.lease_id, None)
 
     def check_invariants(self) -> None:
         """Assert that only live leases are being timed; raises AssertionError."""
         assert all(self._cpu.holds(lease_id) for lease_id in self._started), "timing kept for an ended lease"
 
-    def _take(self, lease_ids: Sequence[int]) -> list[Lease]:
-        """The live leases ``lease_ids``; raises LeaseError for an unknown or ended one, or one named twice."""
-        leases = [self._cpu.lease(lease_id) for lease_id in lease_ids]
-        if len({lease.lease_id for lease in leases}) != len(leases):
-            raise LeaseError("a lease id is listed twice")
-        return leases
-
-    def _observe(self, direction: str, lease_ids: list[int], now: float) -> None:
-        starts = [self._started.pop(lease_id) for lease_id in lease_ids if lease_id in self._started]
+    def _observe(self, direction: str, lease_ids: Sequence[int], now: float) -> None:
+        pop = self._started.pop
+        starts = [start for start in (pop(lease_id, None) for lease_id in lease_ids) if start is not None]
         if starts:
             self._counters.offload_seconds[direction].observe(now - min(starts))

@@ -183,14 +183,15 @@ class TierStore:
         """
         self._leases.check_arena(arena)
         check_blocks(blocks, self.identity.block_size)
-        cpu = self._cpu
+        cpu, counters = self._cpu, self._counters
+        admit = None if self._admission.admit_after == 1 else self._admission.admit  # 1: every block
         wanted: list[int] = []
         for index, meta in enumerate(blocks):
             if meta.block_hash in cpu:
                 cpu.touch(meta.block_hash)
-                self._counters.duplicates += 1
-            elif not self._admission.admit(meta.block_hash):
-                self._counters.not_stored["not_admitted"] += 1
+                counters.duplicates += 1
+            elif admit is not None and not admit(meta.block_hash):
+                counters.not_stored["not_admitted"] += 1
             else:
                 wanted.append(index)
         await self._make_cpu_room(len(wanted))
@@ -202,18 +203,23 @@ class TierStore:
         for index in wanted:
             block_hash = blocks[index].block_hash
             if block_hash in cpu or cpu.is_writing(block_hash):
-                self._counters.duplicates += 1
+                counters.duplicates += 1
             else:
                 fresh.append(index)
         leases = cpu.reserve_many([blocks[index] for index in fresh])
-        grant = self._leases.grant
-        for index, lease in zip(fresh, leases, strict=True):
-            if lease is not None:
-                grants[index] = grant(lease, Medium.CPU, now)
-            elif cpu.is_writing(blocks[index].block_hash):
-                self._counters.duplicates += 1  # the same block earlier in this batch
-            else:
-                self._counters.not_stored["no_free_slot"] += 1
+        granted = self._leases.grant_many([lease for lease in leases if lease is not None], Medium.CPU, now)
+        if len(granted) == len(fresh):  # the common case: every fresh block got a slot
+            for index, slot_grant in zip(fresh, granted, strict=True):
+                grants[index] = slot_grant
+        else:
+            handed = iter(granted)
+            for index, lease in zip(fresh, leases, strict=True):
+                if lease is not None:
+                    grants[index] = next(handed)
+                elif cpu.is_writing(blocks[index].block_hash):
+                    counters.duplicates += 1  # the same block earlier in this batch
+                else:
+                    counters.not_stored["no_free_slot"] += 1
         self._publish()
         return grants
 
@@ -247,9 +253,12 @@ class TierStore:
         check_blocks(blocks, self.identity.block_size)
         cpu, disk = self._cpu, self._disk
         budget = cpu.num_slots - cpu.num_leased_slots
-        found: list[Lease | BlockMeta] = []  # a CPU lease, or a block to read from disk
+        considered = blocks[:budget]
+        # The CPU hits at the front in one pass (a prompt's prefix is usually all in CPU), then block by block.
+        cpu_leases = cpu.acquire_prefix(considered)
+        found: list[Lease | BlockMeta] = list(cpu_leases)  # a CPU lease, or a block to read from disk
         from_disk: list[BlockMeta] = []
-        for meta in blocks[:budget]:
+        for meta in considered[len(found) :]:
             lease = cpu.acquire(meta)
             if lease is not None:
                 found.append(lease)
@@ -259,8 +268,14 @@ class TierStore:
             else:
                 break
         promoted = await self._promote_from_disk(from_disk) if from_disk else {}
-        grants: list[SlotGrant] = []
         now = time.perf_counter()
+        if not from_disk:  # all from CPU: granted as a batch
+            cpu_grants = self._leases.grant_many(cpu_leases, Medium.CPU, now)  # found is cpu_leases
+            if cpu_grants:
+                self._counters.hits[Medium.CPU] += len(cpu_grants)
+            self._publish()
+            return cpu_grants
+        grants: list[SlotGrant] = []
         grant = self._leases.grant
         for position, item in enumerate(found):
             if isinstance(item, Lease):
@@ -323,7 +338,7 @@ class TierStore:
             return
         disk = self._disk
         if disk is None:
-            self._cpu.evict_lru(shortfall, keep=lambda block_hash: False)
+            self._cpu.drop_lru(shortfall)
             return
         # Blocks on disk already are dropped at once; the others are held (read leases) until written.
         writes = self._cpu.evict_lru(shortfall, keep=lambda block_hash: block_hash not in disk)

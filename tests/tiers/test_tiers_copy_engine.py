@@ -58,6 +58,32 @@ def test_spill_and_promote_scattered_batches(slots: SharedSlots) -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("pool_blocks", [100, 400])  # 400 blocks > 1 MiB: the threads' path; 100: copied inline
+def test_runs_of_neighbours_and_a_new_pool_each_call(slots: SharedSlots, pool_blocks: int) -> None:
+    """Runs (rows and slots advancing together) mixed with scattered pairs, through both paths; a second
+    pool tensor -- of the same shape, then another one reshaped -- is copied from its own rows."""
+    engine = CopyEngine(slots.tensor, num_threads=2, pin=False)
+    try:
+        generator = torch.Generator().manual_seed(2)
+        blocks = [5, 6, 7, 40, 2, 3, 90, 91, 92, 93, 11]
+        arena_slots = [10, 11, 12, 0, 30, 31, 50, 51, 52, 53, 63]
+        for round_ in range(3):
+            pool = torch.randn((pool_blocks, *IDENTITY.layout.block_shape), generator=generator)
+            pool = pool.to(IDENTITY.torch_dtype)
+            if round_ == 2:  # the same bytes per block, viewed with another shape
+                pool = pool.view(pool_blocks, -1)
+            order = [row for row in torch.randperm(pool_blocks, generator=generator).tolist() if row not in blocks][:16]
+            engine.spill(pool, blocks + order, arena_slots + list(range(13, 29))).result(timeout=10)
+            target = torch.zeros_like(pool)
+            engine.promote(arena_slots + list(range(13, 29)), target, blocks + order).result(timeout=10)
+            rows = blocks + order
+            assert torch.equal(target[rows], pool[rows])
+            untouched = [row for row in range(pool_blocks) if row not in set(rows)]
+            assert not target[untouched].any()
+    finally:
+        engine.close()
+
+
 def test_bad_batches_raise_before_copying(slots: SharedSlots) -> None:
     engine = CopyEngine(slots.tensor, num_threads=1, pin=False)
     pool = torch.zeros((4, *IDENTITY.layout.block_shape), dtype=IDENTITY.torch_dtype)

@@ -139,6 +139,28 @@ def test_lease_misuse_raises(arena: CpuArena) -> None:
         arena.release(12345)
 
 
+def test_batch_misuse_raises_and_changes_nothing(arena: CpuArena) -> None:
+    metas, _ = make_blocks(3)
+    for index, meta in enumerate(metas[:2]):
+        store(arena, meta, index)
+    reads = arena.acquire_prefix(metas)  # the third is not cached: the prefix ends there
+    assert [lease.meta for lease in reads] == metas[:2]
+    (write,) = arena.reserve_many(metas[2:])
+    assert write is not None
+    with pytest.raises(LeaseError, match="read lease"):
+        arena.commit_many([write.lease_id, reads[0].lease_id])
+    with pytest.raises(LeaseError, match="unknown"):
+        arena.release_many([reads[0].lease_id, 12345])
+    with pytest.raises(LeaseError, match="twice"):
+        arena.release_many([reads[1].lease_id, reads[1].lease_id])
+    arena.check_invariants()
+    assert arena.num_leased_slots == 3 and not arena.take_events()[2:]  # nothing committed
+    arena.commit_many([write.lease_id])
+    arena.release_many([lease.lease_id for lease in reads])
+    assert arena.num_leased_slots == 0 and arena.num_blocks == 3
+    arena.check_invariants()
+
+
 def test_events_carry_tokens_and_parents(arena: CpuArena) -> None:
     metas, _ = make_blocks(2)
     store(arena, metas[0], 0)
@@ -192,9 +214,40 @@ class ArenaMachine(RuleBasedStateMachine):
             if lease is not None:
                 self.cpu.commit(lease.lease_id)
 
+    @rule(indices=st.lists(st.integers(0, 7), max_size=4))
+    def acquire_prefix_and_release(self, indices: list[int]) -> None:
+        metas = [self.blocks[i] for i in indices]
+        leases = self.cpu.acquire_prefix(metas)
+        assert [lease.meta for lease in leases] == metas[: len(leases)]
+        assert len(leases) == len(metas) or metas[len(leases)].block_hash not in self.cpu
+        self.cpu.check_invariants()
+        self.cpu.release_many([lease.lease_id for lease in leases])
+
+    @rule(indices=st.lists(st.integers(0, 7), max_size=4), commit=st.booleans())
+    def reserve_many_then_end_as_batch(self, indices: list[int], commit: bool) -> None:
+        ids = [lease.lease_id for lease in self.cpu.reserve_many([self.blocks[i] for i in indices]) if lease]
+        self.cpu.check_invariants()
+        if ids:
+            with pytest.raises(LeaseError):
+                self.cpu.commit_many([*ids, ids[0]])  # named twice: refused whole
+            self.cpu.check_invariants()
+        if commit:
+            self.cpu.commit_many(ids)
+        else:
+            self.cpu.release_many(ids)
+
     @rule(count=st.integers(1, 3))
     def evict_dropping(self, count: int) -> None:
         assert self.cpu.evict_lru(count, keep=lambda block_hash: False) == []
+
+    @rule(count=st.integers(1, 3))
+    def drop_lru(self, count: int) -> None:
+        lru = self.cpu.lru_hashes()
+        unleased = [h for h in lru if not self.model_pinned.get(self.cpu._index[h], 0)][
+            :count
+        ]  # read leases: the test's
+        assert self.cpu.drop_lru(count) == len(unleased)
+        assert self.cpu.lru_hashes() == [h for h in lru if h not in unleased]
 
     @rule(lease=consumes(leases))
     def finish(self, lease: Lease | None) -> None:

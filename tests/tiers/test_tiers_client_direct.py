@@ -1,0 +1,76 @@
+"""LocalTierClient's direct calls: a store without a disk tier runs on the caller's thread, under a lock."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.tiers.client import LocalTierClient
+from kvstore.tiers.errors import LeaseError, TierUnavailableError
+from kvstore.tiers.link import TierLink
+from tests.tiers.tiers_helpers import IDENTITY, arena_name, linked_tier, make_blocks, promote_all, tier_config
+
+
+def test_direct_calls_answer_at_once_and_keep_their_errors(tmp_path: Path) -> None:
+    metas, _ = make_blocks(4)
+    with linked_tier(tier_config(tmp_path, cpu_blocks=8)) as (client, link):
+        grants = client.reserve(metas, link.slots.incarnation)
+        pending = client.commit_later([g.lease_id for g in grants if g is not None])
+        assert pending.done()  # no hop to the loop: committed when commit_later returns
+        assert pending.result() == 4
+        assert client.lookup([m.block_hash for m in metas]).num_blocks == 4
+        failed = client.release_later([grants[0].lease_id])  # already ended by the commit
+        assert failed.done()
+        with pytest.raises(LeaseError):
+            failed.result()
+        client.check_invariants()
+
+
+def test_a_store_with_a_disk_tier_is_driven_from_its_loop(tmp_path: Path) -> None:
+    metas, _ = make_blocks(2)
+    with linked_tier(tier_config(tmp_path, cpu_blocks=8, disk_blocks=8)) as (client, link):
+        assert not client._direct
+        grants = client.reserve(metas, link.slots.incarnation)
+        assert client.commit_later([g.lease_id for g in grants if g is not None]).result() == 2
+
+
+def test_direct_calls_after_close_find_the_store_closed(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=4), IDENTITY, arena_name=arena_name())
+    client.close()
+    with pytest.raises(TierUnavailableError):
+        client.reserve(make_blocks(1)[0])
+    with pytest.raises(TierUnavailableError):
+        client.commit_later([1]).result()
+    client.close()  # idempotent
+
+
+def test_threads_share_one_client_without_breaking_the_arena(tmp_path: Path) -> None:
+    """Four workers' links on one client, spilling and promoting at once: every byte comes back right."""
+    threads, per_thread, rounds = 4, 6, 20
+    errors: list[BaseException] = []
+    with linked_tier(tier_config(tmp_path, cpu_blocks=threads * per_thread)) as (client, _):
+
+        def work(index: int) -> None:
+            link = TierLink(client, IDENTITY)
+            try:
+                metas, data = make_blocks(per_thread, first_token=index * 10_000, seed=index)
+                for _ in range(rounds):
+                    link.spill(metas, data, range(per_thread))
+                    promoted, rows = promote_all(link, metas)
+                    assert len(promoted.block_ids) == per_thread
+                    assert torch.equal(rows.view(torch.uint8), data.view(torch.uint8))
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                link.close()
+
+        workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=60)
+        assert not errors, errors
+        client.check_invariants()
