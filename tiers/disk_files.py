@@ -77,20 +77,10 @@ def write_block_file(
 
     Raises OSError; the temporary is gone whatever happened.
     """
-    header = encode_header(meta, payload, layout.identity_digest)
-    if direct:
-        head = _header_buffer(len(header))
-        head[:] = header
-    else:
-        head = memoryview(header)
+    head = _header(meta, payload, layout, direct)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o600)
     try:
-        try:
-            write_all(fd, [head, payload])
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_and_close(fd, head, payload, fsync)
         os.replace(temp, final)
     except BaseException:
         remove(temp)
@@ -102,20 +92,28 @@ def overwrite_block_file(
 ) -> None:
     """:func:`write_block_file` into an existing spare file (a retired block's: its blocks are allocated
     already), then rename it to ``final``. Raises OSError; the spare stays where it was then."""
+    head = _header(meta, payload, layout, direct)
+    _write_and_close(os.open(spare, os.O_WRONLY | (os.O_DIRECT if direct else 0)), head, payload, fsync)
+    os.replace(spare, final)
+
+
+def _header(meta: BlockMeta, payload: memoryview, layout: FileLayout, direct: bool) -> memoryview:
+    """The block's checksummed header; in an aligned buffer for O_DIRECT."""
     header = encode_header(meta, payload, layout.identity_digest)
-    if direct:
-        head = _header_buffer(len(header))
-        head[:] = header
-    else:
-        head = memoryview(header)
-    fd = os.open(spare, os.O_WRONLY | (os.O_DIRECT if direct else 0))
+    if not direct:
+        return memoryview(header)
+    head = _header_buffer(len(header))
+    head[:] = header
+    return head
+
+
+def _write_and_close(fd: int, head: memoryview, payload: memoryview, fsync: bool) -> None:
     try:
         write_all(fd, [head, payload])
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(spare, final)
 
 
 def read_block_file(path: Path, meta: BlockMeta, out: memoryview, direct: bool, layout: FileLayout) -> None:
