@@ -200,10 +200,10 @@ class Traffic:
 
 
 def _counters(worker: KVWorker) -> tuple[int, int]:
-    offloader = worker._offloader
-    if offloader is None:
+    state = worker.offload_state()
+    if state is None:
         return 0, 0
-    return offloader.counters.blocks_loaded, offloader.counters.blocks_stored
+    return state.counters.blocks_loaded, state.counters.blocks_stored
 
 
 def _phase(worker: KVWorker, mode: str, traffic: Traffic, args: argparse.Namespace) -> Phase:

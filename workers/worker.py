@@ -71,9 +71,8 @@ from kvstore.worker_api import ChoiceDelta, GenerateRequest, GenerateResult, Mod
 from kvstore.workers.config import WorkerSettings
 from kvstore.workers.device import resolve_device
 from kvstore.workers.kv_tensor_pool import KVTensorPool
-from kvstore.workers.metrics import LoopGauges, WorkerCounters
+from kvstore.workers.metrics import LoopGauges, OffloadState, WorkerCounters
 from kvstore.workers.model_runner import ModelRunner
-from kvstore.workers.offload import Offloader
 from kvstore.workers.offload_backend import NoOffload, OffloadBackend
 from kvstore.workers.offload_slot import OffloadSlot
 from kvstore.workers.output import RequestGroup
@@ -285,6 +284,10 @@ class KVWorker:
             held = self._requests.unfinished_choices()
             assert queued == held, "a queued choice has no request, or an unfinished choice is not queued"
 
+    def offload_state(self) -> OffloadState | None:
+        """The offloader's counters and jobs in flight, read as ``/metrics`` reads them; None without a tier."""
+        return self._offload.state()
+
     def recent_steps(self) -> list[StepRecord]:
         """The last steps that ran work (up to 8192), oldest first: for benchmarks and diagnosis."""
         with self._lock:
@@ -438,11 +441,6 @@ class KVWorker:
         """The publisher's snapshot source: runs on its thread, consistent because we take ``_lock``."""
         with self._lock:
             return Snapshot(self._publisher.last_seq, self.block_pool.snapshot_events())
-
-    @property
-    def _offloader(self) -> Offloader | None:
-        """The attached tier's Offloader, if any (``benchmarks/offload_serving.py`` reads its counters)."""
-        return self._offload.offloader
 
     def _gauges(self) -> LoopGauges:
         return LoopGauges(len(self._scheduler.running), len(self._scheduler.waiting), self._scheduler.num_preemptions)
