@@ -22,9 +22,11 @@ the order sent, so any later call -- this link's, or a lookup -- sees them
 done, and the caller need not sit through a second round trip per call
 (on small blocks that round trip costs more than the copy). Their answers
 are collected by the link's next call (and by :meth:`TierLink.close`); an
-error one of them raised is raised there, so none is lost. A spill counts
-its granted blocks as stored: a commit of live write leases always
-publishes them all.
+error one of them raised is raised there, so none is lost. A caller that
+must know which call failed collects them itself with :meth:`TierLink.settle`
+(the worker's offload thread does, at the end of each store and load). A
+spill counts its granted blocks as stored: a commit of live write leases
+always publishes them all.
 """
 
 from __future__ import annotations
