@@ -273,15 +273,7 @@ class CpuArena:
 
     def commit(self, lease_id: int) -> None:
         """Publish a written slot as the most recently used block; ends the write lease."""
-        lease = self.lease(lease_id)
-        if lease.kind is not LeaseKind.WRITE:
-            raise LeaseError(f"lease {lease_id} is a read lease: release it, only write leases commit")
-        del self._held[lease_id]
-        self._unpin(lease.slot)
-        del self._writing[lease.meta.block_hash]
-        with self._lock:
-            self._index[lease.meta.block_hash] = lease.slot
-        self._events.stored(lease.meta)
+        self.commit_many([lease_id])
 
     def acquire(self, meta: BlockMeta) -> Lease | None:
         """A read lease on the cached block ``meta`` (now most recently used), or None on a miss.
@@ -310,15 +302,7 @@ class CpuArena:
     def release(self, lease_id: int) -> None:
         """End a lease. An uncommitted write lease abandons its slot; the last lease of a
         detached slot frees it."""
-        lease = self.lease(lease_id)
-        del self._held[lease_id]
-        slot = lease.slot
-        self._unpin(slot)
-        if lease.kind is LeaseKind.WRITE:
-            del self._writing[lease.meta.block_hash]
-            self._free_slot(slot)
-        elif self._leases[slot] == 0 and self._index.get(lease.meta.block_hash) != slot:
-            self._free_slot(slot)
+        self.release_many([lease_id])
 
     def evict_lru(self, count: int, keep: Callable[[int], bool] | None = None) -> list[Lease]:
         """Detach up to ``count`` least recently used unleased blocks (BlockRemoved each).
@@ -421,11 +405,6 @@ class CpuArena:
         if self._leases[slot] == 1:
             self._num_leased += 1
         return lease
-
-    def _unpin(self, slot: int) -> None:
-        self._leases[slot] -= 1
-        if self._leases[slot] == 0:
-            self._num_leased -= 1
 
     def _detach(self, block_hash: int, *, locked: bool = False) -> Lease:
         """Take a block out of the index, returning a read lease that keeps its slot (``locked``: the
