@@ -73,6 +73,7 @@ from tqdm import tqdm
 
 from kvstore.benchmarks.figures import pyplot, save_figure
 from kvstore.benchmarks.offload_ttft import TTFTRow, measure_ttft
+from kvstore.deploy.config import load_config
 from kvstore.deploy.model_args import add_model_arguments, model_overrides
 from kvstore.errors import ConfigError
 from kvstore.kv_layout import KVLayout
@@ -85,6 +86,7 @@ from kvstore.tiers.disk_format import header_len
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.link import TierLink
 from kvstore.tiers.shared_memory import SharedSlots
+from kvstore.workers.model_source import describe_model
 
 HEADLINE_SHAPE = "llama-3-8b"
 # The project's bandwidth targets, as a share of the same-run baseline (both directions): shape -> ratio.
@@ -634,6 +636,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(shapes + disk_shapes) - set(SHAPES))
     if unknown:
         raise ConfigError(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    if model_overrides(args):  # a model that cannot load fails now, not after the bandwidth runs
+        describe_model(load_config(overrides=model_overrides(args)).worker, torch.device("cpu"))
     disk_root = Path(args.disk_dir).expanduser()
     try:
         disk_root.mkdir(parents=True, exist_ok=True)

@@ -86,6 +86,14 @@ def test_offload_bench_rejects_bad_flags(tmp_path: Path, flag: str, value: str, 
         args.func(args)
 
 
+def test_a_model_that_cannot_load_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    args = build_parser().parse_args(["bench", "offload", "--model", "/nonexistent/model", "--disk-dir", str(disk)])
+    with pytest.raises(ConfigError, match=r"worker\.model '/nonexistent/model' is not a directory"):
+        args.func(args)
+    assert not disk.exists()  # refused before the bench made its disk directory, let alone measured
+
+
 def test_plot_names_every_series_and_needs_no_ttft(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without TTFT rows the plot has the two bar panels (it once failed: a log axis with no data); every
     series' legend entry says what was measured and what the baseline is."""
