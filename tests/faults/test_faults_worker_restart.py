@@ -66,7 +66,13 @@ def test_a_dead_worker_is_replaced_and_the_router_follows_it(ray_session: Any, r
         assert wait_for(lambda: serves_on(client, victim.name, rng), timeout=20)
         killed_at = time.monotonic()
         ray.kill(victim.handle, no_restart=not restart)
-        assert wait_for(lambda: client.get("/healthz").json()["healthy_replicas"] == 1, timeout=10)
+        # Out of routing -- unless Ray brought a crashed worker back before two failed polls (0.5 s) could
+        # say so, and the supervisor already followed it there: then there was never a dead replica to route
+        # around (seen in a clean CI run; a restart usually takes longer than detection, so both orders happen).
+        assert wait_for(
+            lambda: client.get("/healthz").json()["healthy_replicas"] == 1 or supervisor.restarts_followed == 1,
+            timeout=10,
+        )
         down_s = time.monotonic() - killed_at
         # Meanwhile the survivor serves everything.
         assert all(
