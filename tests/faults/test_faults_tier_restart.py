@@ -88,6 +88,9 @@ def test_a_crashed_tier_actor_is_restarted_and_the_router_follows_it(ray_session
         credited_s = time.monotonic() - crashed_at
         # ...and served: the worker reconnected to the restarted actor and promotes them, exactly.
         assert wait_for(lambda: ray.get(workers[0].handle.health.remote(), timeout=30)["tier_connected"], timeout=30)
+        # The filler's blocks are stored after its answer, through the same 4-slot arena: let those stores land,
+        # or the target's promotion finds the arena's slots taken and brings back only part of its prefix.
+        assert ray.get(workers[0].handle.drain_offload.remote(), timeout=60)
         result = complete(target)
         assert result["choices"][0]["token_ids"] == expected[0]
         assert result["kvstore"]["cached_tokens"]["STORAGE"] == PROMPT_BLOCKS * BLOCK, result["kvstore"]
