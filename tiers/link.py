@@ -17,11 +17,13 @@ lease ids travel to the tier.
 Round trips: a spill waits for one answer (``reserve``) and a promotion
 for one per chunk (``acquire``). The ``commit`` after a spill's copy and the
 ``release`` after a promotion's are sent without waiting
-(``commit_later`` / ``release_later``): the tier runs one client's calls in
-the order sent, so any later call -- this link's, or a lookup -- sees them
-done, and the caller need not sit through a second round trip per call
-(on small blocks that round trip costs more than the copy). Their answers
-are collected by the link's next call (and by :meth:`TierLink.close`); an
+(``commit_later`` / ``release_later``), so the caller need not sit through
+a second round trip per call (on small blocks that round trip costs more
+than the copy). Their answers
+are collected by the link's next call (and by :meth:`TierLink.close`), so
+that call sees them done whatever order an async tier actor runs calls in;
+a promotion in several chunks waits for each chunk's release before it
+asks for the next (its slots are what the next chunk needs); an
 error one of them raised is raised there, so none is lost. A caller that
 must know which call failed collects them itself with :meth:`TierLink.settle`
 (the worker's offload thread does, at the end of each store and load). A
@@ -132,6 +134,10 @@ class TierLink:
         block_ids: list[int] = []
         media: list[Medium] = []
         while len(media) < len(blocks):
+            if media:
+                # The next chunk needs the slots this one's release frees; an async tier actor need not run
+                # a caller's calls in the order sent, so wait for that release before asking again.
+                self.settle()
             grants = self.client.acquire(blocks[len(media) :], self.slots.incarnation)
             if not grants:
                 break
