@@ -20,7 +20,7 @@ uvicorn, with the ``router`` section's limits on what a connection may cost:
 A connection past a deadline gets a 408 (if its request has no response
 yet) and is closed; its request, if the app was already running it, sees
 the disconnect as a client that hung up. The deadlines live on the
-connection (:class:`GuardedH11Protocol`), so they hold whatever the app does,
+connection (:class:`GuardedHttpProtocol`), so they hold whatever the app does,
 with or without an API key.
 """
 
@@ -30,9 +30,8 @@ import asyncio
 import json
 from typing import Any, ClassVar
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvstore.router.config import RouterConfig
 
@@ -40,12 +39,17 @@ _ERROR_TYPES = {408: "RequestTimeoutError", 503: "ServiceUnavailableError"}
 _BACKSTOP_S = 5.0  # after the drain deadline closed the connections, their requests get this long to unwind
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 connection with deadlines on a request's headers and body, and a connection limit.
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools connection with deadlines on a request's headers and body, and a connection limit.
+
+    httptools (llhttp, in C) rather than uvicorn's pure-Python h11: the router relays every chunk of every
+    stream through here, and h11's per-event Python was a large share of what a stream costs it.
 
     A subclass made by :func:`guarded_protocol` sets :attr:`limits`. Phases of a connection: waiting for a
     request's headers (deadline ``header_timeout_s``), reading its body (``body_timeout_s``), then neither
-    while the app answers; after a response, uvicorn's keep-alive timer closes an idle connection.
+    while the app answers; after a response, uvicorn's keep-alive timer closes an idle connection. Where the
+    parser is in the current request (``_reading``) comes from its callbacks: ``idle`` before a request's
+    first byte, ``headers`` from it, ``body`` once the headers are in, ``done`` once the request is.
     """
 
     limits: ClassVar[RouterConfig]
@@ -54,6 +58,7 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None
+        self._reading = "idle"
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -65,6 +70,18 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._follow()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._reading = "headers"
+
+    def on_headers_complete(self) -> None:
+        self._reading = "body"
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._reading = "done"
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -87,15 +104,16 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             self._disarm()
             return
-        state = self.conn.their_state
-        if state is h11.SEND_BODY:
+        reading = self._reading
+        if reading == "body":
             self._arm("body", self.limits.body_timeout_s)
-        elif state is h11.IDLE and (self.cycle is None or self.cycle.response_complete):
-            if self.conn.trailing_data[0]:  # part of a request is here: its headers are due
-                self._arm("headers", self.limits.header_timeout_s)
-            elif self.cycle is not None:
-                self._disarm()  # idle after a response: uvicorn's keep-alive timer closes it
-        else:
+        elif reading == "headers":
+            # Part of a request is here -- the first, or the next on a kept-alive connection: its headers are
+            # due. (While a response is still going out, its successor's bytes wait in the same phase.)
+            self._arm("headers", self.limits.header_timeout_s)
+        elif self.cycle is not None and self.cycle.response_complete:
+            self._disarm()  # idle after a response: uvicorn's keep-alive timer closes it
+        elif reading == "done":
             self._disarm()  # the request is complete: the app is answering
 
     def _arm(self, phase: str, timeout_s: float) -> None:
@@ -138,9 +156,9 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def guarded_protocol(limits: RouterConfig) -> type[GuardedH11Protocol]:
-    """A :class:`GuardedH11Protocol` with ``limits`` (uvicorn builds one per connection)."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+def guarded_protocol(limits: RouterConfig) -> type[GuardedHttpProtocol]:
+    """A :class:`GuardedHttpProtocol` with ``limits`` (uvicorn builds one per connection)."""
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
 
 
 def server_config(app: Any, limits: RouterConfig, **options: Any) -> uvicorn.Config:
