@@ -15,8 +15,10 @@ Two ways to serve a completion, by the kind of fleet:
   (:mod:`kvstore.openai.routing`), and forwarded byte for byte; status,
   body and SSE chunks come back as the replica sent them, and what the
   router adds travels in ``x-kvstore-*`` headers. This path is plain ASGI
-  in front of the app (:mod:`kvstore.router.relay`), off the framework's
-  per-request and per-chunk costs.
+  beside the FastAPI app (:mod:`kvstore.router.relay`): the front
+  (:class:`RouterApp`) sends those requests there, through the request
+  counting and the guard only, off the framework's per-request and
+  per-chunk costs.
 
 Every failure of the router's own is an OpenAI-style error body: 400 for bad
 input, 401 without the configured bearer token, 404 for a model or LoRA
@@ -58,7 +60,7 @@ from kvstore.openai.protocol import (
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.routing import read_for_routing
 from kvstore.router.metrics import RequestCounting
-from kvstore.router.relay import KINDS, Kind, RelayMiddleware
+from kvstore.router.relay import KINDS, Kind, RelayApp
 from kvstore.router.response import kvstore_extras, medium_dict, routing_headers
 from kvstore.router.routing import Prompt
 from kvstore.router.service import RouterService
@@ -72,7 +74,7 @@ def create_app(
     *,
     manage_lifecycle: bool = True,
     tasks: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
-) -> FastAPI:
+) -> RouterApp:
     """Build the app around a service. With ``manage_lifecycle`` the app starts and closes it.
 
     ``tasks`` run on the app's loop from after the service starts until before it closes (a deployer's
@@ -100,9 +102,7 @@ def create_app(
     app = FastAPI(title="kvstore router", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     # Each add wraps the ones before, so the last is outermost: request counting (which then sees the
-    # guard's and the relay's own refusals too), the guard, the relay (the completion routes of an
-    # external fleet), the app.
-    app.add_middleware(RelayMiddleware, service=service)
+    # guard's refusals too), the guard, the app. The relay gets the same two around it (below).
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestCounting, metrics=service.metrics, paths=KINDS)
 
@@ -178,7 +178,32 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    relay = RequestCounting(
+        _Guard(RelayApp(service), api_key=config.api_key, max_body_bytes=config.max_body_bytes),
+        metrics=service.metrics,
+        paths=KINDS,
+    )
+    return RouterApp(app, relay, service)
+
+
+class RouterApp:
+    """The router's ASGI app: completions for an external fleet go to the relay, everything else to FastAPI.
+
+    The relay path (:mod:`kvstore.router.relay`) is the hot one -- every chunk of every stream -- so it
+    runs under the request counting and the guard alone; the FastAPI app (``fastapi``) serves the rest,
+    our workers' completions included, and the lifespan.
+    """
+
+    def __init__(self, fastapi: FastAPI, relay: ASGIApp, service: RouterService) -> None:
+        self.fastapi = fastapi
+        self._relay = relay
+        self._service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in KINDS and scope["method"] == "POST" and self._service.forwards:
+            await self._relay(scope, receive, send)
+        else:
+            await self.fastapi(scope, receive, send)
 
 
 class _Guard:

@@ -5,15 +5,16 @@ and goes to the chosen replica byte for byte; the replica's status, body
 and SSE chunks come back as it sent them, with what the router adds in
 ``x-kvstore-*`` headers (:func:`~kvstore.router.response.routing_headers`).
 
-This runs as plain ASGI in front of the FastAPI app rather than as one of
-its routes: every request and every chunk of every stream passes here, and
-the framework's request handling, response classes and per-chunk send
-wrappers would add a good part of what the router costs a stream's first
-token. What it answers itself: 400 for a body no replica could serve, 413
-for one beyond ``router``'s body bounds (:mod:`kvstore.openai.bounds`), 503
-when no replica can take it (all as OpenAI error bodies). A client that disconnects -- mid-stream, or while a
-plain answer is still being computed -- closes the upstream connection,
-which is how the replica learns to abort.
+This runs as plain ASGI beside the FastAPI app rather than as one of its
+routes (the router's front sends these paths here): every request and every
+chunk of every stream passes here, and the framework's request handling,
+middleware, response classes and per-chunk send wrappers would add a good
+part of what the router costs a stream's first token. What it answers
+itself: 400 for a body no replica could serve, 413 for one beyond
+``router``'s body bounds (:mod:`kvstore.openai.bounds`), 503 when no replica
+can take it (all as OpenAI error bodies). A client that disconnects --
+mid-stream, or while a plain answer is still being computed -- closes the
+upstream connection, which is how the replica learns to abort.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import asyncio
 from typing import Literal
 
 from fastapi import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from kvstore.openai.errors import ApiError
 from kvstore.openai.http import ClientDisconnected, error_response, read_body, until_disconnected
@@ -36,26 +37,26 @@ KINDS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions
 _INLINE_TEXT_BYTES = 2048  # shorter text tokenises faster than a hop to a thread and back
 
 
-class RelayMiddleware:
-    """Serves the completion routes itself while the fleet is external (:attr:`RouterService.forwards`)."""
+class RelayApp:
+    """Serves the completion routes while the fleet is external (:attr:`RouterService.forwards`).
 
-    def __init__(self, app: ASGIApp, *, service: RouterService) -> None:
-        self._app = app
+    An ASGI app of its own, which the router's front (:class:`~kvstore.router.app.RouterApp`) calls for
+    those routes instead of the FastAPI app: nothing of the framework runs per request or per chunk.
+    """
+
+    def __init__(self, service: RouterService) -> None:
         self._service = service
         self._bounds = service.config.router.body_bounds()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = KINDS.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if kind is None or not self._service.forwards:
-            await self._app(scope, receive, send)
-            return
+        kind = KINDS[scope["path"]]
         request = Request(scope, receive)
         try:
             body = await read_body(request, self._bounds)
             prompt, routed = await self._route(body, kind)
             # From here the client may leave at any time -- while a plain answer is being computed too:
             # the relay is then cancelled, which closes the upstream connection.
-            await until_disconnected(request, self._relay(send, prompt, routed, request.scope["path"], body, request))
+            await until_disconnected(request, self._relay(send, prompt, routed, scope["path"], body, request))
         except ApiError as exc:  # raised before anything was sent
             await error_response(exc)(scope, receive, send)
         except ClientDisconnected:
