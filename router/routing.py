@@ -82,10 +82,5 @@ def _block_hashes(hasher: BlockHasher, prompt: Prompt) -> Iterator[int]:
     replica has seen costs one hash rather than one per block -- chained
     hashing is most of what routing a long prompt costs.
     """
-    size = hasher.block_size
-    tokens = prompt.token_ids
-    parent = None
-    for index in range(len(tokens) // size):
-        extra = hasher.extra_keys(index, prompt.lora_name, prompt.cache_salt)
-        parent = hasher.hash_block(parent, tokens[index * size : (index + 1) * size], extra)
-        yield to_external(parent)
+    for digest in hasher.iter_hashes(prompt.token_ids, lora_name=prompt.lora_name, cache_salt=prompt.cache_salt):
+        yield to_external(digest)

@@ -202,3 +202,50 @@ def test_two_processes_compute_identical_hashes() -> None:
         expected = by_hand(fn, "kvstore", list(range(37)), 4, lora="L", salt="S")
         assert results[0][algo]["blocks"] == [h.hex() for h in expected]
         assert len(expected) == 9
+
+
+_BOUNDARIES = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1]
+_TOKEN_IDS = st.one_of(
+    st.sampled_from(_BOUNDARIES),
+    st.integers(min_value=0, max_value=200_000),
+    st.integers(min_value=-(2**70), max_value=2**70),  # negatives and bignums take cbor2's path
+)
+_EXTRA_KEYS = st.one_of(
+    st.none(),
+    st.just((("lora", "adapter", LORA_PATH),)),
+    st.tuples(st.tuples(st.just("cache_salt"), st.text(max_size=40))),
+    st.lists(st.one_of(st.integers(), st.text(max_size=5)), max_size=3).map(lambda keys: (keys,)),  # unhashable
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(_TOKEN_IDS, max_size=300),
+    extra=_EXTRA_KEYS,
+    parent=st.one_of(st.none(), st.binary(min_size=16, max_size=16), st.binary(min_size=0, max_size=40)),
+    algo=st.sampled_from(["sha256_cbor", "xxh3_128"]),
+)
+def test_a_blocks_bytes_are_cbor2s_canonical_encoding(
+    tokens: list[int], extra: tuple[object, ...] | None, parent: bytes | None, algo: str
+) -> None:
+    # hash_block writes a block's CBOR itself (a table of token encodings): it must be cbor2's to the byte,
+    # for every token id (the table's boundaries, and ids it does not cover), parent length and extra keys.
+    hasher = BlockHasher(algo, "seed", max(1, len(tokens)))  # type: ignore[arg-type]
+    fn = sha256_cbor if algo == "sha256_cbor" else xxh3_cbor
+    expected = fn((hasher.none_hash if parent is None else parent, tuple(tokens), extra))
+    assert hasher.hash_block(parent, tokens, extra) == expected  # type: ignore[arg-type]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.lists(_TOKEN_IDS, max_size=40),
+    size=st.integers(min_value=1, max_value=6),
+    lora=st.one_of(st.none(), st.just("adapter")),
+    salt=st.one_of(st.none(), st.just("tenant")),
+)
+def test_a_chain_with_any_token_ids_is_vllms(tokens: list[int], size: int, lora: str | None, salt: str | None) -> None:
+    # The chain's own fast path (blocks after the first) must agree with the by-hand chain, uncovered ids too.
+    hasher = BlockHasher("sha256_cbor", "seed", size)
+    assert hasher.hash_blocks(tokens, lora_name=lora, cache_salt=salt) == by_hand(
+        sha256_cbor, "seed", tokens, size, lora=lora, salt=salt
+    )
