@@ -23,7 +23,8 @@ Errors: :class:`UpstreamError` when the replica gave no answer -- refused,
 reset or timed out before its status line, or a malformed answer. A reused
 connection the replica had closed meanwhile is retried once on a new one
 (the request never reached the replica). Timeouts: ``connect_s`` to
-connect, ``timeout_s`` for the status line and for each read of the body.
+connect, ``timeout_s`` for the status line and for each read of the body
+(:class:`_Stall`; a read that waits longer fails the body with TimeoutError).
 """
 
 from __future__ import annotations
@@ -164,24 +165,28 @@ class UpstreamPool:
     ) -> AsyncIterator[bytes]:
         reader = connection.reader
         keep = headers.get("connection", "").lower() != "close"
+        stall = _Stall(connection, self._timeout)
+        now = stall.clock
         try:
             if status in (204, 304):
                 pass
             elif "chunked" in headers.get("transfer-encoding", "").lower():
                 while True:
-                    async with asyncio.timeout(self._timeout):
-                        size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
-                        if size == 0:
-                            while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, if any
-                                pass
-                            break
-                        data = await reader.readexactly(size + 2)
+                    stall.reading_since = now()
+                    size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+                    if size == 0:
+                        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, if any
+                            pass
+                        break
+                    data = await reader.readexactly(size + 2)
+                    stall.reading_since = None
                     yield data[:-2]
             elif (length := headers.get("content-length")) is not None:
                 left = int(length)
                 while left > 0:
-                    async with asyncio.timeout(self._timeout):
-                        data = await reader.read(min(left, _READ))
+                    stall.reading_since = now()
+                    data = await reader.read(min(left, _READ))
+                    stall.reading_since = None
                     if not data:
                         raise asyncio.IncompleteReadError(b"", left)
                     left -= len(data)
@@ -189,14 +194,62 @@ class UpstreamPool:
             else:
                 keep = False  # the body ends with the connection
                 while True:
-                    async with asyncio.timeout(self._timeout):
-                        data = await reader.read(_READ)
+                    stall.reading_since = now()
+                    data = await reader.read(_READ)
+                    stall.reading_since = None
                     if not data:
                         break
                     yield data
+            if stall.expired:  # the abort looked like the end of a body that ends with the connection
+                raise TimeoutError(f"no byte of the answer's body for {self._timeout:g} s")
             closer.done = keep
+        except (OSError, asyncio.IncompleteReadError):
+            if stall.expired:
+                raise TimeoutError(f"no byte of the answer's body for {self._timeout:g} s") from None
+            raise
         finally:
+            stall.cancel()
             await closer()
+
+
+class _Stall:
+    """Aborts an answer's connection once one read of its body has waited ``timeout_s``.
+
+    One timer per answer rather than a timeout scope per read: a stream's
+    every chunk is a read, and arming and cancelling a timer each time was a
+    visible share of what relaying a chunk costs. The body's reader marks
+    when a read starts (``reading_since``) and clears it when the read
+    returned -- the time the consumer holds the chunk (a slow client) does not
+    count. The timer, when it fires, re-arms for what is left of the current
+    read's allowance, or aborts the connection: the pending read then fails,
+    and the body raises TimeoutError.
+    """
+
+    __slots__ = ("_handle", "_loop", "_timeout", "_transport", "clock", "expired", "reading_since")
+
+    def __init__(self, connection: _Connection, timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._timeout = timeout_s
+        self._transport = connection.writer.transport
+        self.clock = self._loop.time
+        self.expired = False
+        self.reading_since: float | None = None
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(timeout_s, self._check)
+
+    def _check(self) -> None:
+        since = self.reading_since
+        waited = 0.0 if since is None else self.clock() - since
+        if waited >= self._timeout:
+            self.expired = True
+            self._handle = None
+            self._transport.abort()
+        else:
+            self._handle = self._loop.call_later(self._timeout - waited, self._check)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:

@@ -206,3 +206,53 @@ def test_connections_idle_too_long_are_closed_not_reused() -> None:
             await pool.close()
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        CHUNKED,
+        b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n",  # the body ends with the connection
+    ],
+    ids=["chunked", "content-length", "to-the-end"],
+)
+def test_a_body_that_stalls_times_out_and_a_slow_reader_does_not(head: bytes) -> None:
+    first = b"6\r\ndata: \r\n" if head is CHUNKED else b"data: "
+
+    def stalls(after: bytes) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(head + first)
+            await writer.drain()
+            await asyncio.sleep(after)
+            writer.write(b"3\r\nabc\r\n0\r\n\r\n" if head is CHUNKED else b"abc")
+            await writer.drain()
+            await asyncio.sleep(5)
+
+        return handler
+
+    async def main() -> None:
+        # The replica goes silent mid-body for longer than timeout_s: the body fails as timed out, in time.
+        async with Script(stalls(after=5)) as s:
+            answer = await UpstreamPool(s.url, timeout_s=0.3).post("/x", b"", {})
+            started = asyncio.get_running_loop().time()
+            chunks = []
+            with pytest.raises(TimeoutError, match=r"no byte of the answer's body for 0\.3 s"):
+                async for data in answer.body:
+                    chunks.append(data)
+            waited = asyncio.get_running_loop().time() - started
+            assert chunks == [b"data: "] and 0.25 < waited < 1.0, (chunks, waited)
+        # The replica is prompt but the reader holds each chunk longer than timeout_s: time it holds one does
+        # not count against the replica.
+        async with Script(stalls(after=0.05)) as s:
+            answer = await UpstreamPool(s.url, timeout_s=0.3).post("/x", b"", {})
+            got = b""
+            async for data in answer.body:
+                got += data
+                await asyncio.sleep(0.5)
+                if len(got) == 9:
+                    break
+            assert got == b"data: abc"
+            await answer.close()
+
+    run(main())
