@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import NewType
+from typing import NewType, TypedDict, Unpack
 
 import cbor2
 import xxhash
@@ -114,6 +114,20 @@ def to_external(block_hash: bytes) -> ExternalBlockHash:
     return ExternalBlockHash(int.from_bytes(block_hash, "big") & _LOW_64)
 
 
+class ChainKeys(TypedDict, total=False):
+    """What a request's chain of block hashes depends on besides its tokens.
+
+    ``parent`` must be the hash of block ``start_block - 1`` (None when
+    starting at 0); this lets a caller extend a request's hashes as its
+    tokens grow without rehashing the prefix.
+    """
+
+    lora_name: str | None
+    cache_salt: str | None
+    parent: BlockHash | None
+    start_block: int
+
+
 class BlockHasher:
     """Computes chained block hashes for one cache identity (algorithm + seed).
 
@@ -160,27 +174,12 @@ class BlockHasher:
             return self.hash_value((parent_hash, tuple(token_ids), extra_keys))
         return BlockHash(self._digest(encoded))
 
-    def hash_blocks(
-        self,
-        token_ids: Sequence[int],
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-        parent: BlockHash | None = None,
-        start_block: int = 0,
-    ) -> list[BlockHash]:
-        """Hashes of the full blocks of ``token_ids`` from ``start_block`` on.
+    def hash_blocks(self, token_ids: Sequence[int], **chain: Unpack[ChainKeys]) -> list[BlockHash]:
+        """Hashes of the full blocks of ``token_ids`` from ``start_block`` on (:class:`ChainKeys`).
 
-        ``parent`` must be the hash of block ``start_block - 1`` (None when
-        starting at 0); this lets a caller extend a request's hashes as its
-        tokens grow without rehashing the prefix. A trailing partial block is
-        never hashed.
+        A trailing partial block is never hashed.
         """
-        return list(
-            self.iter_hashes(
-                token_ids, lora_name=lora_name, cache_salt=cache_salt, parent=parent, start_block=start_block
-            )
-        )
+        return list(self.iter_hashes(token_ids, **chain))
 
     def iter_hashes(
         self,
