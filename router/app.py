@@ -44,11 +44,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvstore.openai.errors import ApiError, model_not_found
-from kvstore.openai.http import ClientDisconnected, error_response, read_body, respond, until_disconnected
+from kvstore.openai.http import (
+    ClientDisconnected,
+    answer_errors_openai_style,
+    error_response,
+    read_body,
+    respond,
+    until_disconnected,
+)
 from kvstore.openai.protocol import (
     ParsedRequest,
     check_served,
@@ -106,13 +112,7 @@ def create_app(
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestCounting, metrics=service.metrics, paths=KINDS)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(ApiError(exc.status_code, str(exc.detail)))
+    answer_errors_openai_style(app)
 
     async def completion(request: Request, kind: Kind) -> Response:
         body = await read_body(request, bounds)

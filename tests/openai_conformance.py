@@ -115,6 +115,13 @@ def unknown_model_is_404(base_url: str, model: str) -> None:
         raise AssertionError("an unknown model must be a 404")
     response = httpx.get(f"{base_url}/v1/models/{model}-nope")
     assert response.status_code == 404 and response.json()["error"]["type"] == "NotFoundError"
+    # The framework's own errors carry the same shape: an unknown path, a wrong method.
+    for status, response in (
+        (404, httpx.post(f"{base_url}/v1/responses", json={"model": model})),
+        (405, httpx.get(f"{base_url}/v1/completions")),
+    ):
+        error = response.json().get("error")
+        assert response.status_code == status and error and error["code"] == status, (response, response.text)
 
 
 def unsupported_fields_are_named(base_url: str, model: str) -> None:

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvstore.errors import InvalidRequestError
 from kvstore.openai.bounds import BodyBounds
 from kvstore.openai.errors import ApiError, model_not_found
-from kvstore.openai.http import error_response, model_card, read_body, respond
+from kvstore.openai.http import answer_errors_openai_style, error_response, model_card, read_body, respond
 from kvstore.openai.protocol import (
     ModelLimits,
     ParsedRequest,
@@ -52,9 +52,7 @@ def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None) -> 
     tokenizer = worker.tokenizer
     app = FastAPI(title=f"kvstore worker {worker.name}", docs_url=None, redoc_url=None)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc)
+    answer_errors_openai_style(app)
 
     async def serve(request: Request, parsed: ParsedRequest, prefix: str) -> Response:
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"

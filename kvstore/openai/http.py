@@ -20,8 +20,9 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvstore.openai.bounds import BodyBounds, check_body
@@ -123,6 +124,22 @@ async def _events(builder: ResponseBuilder, chunks: AsyncGenerator[StreamChunk, 
 
 def error_response(exc: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def answer_errors_openai_style(app: FastAPI) -> None:
+    """Every error ``app`` answers gets the OpenAI error body (as vLLM's server does): an ApiError a route
+    raises, and the framework's own -- an unknown path's 404, a wrong method's 405."""
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(ApiError(exc.status_code, str(exc.detail)), headers=exc.headers)
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
 
 def model_card(name: str, max_context: int | None, owned_by: str = "kvstore") -> dict[str, Any]:
