@@ -119,9 +119,11 @@ class RayActorBackend:
         import ray.exceptions
 
         try:
-            polled: tuple[WorkerLoad, bytes] = await asyncio.wait_for(
-                asyncio.gather(self._handle.load.remote(), self._handle.metrics_text.remote()), 5.0
-            )
+            both = asyncio.gather(self._handle.load.remote(), self._handle.metrics_text.remote())
+            # A poll cancelled mid-flight (the router stopping) ends the gather with a CancelledError that
+            # wait_for never reads; read it here, or asyncio logs it as never retrieved.
+            both.add_done_callback(lambda done: done.cancelled() or done.exception())
+            polled: tuple[WorkerLoad, bytes] = await asyncio.wait_for(both, 5.0)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise ReplicaUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from None
         load, page = polled
