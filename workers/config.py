@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar, cast
+from typing import Annotated, Any, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -61,6 +61,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Requests running (holding blocks) at once."""
     max_num_batched_tokens: PositiveInt = 2048
     """Tokens computed per step; longer prefills are chunked."""
+    offload_wait_s: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
+    """How long a request waits for the node's tier (its lookup and the copy of its hit) before it gives up
+    and recomputes; while a tier call has waited this long, no new lookups queue behind it."""
 
     def __post_init__(self) -> None:
         if self.model and self.shape:

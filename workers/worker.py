@@ -164,7 +164,7 @@ class KVWorker:
 
     # ------------------------------------------------------------ the tier seam
 
-    def attach_offload(self, backend: OffloadBackend, *, wait_s: float = 2.0) -> None:
+    def attach_offload(self, backend: OffloadBackend, *, wait_s: float | None = None) -> None:
         """Plug a lower tier in: the ONE place that wires the pool's eviction hook and the admission step.
 
         An :class:`~kvstore.workers.offload.Offloader` over ``backend`` (one
@@ -172,9 +172,11 @@ class KVWorker:
         scheduler's admission step (:mod:`kvstore.workers.offload_slot`; contracts in
         :mod:`kvstore.workers.offload`);
         :class:`NoOffload` detaches any tier. An admission waits at most ``wait_s``
-        for the tier's answer and its copy, then recomputes. Replaces the tier attached before,
-        waiting for the jobs it has running; takes effect from the next step.
+        (default ``worker.offload_wait_s``) for the tier's answer and its copy, then recomputes.
+        Replaces the tier attached before, waiting for the jobs it has running; takes effect from the
+        next step.
         """
+        wait_s = self.config.worker.offload_wait_s if wait_s is None else wait_s
         with self._step_lock, self._lock:
             if self._offload.attach(backend, wait_s):
                 self._publish_pending()  # loads the old tier finished registered blocks

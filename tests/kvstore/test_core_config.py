@@ -108,6 +108,7 @@ def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
         ({"env": {"KVSTORE_POOL__NUM_BLOCKS": "-1"}}, r"pool\.num_blocks"),
         ({"overrides": ["cache=1"]}, r"field cache\b"),
         ({"overrides": ["events.buffer_bytes=0"]}, r"events\.buffer_bytes.*>= 1"),
+        ({"overrides": ["worker.offload_wait_s=0"]}, r"worker\.offload_wait_s.*> 0"),
         ({"env": {"KVSTORE_EVENTS__BUFFER_BYTES": "lots"}}, r"events\.buffer_bytes.*int"),
         ({"overrides": ['events.curve_allowed_client_keys=["' + "k" * 40 + '"]']}, r"needs CURVE on"),
     ],

@@ -109,8 +109,9 @@ def test_a_slow_or_failing_load_recomputes_and_frees_its_blocks(
     reference: Reference, fault: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = GatedTier()
-    worker = KVWorker("faulty", make_config(num_blocks=24))
-    worker.attach_offload(tier, wait_s=0.2 if fault == "slow" else 30.0)
+    # The slow case waits worker.offload_wait_s (the config's, not an argument) before it gives up.
+    worker = KVWorker("faulty", make_config(num_blocks=24, offload_wait_s=0.2 if fault == "slow" else 30.0))
+    worker.attach_offload(tier)
     try:
         rng = random.Random(6)
         doc = evicted_doc(worker, rng)
@@ -131,6 +132,27 @@ def test_a_slow_or_failing_load_recomputes_and_frees_its_blocks(
             assert "injected load fault" in caplog.text  # a fault, not an outage: logged with its traceback
         worker.check_invariants()  # the load's blocks were freed (the filled ones stay cached, valid)
         assert worker.load().num_free_blocks == 24
+    finally:
+        tier.gate.set()
+        worker.shutdown()
+
+
+def test_a_load_slower_than_the_default_wait_is_awaited_under_a_longer_offload_wait_s(reference: Reference) -> None:
+    # worker.offload_wait_s = 30: a load that answers after 2.5 s (past the 2 s default) is still a CPU hit.
+    tier = GatedTier()
+    worker = KVWorker("patient", make_config(num_blocks=24, offload_wait_s=30.0))
+    worker.attach_offload(tier)
+    try:
+        doc = evicted_doc(worker, random.Random(8))
+        request = GenerateRequest([*doc, 9, 9], 3)
+        tier.gate.clear()
+        opener = threading.Timer(2.5, tier.gate.set)
+        opener.start()
+        result = worker.generate(request)
+        assert result.output_token_ids == reference(request)
+        assert result.cached_tokens_by_medium["CPU"] > 0
+        assert metric(worker, "kvstore_worker_offload_gave_up_total") == 0.0
+        worker.check_invariants()
     finally:
         tier.gate.set()
         worker.shutdown()
