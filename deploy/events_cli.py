@@ -16,15 +16,13 @@ import argparse
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import IO
 
 import msgspec
-import zmq.auth
 
 from kvstore.errors import ConfigError, EventDecodeError
 from kvstore.events import EventBatch
-from kvstore.subscriber import CurveKeyPair, EventListener
+from kvstore.subscriber import EventListener, load_client_cert
 
 
 class JsonLinesSink:
@@ -65,25 +63,13 @@ def _check_endpoint(value: str, flag: str) -> str:
     return value
 
 
-def load_client_cert(path: str) -> CurveKeyPair:
-    """The key pair in a secret certificate file (``zmq.auth.create_certificates``'s ``*.key_secret``)."""
-    if not Path(path).is_file():
-        raise ConfigError(f"--curve-client-cert: no file {path}")
-    try:
-        public, secret = zmq.auth.load_certificate(path)
-    except ValueError as exc:
-        raise ConfigError(f"--curve-client-cert: {path} is not a CURVE certificate: {exc}") from None
-    if secret is None:
-        raise ConfigError(f"--curve-client-cert: {path} holds no secret key (give the .key_secret file)")
-    return CurveKeyPair(public.decode(), secret.decode())
-
-
 def run(args: argparse.Namespace) -> int:
     endpoint = _check_endpoint(args.endpoint, "--endpoint")
     replay = _check_endpoint(args.replay_endpoint, "--replay-endpoint") if args.replay_endpoint else None
     if args.count is not None and args.count < 1:
         raise ConfigError("--count must be >= 1")
-    client_keys = None if args.curve_client_cert is None else load_client_cert(args.curve_client_cert)
+    cert = args.curve_client_cert
+    client_keys = None if cert is None else load_client_cert(cert, field="--curve-client-cert")
     sink = JsonLinesSink(sys.stdout, args.count)
     listener = EventListener(sink, on_decode_error=sink.decode_error)
     listener.add_producer(

@@ -42,6 +42,7 @@ from kvstore.openai.protocol import ModelLimits
 from kvstore.openai.tokenizer import load_tokenizer
 from kvstore.router.backends import RayActorBackend
 from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
+from kvstore.subscriber import CurveKeyPair, load_client_cert
 from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name, tier_arena_name
 from kvstore.tiers.shared_memory import reclaim_dead_arenas
 from kvstore.workers.actor import KVWorkerActor, routable_endpoint, worker_actor_options
@@ -158,6 +159,7 @@ def launch(config: Config, *, address: str | None = None, num_workers: int | Non
     Whatever fails or is interrupted (KeyboardInterrupt, or any exception a signal handler raises) is torn
     down before the exception leaves: the actors placed so far, and Ray itself when this call started it.
     """
+    router_curve(config)  # a router that could not hear its publishers is refused before anything starts
     owns_ray = start_ray(address)  # cleans up after itself if it fails
     local_node: str | None = None
     tiers: dict[str, PlacedTier] = {}
@@ -342,9 +344,7 @@ def build_service(
     tokenizer = load_tokenizer(config.router.tokenizer or config.worker.model)
     service = RouterService(config, tokenizer, limits, model_name=info.model_name)
     for tier in (tiers or {}).values():
-        producer = ProducerSpec(
-            f"tier-{tier.node[:12]}", tier.endpoint, tier.replay_endpoint, curve_server_key=curve_server_key(config)
-        )
+        producer = _producer(f"tier-{tier.node[:12]}", tier.endpoint, tier.replay_endpoint, config)
         service.add_tier_producer(tier.node, producer, locate=_tier_locator(tier))
         service.add_metrics_source(producer.name, _tier_text_fetcher(tier.node))
     for worker in workers:
@@ -385,17 +385,42 @@ def _tier_text_fetcher(node: str) -> Callable[[], Awaitable[str]]:
     return fetch
 
 
-def curve_server_key(config: Config) -> str | None:
-    """The key the router must present to the deployment's publishers: they all run with ``config.events``."""
-    return config.events.curve_public_key or None
+class RouterCurve(NamedTuple):
+    """How the router subscribes to the deployment's publishers (they all run with ``config.events``)."""
+
+    server_key: str | None
+    client_keys: CurveKeyPair | None
+
+
+def router_curve(config: Config) -> RouterCurve:
+    """The publishers' key and the router's own key pair (``router.curve_client_cert``).
+
+    With an allow-list (``events.curve_allowed_client_keys``) the router is one of the subscribers it must
+    list: without a listed certificate it would hear nothing and route blind, so that is a ConfigError.
+    """
+    server_key = config.events.curve_public_key or None
+    cert = config.router.curve_client_cert
+    keys = load_client_cert(cert, field="router.curve_client_cert") if cert else None
+    if keys is not None and server_key is None:
+        raise ConfigError("router.curve_client_cert is set but the events run without CURVE (events.curve_public_key)")
+    allowed = config.events.curve_allowed_client_keys
+    if allowed and (keys is None or keys.public not in allowed):
+        raise ConfigError(
+            "events.curve_allowed_client_keys admits only the listed subscribers, and the router is one: set "
+            "router.curve_client_cert to a certificate whose public key is listed, or it would route blind"
+        )
+    return RouterCurve(server_key, keys)
+
+
+def _producer(name: str, endpoint: str, replay: str | None, config: Config) -> ProducerSpec:
+    curve = router_curve(config)
+    return ProducerSpec(name, endpoint, replay, curve_server_key=curve.server_key, curve_client_keys=curve.client_keys)
 
 
 def replica_spec(worker: PlacedWorker, config: Config) -> ReplicaSpec:
     """The router's view of a placed worker: waits bounded by ``router.request_timeout_s``, CURVE as configured."""
     backend = RayActorBackend(worker.name, worker.handle, timeout_s=config.router.request_timeout_s)
-    producer = ProducerSpec(
-        f"{worker.name}/gpu", worker.endpoint, worker.replay_endpoint, curve_server_key=curve_server_key(config)
-    )
+    producer = _producer(f"{worker.name}/gpu", worker.endpoint, worker.replay_endpoint, config)
     return ReplicaSpec(worker.name, worker.node, backend, producer)
 
 

@@ -21,6 +21,7 @@ from kvstore.openai.tokenizer import load_tokenizer
 from kvstore.router.app import create_app
 from kvstore.router.backends import HttpBackend
 from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
+from kvstore.subscriber import load_client_cert
 
 
 def build_router(config: Config) -> RouterService:
@@ -43,11 +44,16 @@ def build_router(config: Config) -> RouterService:
     # No tokenizer: token-id prompts only (a text prompt is refused, naming router.tokenizer).
     tokenizer = load_tokenizer(config.router.tokenizer) if config.router.tokenizer else None
     service = RouterService(config, tokenizer, limits)
+    cert = config.router.curve_client_cert
+    client_keys = load_client_cert(cert, field="router.curve_client_cert") if cert else None
+    if client_keys is not None and not any(r.curve_server_key for r in replicas):
+        raise ConfigError("router.curve_client_cert is set but no [[router.replicas]] has a curve_server_key")
     for r in replicas:
         backend = HttpBackend(r.name, r.url, model=r.model, timeout_s=config.router.request_timeout_s)
         events = ProducerSpec(
-            f"{r.name}/events", r.events, r.replay, rekey=r.rekey, curve_server_key=r.curve_server_key
-        )
+            f"{r.name}/events", r.events, r.replay, rekey=r.rekey, curve_server_key=r.curve_server_key,
+            curve_client_keys=client_keys if r.curve_server_key else None,
+        )  # fmt: skip
         service.add_replica(ReplicaSpec(r.name, r.node, backend, events))
     return service
 

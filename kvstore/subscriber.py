@@ -37,12 +37,14 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import zmq
+import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
@@ -66,6 +68,22 @@ class CurveKeyPair(NamedTuple):
 
     public: str
     secret: str
+
+
+def load_client_cert(path: str, *, field: str) -> CurveKeyPair:
+    """The key pair in a secret certificate file (``zmq.auth.create_certificates``'s ``*.key_secret``).
+
+    ``field`` names where the path came from (a flag, a config field), for the ConfigError a bad file gets.
+    """
+    if not os.path.isfile(path):
+        raise ConfigError(f"{field}: no file {path}")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except ValueError as exc:
+        raise ConfigError(f"{field}: {path} is not a CURVE certificate: {exc}") from None
+    if secret is None:
+        raise ConfigError(f"{field}: {path} holds no secret key (give the .key_secret file)")
+    return CurveKeyPair(public.decode(), secret.decode())
 
 
 def _is_z85_key(key: str) -> bool:

@@ -124,6 +124,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     backend takes it: our Ray workers and external HTTP servers."""
     replicas: list[ExternalReplica] = msgspec.field(default_factory=list)
     """External OpenAI-compatible replicas (``kvstore router``); ``kvstore serve`` places its own."""
+    curve_client_cert: str = ""
+    """A ZeroMQ secret certificate (``zmq.auth.create_certificates``' ``.key_secret`` file) with the key pair
+    the router presents to CURVE event publishers: needed when they admit only listed clients
+    (``events.curve_allowed_client_keys``); list its public key there. Empty: a key pair made at start."""
 
     def body_bounds(self) -> BodyBounds:
         """What one request body may hold, for every HTTP front the config starts."""

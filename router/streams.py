@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvstore.subscriber import EventListener
+from kvstore.subscriber import CurveKeyPair, EventListener
 
 
 class ProducerSpec(NamedTuple):
@@ -12,6 +12,8 @@ class ProducerSpec(NamedTuple):
 
     ``curve_server_key``: the publisher's CURVE public key (Z85) when it runs with CURVE
     (``events.curve_public_key`` of its config); None for a plain publisher.
+    ``curve_client_keys``: the key pair the router presents to it (``router.curve_client_cert``), for a
+    publisher that admits only listed clients; None: one made once by the listener.
     """
 
     name: str
@@ -20,6 +22,7 @@ class ProducerSpec(NamedTuple):
     rekey: bool = False
     topic: str = ""
     curve_server_key: str | None = None
+    curve_client_keys: CurveKeyPair | None = None
 
 
 def subscribe(listener: EventListener, producer: ProducerSpec) -> None:
@@ -30,4 +33,5 @@ def subscribe(listener: EventListener, producer: ProducerSpec) -> None:
         producer.replay_endpoint,
         topic=producer.topic,
         curve_server_key=producer.curve_server_key,
+        curve_client_keys=producer.curve_client_keys,
     )

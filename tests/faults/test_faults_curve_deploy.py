@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,29 +20,44 @@ import msgspec
 import pytest
 import ray
 import zmq
+import zmq.auth
 from faults_helpers import BLOCK, tokens, wait_for
 
 from kvstore.cli import main
 from kvstore.deploy.config import config_from_dict, load_config
-from kvstore.deploy.launcher import build_service, place_workers
+from kvstore.deploy.launcher import build_service, launch, place_workers, router_curve
 from kvstore.deploy.router_cli import build_router
 from kvstore.errors import ConfigError
 from kvstore.router.app import create_app
 from tests.http_servers import ServerThread
 
 
+def router_cert(tmp_path: Path) -> tuple[str, Path]:
+    """A certificate pair as zmq.auth writes it: the public key, and the secret file the router is given."""
+    public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "router")
+    public, _ = zmq.auth.load_certificate(public_file)
+    return public.decode(), Path(secret_file)
+
+
 @pytest.mark.ray
+@pytest.mark.parametrize("allow_list", [False, True], ids=["any-client", "allow-list"])
 def test_serve_deployment_with_curve_routes_on_its_events_and_tail_needs_the_key(
-    ray_session: Any, capsys: pytest.CaptureFixture[str]
+    ray_session: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path, allow_list: bool
 ) -> None:
     public, secret = (key.decode() for key in zmq.curve_keypair())
+    router_public, router_secret_file = router_cert(tmp_path)
+    events: dict[str, Any] = {"curve_secret_key": secret, "curve_public_key": public}
+    router: dict[str, Any] = {"health_interval_s": 0.2}
+    if allow_list:  # only the router's key is listed: it must present it (router.curve_client_cert)
+        events["curve_allowed_client_keys"] = [router_public]
+        router["curve_client_cert"] = str(router_secret_file)
     config = config_from_dict(
         {
             "cache": {"block_size": BLOCK},
             "pool": {"num_blocks": 128},
-            "events": {"curve_secret_key": secret, "curve_public_key": public},
+            "events": events,
             "worker": {"device": "cpu"},
-            "router": {"health_interval_s": 0.2},
+            "router": router,
             "tiers": {"enabled": False},
         }
     )
@@ -63,7 +79,12 @@ def test_serve_deployment_with_curve_routes_on_its_events_and_tail_needs_the_key
 
         endpoint, replay = worker.endpoint, worker.replay_endpoint
         tail = ["events", "tail", "--endpoint", endpoint, "--replay-endpoint", replay]
-        assert main([*tail, "--curve-server-key", public, "--count", "1", "--duration", "20"]) == 0
+        keyed = [*tail, "--curve-server-key", public]
+        if allow_list:
+            assert main([*keyed, "--duration", "1.5"]) == 0  # the server's key, but an unlisted client: nothing
+            assert capsys.readouterr().out == ""
+            keyed += ["--curve-client-cert", str(router_secret_file)]
+        assert main([*keyed, "--count", "1", "--duration", "20"]) == 0
         (line,) = capsys.readouterr().out.splitlines()
         assert json.loads(line)["type"] == "BlockStored"
         assert main([*tail, "--duration", "1.5"]) == 0  # no key: the handshake never completes, nothing arrives
@@ -90,3 +111,48 @@ def test_router_replicas_take_a_curve_key_and_reject_a_bad_one() -> None:
         config_from_dict({**base, "router": {**base["router"], "replicas": [{**replica, "curve_server_key": "x"}]}})
     with pytest.raises(ConfigError, match="curve_server_key"):
         load_config(env={}, overrides=['router.replicas=[{name="a", url="u", events="e", curve_server_key="short"}]'])
+
+
+def test_an_allow_list_without_the_routers_certificate_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    public, secret = (key.decode() for key in zmq.curve_keypair())
+    router_public, router_secret_file = router_cert(tmp_path)
+    other_public, _ = (key.decode() for key in zmq.curve_keypair())
+    curve = {"curve_secret_key": secret, "curve_public_key": public}
+
+    def config(events: dict[str, Any], router: dict[str, Any]) -> Any:
+        return config_from_dict({"events": events, "router": router, "tiers": {"enabled": False}})
+
+    cases = [
+        ({**curve, "curve_allowed_client_keys": [router_public]}, {}, "set router.curve_client_cert"),
+        (
+            {**curve, "curve_allowed_client_keys": [other_public]},  # the router's key is not the listed one
+            {"curve_client_cert": str(router_secret_file)},
+            "whose public key is listed",
+        ),
+        ({}, {"curve_client_cert": str(router_secret_file)}, "events run without CURVE"),
+        (curve, {"curve_client_cert": str(tmp_path / "missing.key_secret")}, "router.curve_client_cert: no file"),
+        (curve, {"curve_client_cert": str(tmp_path / "router.key")}, "holds no secret key"),
+    ]
+    for events, router, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            launch(config(events, router))  # refused before Ray or any actor starts
+    keys = router_curve(config({**curve, "curve_allowed_client_keys": [router_public]}, {
+        "curve_client_cert": str(router_secret_file)}))  # fmt: skip
+    assert keys.server_key == public and keys.client_keys is not None and keys.client_keys.public == router_public
+
+
+def test_kvstore_router_presents_its_certificate_to_curve_replicas_only(tmp_path: Path) -> None:
+    public, _ = (key.decode() for key in zmq.curve_keypair())
+    router_public, router_secret_file = router_cert(tmp_path)
+    base = msgspec.to_builtins(config_from_dict({}))
+    curved = {"name": "a", "url": "http://127.0.0.1:9", "events": "tcp://127.0.0.1:9", "curve_server_key": public}
+    plain = {"name": "b", "url": "http://127.0.0.1:9", "events": "tcp://127.0.0.1:8"}
+    router = {**base["router"], "curve_client_cert": str(router_secret_file)}
+    service = build_router(config_from_dict({**base, "router": {**router, "replicas": [curved, plain]}}))
+    try:
+        keys = {name: service._replicas[name].spec.events.curve_client_keys for name in ("a", "b")}
+        assert keys["a"] is not None and keys["a"].public == router_public and keys["b"] is None
+    finally:
+        service.listener.close()
+    with pytest.raises(ConfigError, match=r"no \[\[router\.replicas\]\] has a curve_server_key"):
+        build_router(config_from_dict({**base, "router": {**router, "replicas": [plain]}}))
