@@ -219,9 +219,7 @@ class CpuArena:
                 del writing[lease.meta.block_hash]
                 index[lease.meta.block_hash] = slot
         self._num_leased -= unpinned
-        stored = self._events.stored
-        for lease in leases:
-            stored(lease.meta)
+        self._events.stored_many([lease.meta for lease in leases])
         return leases
 
     def acquire_prefix(self, metas: Sequence[BlockMeta]) -> list[Lease]:
@@ -230,6 +228,11 @@ class CpuArena:
         Stops before the first block that is not a clean hit: a miss, or a hash collision, which is
         left to the caller's :meth:`acquire` of that block to count (so it is counted once).
         """
+        return self.lease_matched(self.match_prefix(metas))
+
+    def match_prefix(self, metas: Sequence[BlockMeta]) -> list[tuple[int, BlockMeta]]:
+        """(slot, stored meta) of the longest prefix of ``metas`` cached here with equal tokens and
+        parent; changes nothing (:meth:`lease_matched` leases them)."""
         index, slot_meta = self._index, self._meta
         found: list[tuple[int, BlockMeta]] = []
         for meta in metas:
@@ -241,10 +244,15 @@ class CpuArena:
             if stored.token_ids != meta.token_ids or stored.parent_hash != meta.parent_hash:
                 break
             found.append((slot, stored))
+        return found
+
+    def lease_matched(self, found: Sequence[tuple[int, BlockMeta]]) -> list[Lease]:
+        """Read leases on blocks :meth:`match_prefix` just found (nothing changed in between), now
+        most recently used."""
         if not found:
             return []
         with self._lock:
-            move = index.move_to_end
+            move = self._index.move_to_end
             for _, stored in found:
                 move(stored.block_hash)
         grant, read = self._grant, LeaseKind.READ
@@ -353,10 +361,8 @@ class CpuArena:
             for meta in metas:
                 assert meta is not None
                 pop(meta.block_hash)
-        removed = self._events.removed
-        for slot, meta in zip(victims, metas, strict=True):
-            assert meta is not None
-            removed(meta)
+        self._events.removed_many(metas)  # type: ignore[arg-type]  # not None: asserted above
+        for slot in victims:
             slot_meta[slot] = None  # unleased (checked above): free at once
         self._free.extend(victims)
         self.num_evictions += len(victims)
@@ -371,6 +377,10 @@ class CpuArena:
 
     def take_events(self) -> list[KVEvent]:
         return self._events.take()
+
+    def discard_events(self) -> int:
+        """Forget the events recorded since the last take (the owner publishes nowhere)."""
+        return self._events.discard()
 
     def snapshot_events(self) -> list[BlockStored]:
         """Every cached block as a BlockStored (medium CPU). Safe from another thread."""

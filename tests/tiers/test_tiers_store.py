@@ -349,6 +349,28 @@ def test_callers_mistakes_raise_typed_errors(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_acquire_checks_the_tokens_of_unmatched_blocks_before_any_lease(tmp_path: Path) -> None:
+    """A promotion skips the token-range pass for blocks equal to stored ones (checked when stored); a bad
+    block after a matched prefix still raises, and before the prefix is leased."""
+
+    async def scenario() -> None:
+        async with new_store(tier_config(tmp_path, cpu_blocks=4)) as store:
+            metas, _ = make_blocks(3)
+            grants = await store.reserve(metas[:2])
+            await store.commit([grant.lease_id for grant in grants if grant is not None])
+            bad = BlockMeta(metas[2].block_hash, metas[2].parent_hash, (*metas[2].token_ids[:-1], -1))
+            before = store.cpu.lru_hashes()
+            with pytest.raises(InvalidBlockError, match="token id"):
+                await store.acquire([*metas[:2], bad])
+            assert store.cpu.num_leased_slots == 0 and store.cpu.lru_hashes() == before  # nothing changed
+            held = await store.acquire(metas)  # the good third block is a miss, not an error
+            assert len(held) == 2
+            store.release([grant.lease_id for grant in held])
+            store.check_invariants()
+
+    asyncio.run(scenario())
+
+
 def test_cpu_capacity_below_one_block_is_a_config_error(tmp_path: Path) -> None:
     config = tier_config(tmp_path, cpu_blocks=1)
     with pytest.raises(ConfigError, match="smaller than one block"):
