@@ -137,6 +137,11 @@ class CpuArena:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._index
 
+    def held_among(self, block_hashes: Sequence[int], *, writing: bool = False) -> set[int]:
+        """Which of ``block_hashes`` are cached here (``writing``: or being written), by set operations."""
+        held = self._index.keys() & block_hashes
+        return held | (self._writing.keys() & block_hashes) if writing else held
+
     def is_writing(self, block_hash: int) -> bool:
         return block_hash in self._writing
 

@@ -187,27 +187,27 @@ class TierStore:
         check_blocks(blocks, self.identity.block_size)
         cpu, counters = self._cpu, self._counters
         admit = None if self._admission.admit_after == 1 else self._admission.admit  # 1: every block
-        wanted: list[int] = []
-        for index, meta in enumerate(blocks):
-            if meta.block_hash in cpu:
-                cpu.touch(meta.block_hash)
-                counters.duplicates += 1
-            elif admit is not None and not admit(meta.block_hash):
-                counters.not_stored["not_admitted"] += 1
-            else:
-                wanted.append(index)
+        held = cpu.held_among([meta.block_hash for meta in blocks])  # one set operation, not a call per block
+        if not held and admit is None:  # the common case: every block is new
+            wanted = list(range(len(blocks)))
+        else:
+            wanted = []
+            for index, meta in enumerate(blocks):
+                if meta.block_hash in held:
+                    cpu.touch(meta.block_hash)
+                    counters.duplicates += 1
+                elif admit is not None and not admit(meta.block_hash):
+                    counters.not_stored["not_admitted"] += 1
+                else:
+                    wanted.append(index)
         await self._make_cpu_room(len(wanted))
         grants: list[SlotGrant | None] = [None] * len(blocks)
         now = time.perf_counter()
         # Held or being written by now (a duplicate within the batch, or one that arrived while the
         # room was made): duplicates; the rest get slots while free ones last.
-        fresh = []
-        for index in wanted:
-            block_hash = blocks[index].block_hash
-            if block_hash in cpu or cpu.is_writing(block_hash):
-                counters.duplicates += 1
-            else:
-                fresh.append(index)
+        taken = cpu.held_among([blocks[index].block_hash for index in wanted], writing=True)
+        fresh = [index for index in wanted if blocks[index].block_hash not in taken]
+        counters.duplicates += len(wanted) - len(fresh)
         leases = cpu.reserve_many([blocks[index] for index in fresh])
         granted = self._leases.grant_many([lease for lease in leases if lease is not None], Medium.CPU, now)
         if len(granted) == len(fresh):  # the common case: every fresh block got a slot
