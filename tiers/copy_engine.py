@@ -35,11 +35,12 @@ OpenMP team waits for its slowest, descheduled thread. Handing half a small
 batch to a pool thread costs a wake-up (+60 us per 512 KiB). libc
 ``memmove`` on the caller's thread is the steady choice; what it cannot
 reach is non-temporal stores, which glibc uses only above
-``glibc.cpu.x86_non_temporal_threshold`` (190 MiB on the development host,
-where one large copy gets them and a block never does). Setting that
+``glibc.cpu.x86_non_temporal_threshold`` (190 MiB on the development host:
+no block copy reaches it). Setting it to 128 KiB
 tunable in a worker's environment (a process-wide, start-time setting, so
 a deployment's choice) took 192 KiB blocks from about 0.5 to 1.0 of the
-large copy and 2 MiB from 0.9 to 1.3 in one run each.
+large copy and 2 MiB from 0.9 to 1.3 in two runs each (its baseline moved
+too: that setting changes every copy in the process).
 
 Contract: between the call and the Future's completion the caller keeps the
 source rows unchanged and the destination rows unread, and holds leases on
