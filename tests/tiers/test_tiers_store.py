@@ -37,7 +37,7 @@ from kvstore.config import EventsConfig
 from kvstore.errors import ConfigError
 from kvstore.events import BlockRemoved, BlockStored
 from kvstore.metrics import render
-from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.blocks import BlockMeta, check_blocks, check_tokens
 from kvstore.tiers.copy_engine import CopyEngine
 from kvstore.tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
 from kvstore.tiers.metrics import TierCollector
@@ -387,3 +387,19 @@ def test_close_unlinks_the_arena(tmp_path: Path) -> None:
         return path
 
     assert not os.path.exists(asyncio.run(scenario()))
+
+
+@pytest.mark.parametrize("token", [-1, -(1 << 63), 1 << 63, (1 << 64) - 1, 1 << 70])
+def test_check_blocks_rejects_token_ids_outside_the_range_at_any_position(token: int) -> None:
+    metas, _ = make_blocks(6)
+    assert all(meta.token_ids for meta in metas)
+    check_blocks(metas, IDENTITY.block_size)
+    top = BlockMeta(metas[0].block_hash, None, (0, 1, 2, (1 << 63) - 1))  # the largest id is in range
+    check_blocks([top], IDENTITY.block_size)
+    for position in (0, 3, 5):
+        meta = metas[position]
+        bad = BlockMeta(meta.block_hash, meta.parent_hash, (*meta.token_ids[:-1], token))
+        with pytest.raises(InvalidBlockError, match="token id"):
+            check_blocks([*metas[:position], bad, *metas[position + 1 :]], IDENTITY.block_size)
+        with pytest.raises(InvalidBlockError, match="token id"):
+            check_tokens([bad], IDENTITY.block_size)
