@@ -25,6 +25,16 @@ detached  no               no           >= 1 read lease (evicted or removed whil
                                         last release
 ========  ===============  ===========  ==========================================
 
+Batches: a worker's spill or promotion names tens to hundreds of blocks,
+and on small blocks the per-block Python costs as much as the copy. The
+batch operations (:meth:`CpuArena.reserve_many`, :meth:`~CpuArena.match_prefix`
+then :meth:`~CpuArena.lease_matched`, :meth:`~CpuArena.commit_many`,
+:meth:`~CpuArena.release_many`, :meth:`~CpuArena.drop_lru`,
+:meth:`~CpuArena.held_among`) keep every per-block guarantee -- one lease
+per slot, one event per block, a batch naming a bad lease changes nothing --
+in one pass over the batch, with set operations on the index where they
+can, and record events unbuilt (:mod:`~kvstore.tiers.tier_events`).
+
 A leased slot is never evicted and never reused: that is what makes a copy
 into or out of a slot safe while the index changes around it. Eviction
 takes the least recently used *unleased* cached block.
