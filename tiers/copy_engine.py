@@ -23,6 +23,24 @@ large span.
   spill sees the KV the compute just wrote), and a second event marks
   completion; a waiter thread resolves the Future when it fires.
 
+Measured and not taken (16 KiB / 192 KiB / 2 MiB blocks, 32 a call, 2-core
+host, against one large copy of the same bytes): torch ``index_select``
+(gather into arena runs) and ``index_put_`` on a ``complex128`` view (scatter
+into pool rows) run on the calling thread's OpenMP team. From the main
+thread of an idle machine they reached 0.8-0.9 of the large copy even at
+16 KiB, but from any other thread (the worker's offload thread) they fell
+to 0.3-0.7 (two OpenMP teams on two cores, the likely cause), and with a second process
+busy on one core a 32-block spill took 200-1400 us instead of 150: an
+OpenMP team waits for its slowest, descheduled thread. Handing half a small
+batch to a pool thread costs a wake-up (+60 us per 512 KiB). libc
+``memmove`` on the caller's thread is the steady choice; what it cannot
+reach is non-temporal stores, which glibc uses only above
+``glibc.cpu.x86_non_temporal_threshold`` (190 MiB on the development host:
+no block copy reaches it). Setting it to 128 KiB in a worker's environment
+(a process-wide, start-time setting, so a deployment's choice) took 192 KiB blocks from about 0.5 to 1.0 of the
+large copy and 2 MiB from 0.9 to 1.3 in two runs each (its baseline moved
+too: that setting changes every copy in the process).
+
 Contract: between the call and the Future's completion the caller keeps the
 source rows unchanged and the destination rows unread, and holds leases on
 the slots involved (``reserve`` for spills, ``acquire`` for promotions).

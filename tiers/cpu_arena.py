@@ -25,6 +25,16 @@ detached  no               no           >= 1 read lease (evicted or removed whil
                                         last release
 ========  ===============  ===========  ==========================================
 
+Batches: a worker's spill or promotion names tens to hundreds of blocks,
+and on small blocks the per-block Python costs as much as the copy. The
+batch operations (:meth:`CpuArena.reserve_many`, :meth:`~CpuArena.match_prefix`
+then :meth:`~CpuArena.lease_matched`, :meth:`~CpuArena.commit_many`,
+:meth:`~CpuArena.release_many`, :meth:`~CpuArena.drop_lru`,
+:meth:`~CpuArena.held_among`) keep every per-block guarantee -- one lease
+per slot, one event per block, a batch naming a bad lease changes nothing --
+in one pass over the batch, with set operations on the index where they
+can, and record events unbuilt (:mod:`~kvstore.tiers.tier_events`).
+
 A leased slot is never evicted and never reused: that is what makes a copy
 into or out of a slot safe while the index changes around it. Eviction
 takes the least recently used *unleased* cached block.
@@ -137,6 +147,11 @@ class CpuArena:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._index
 
+    def held_among(self, block_hashes: Sequence[int], *, writing: bool = False) -> set[int]:
+        """Which of ``block_hashes`` are cached here (``writing``: or being written), by set operations."""
+        held = self._index.keys() & block_hashes
+        return held | (self._writing.keys() & block_hashes) if writing else held
+
     def is_writing(self, block_hash: int) -> bool:
         return block_hash in self._writing
 
@@ -219,9 +234,7 @@ class CpuArena:
                 del writing[lease.meta.block_hash]
                 index[lease.meta.block_hash] = slot
         self._num_leased -= unpinned
-        stored = self._events.stored
-        for lease in leases:
-            stored(lease.meta)
+        self._events.stored_many([lease.meta for lease in leases])
         return leases
 
     def acquire_prefix(self, metas: Sequence[BlockMeta]) -> list[Lease]:
@@ -230,6 +243,11 @@ class CpuArena:
         Stops before the first block that is not a clean hit: a miss, or a hash collision, which is
         left to the caller's :meth:`acquire` of that block to count (so it is counted once).
         """
+        return self.lease_matched(self.match_prefix(metas))
+
+    def match_prefix(self, metas: Sequence[BlockMeta]) -> list[tuple[int, BlockMeta]]:
+        """(slot, stored meta) of the longest prefix of ``metas`` cached here with equal tokens and
+        parent; changes nothing (:meth:`lease_matched` leases them)."""
         index, slot_meta = self._index, self._meta
         found: list[tuple[int, BlockMeta]] = []
         for meta in metas:
@@ -241,14 +259,32 @@ class CpuArena:
             if stored.token_ids != meta.token_ids or stored.parent_hash != meta.parent_hash:
                 break
             found.append((slot, stored))
+        return found
+
+    def lease_matched(self, found: Sequence[tuple[int, BlockMeta]]) -> list[Lease]:
+        """Read leases on blocks :meth:`match_prefix` just found (nothing changed in between), now
+        most recently used."""
         if not found:
             return []
         with self._lock:
-            move = index.move_to_end
+            move = self._index.move_to_end
             for _, stored in found:
                 move(stored.block_hash)
-        grant, read = self._grant, LeaseKind.READ
-        return [grant(slot, stored, read) for slot, stored in found]
+        # _grant inlined for the batch: a slot's first lease pins it.
+        held, pins, read = self._held, self._leases, LeaseKind.READ
+        lease_id = self._next_lease
+        leases = []
+        pinned = 0
+        for slot, stored in found:
+            lease = held[lease_id] = Lease(self, lease_id, slot, stored, read)
+            leases.append(lease)
+            lease_id += 1
+            pins[slot] += 1
+            if pins[slot] == 1:
+                pinned += 1
+        self._next_lease = lease_id
+        self._num_leased += pinned
+        return leases
 
     def release_many(self, lease_ids: Sequence[int]) -> list[Lease]:
         """:meth:`release` each of ``lease_ids``; returns their leases.
@@ -353,10 +389,8 @@ class CpuArena:
             for meta in metas:
                 assert meta is not None
                 pop(meta.block_hash)
-        removed = self._events.removed
-        for slot, meta in zip(victims, metas, strict=True):
-            assert meta is not None
-            removed(meta)
+        self._events.removed_many(metas)  # type: ignore[arg-type]  # not None: asserted above
+        for slot in victims:
             slot_meta[slot] = None  # unleased (checked above): free at once
         self._free.extend(victims)
         self.num_evictions += len(victims)
@@ -371,6 +405,10 @@ class CpuArena:
 
     def take_events(self) -> list[KVEvent]:
         return self._events.take()
+
+    def discard_events(self) -> int:
+        """Forget the events recorded since the last take (the owner publishes nowhere)."""
+        return self._events.discard()
 
     def snapshot_events(self) -> list[BlockStored]:
         """Every cached block as a BlockStored (medium CPU). Safe from another thread."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from itertools import repeat
 
 from kvstore.events import Medium
 from kvstore.tiers.blocks import SlotGrant
@@ -70,9 +71,11 @@ class LeaseBook:
 
     def grant_many(self, leases: Sequence[Lease], medium: Medium, now: float) -> list[SlotGrant]:
         """:meth:`grant` each of ``leases``, in order."""
-        grants = [SlotGrant(lease.lease_id, lease.slot, lease.meta.block_hash, medium) for lease in leases]
-        self._started.update(dict.fromkeys([grant.lease_id for grant in grants], now))
-        return grants
+        ids = [lease.lease_id for lease in leases]
+        self._started.update(dict.fromkeys(ids, now))
+        slots = [lease.slot for lease in leases]
+        hashes = [lease.meta.block_hash for lease in leases]
+        return list(map(SlotGrant._make, zip(ids, slots, hashes, repeat(medium))))  # _make: no Python __new__
 
     def commit(self, lease_ids: Sequence[int]) -> list[Lease]:
         """Publish written slots as cached blocks; returns their leases (now ended).

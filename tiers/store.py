@@ -28,7 +28,8 @@ Policy
 Events: the arena and the disk tier record BlockStored / BlockRemoved
 (medium CPU / STORAGE, with tokens and parent hashes); the store publishes
 them after each operation (and when a late disk I/O settles) through a
-ZmqEventPublisher whose snapshot covers both media.
+ZmqEventPublisher whose snapshot covers both media. With events off (no
+``events`` config, or disabled) the recorded events are discarded unbuilt.
 
 Concurrency: drive the store from one asyncio event loop (the tier actor's);
 it is bound to the first loop that uses it. The publisher's snapshot runs
@@ -46,7 +47,7 @@ from kvstore.errors import ConfigError
 from kvstore.events import Medium
 from kvstore.publisher import EventEndpoints, NullEventPublisher, Snapshot, ZmqEventPublisher
 from kvstore.tiers.admission import AdmissionFilter
-from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit, check_blocks
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit, check_blocks, check_tokens
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.cpu_arena import CpuArena, Lease, LeaseKind
 from kvstore.tiers.disk import DiskTier
@@ -115,6 +116,7 @@ class TierStore:
         self._counters = StoreCounters()
         self._leases = LeaseBook(self._cpu, self._counters, block_bytes)
         self._closed = False
+        self._events_off = isinstance(self._publisher, NullEventPublisher)
         self._publish()  # what the disk scan found, so subscribers from seq 0 see it
 
     # ----------------------------------------------------------------- queries
@@ -185,27 +187,27 @@ class TierStore:
         check_blocks(blocks, self.identity.block_size)
         cpu, counters = self._cpu, self._counters
         admit = None if self._admission.admit_after == 1 else self._admission.admit  # 1: every block
-        wanted: list[int] = []
-        for index, meta in enumerate(blocks):
-            if meta.block_hash in cpu:
-                cpu.touch(meta.block_hash)
-                counters.duplicates += 1
-            elif admit is not None and not admit(meta.block_hash):
-                counters.not_stored["not_admitted"] += 1
-            else:
-                wanted.append(index)
+        held = cpu.held_among([meta.block_hash for meta in blocks])  # one set operation, not a call per block
+        if not held and admit is None:  # the common case: every block is new
+            wanted = list(range(len(blocks)))
+        else:
+            wanted = []
+            for index, meta in enumerate(blocks):
+                if meta.block_hash in held:
+                    cpu.touch(meta.block_hash)
+                    counters.duplicates += 1
+                elif admit is not None and not admit(meta.block_hash):
+                    counters.not_stored["not_admitted"] += 1
+                else:
+                    wanted.append(index)
         await self._make_cpu_room(len(wanted))
         grants: list[SlotGrant | None] = [None] * len(blocks)
         now = time.perf_counter()
         # Held or being written by now (a duplicate within the batch, or one that arrived while the
         # room was made): duplicates; the rest get slots while free ones last.
-        fresh = []
-        for index in wanted:
-            block_hash = blocks[index].block_hash
-            if block_hash in cpu or cpu.is_writing(block_hash):
-                counters.duplicates += 1
-            else:
-                fresh.append(index)
+        taken = cpu.held_among([blocks[index].block_hash for index in wanted], writing=True)
+        fresh = [index for index in wanted if blocks[index].block_hash not in taken]
+        counters.duplicates += len(wanted) - len(fresh)
         leases = cpu.reserve_many([blocks[index] for index in fresh])
         granted = self._leases.grant_many([lease for lease in leases if lease is not None], Medium.CPU, now)
         if len(granted) == len(fresh):  # the common case: every fresh block got a slot
@@ -250,12 +252,16 @@ class TierStore:
         after the prefix until it comes back empty (``TierLink.promote`` does).
         """
         self._leases.check_arena(arena)
-        check_blocks(blocks, self.identity.block_size)
+        block_size = self.identity.block_size
+        check_blocks(blocks, block_size, tokens=False)
         cpu, disk = self._cpu, self._disk
         budget = cpu.num_slots - cpu.num_leased_slots
         considered = blocks[:budget]
         # The CPU hits at the front in one pass (a prompt's prefix is usually all in CPU), then block by block.
-        cpu_leases = cpu.acquire_prefix(considered)
+        matched = cpu.match_prefix(considered)
+        # Blocks equal to stored ones were checked when stored; the rest are checked before any lease.
+        check_tokens(blocks[len(matched) :], block_size)
+        cpu_leases = cpu.lease_matched(matched)
         found: list[Lease | BlockMeta] = list(cpu_leases)  # a CPU lease, or a block to read from disk
         from_disk: list[BlockMeta] = []
         for meta in considered[len(found) :]:
@@ -409,6 +415,11 @@ class TierStore:
         return Snapshot(seq, events)
 
     def _publish(self) -> None:
+        if self._events_off:  # no subscriber can exist: the events are never built
+            self._cpu.discard_events()
+            if self._disk is not None:
+                self._disk.take_events()
+            return
         events = self._cpu.take_events()
         if self._disk is not None:
             events += self._disk.take_events()

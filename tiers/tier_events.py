@@ -6,6 +6,13 @@ batch after each operation (:meth:`MediumEvents.take`), and the publisher's
 snapshot turns what the medium holds into BlockStored events
 (:meth:`MediumEvents.snapshot`). Events carry tokens and parent hashes, so
 consumers can re-key blocks under their own hashing.
+
+Recording is cheap and building is deferred: a mutation appends the block's
+meta (and whether it was stored or removed) to ``_pending``; the
+BlockStored / BlockRemoved objects -- one per block, in the order recorded --
+are built by :meth:`MediumEvents.take`. An owner whose events go nowhere
+(no publisher) calls :meth:`MediumEvents.discard` instead and never builds
+them: on 16 KiB blocks building them was about a tenth of a spill's time.
 """
 
 from __future__ import annotations
@@ -26,19 +33,37 @@ class MediumEvents:
     def __init__(self, medium: Medium, block_size: int) -> None:
         self.medium = medium
         self.block_size = block_size
-        self._pending: list[KVEvent] = []
+        self._pending: list[tuple[BlockMeta, bool]] = []  # (block, stored: else removed), oldest first
 
     def stored(self, meta: BlockMeta) -> None:
         """``meta`` is now held on this medium."""
-        self._pending.append(self._stored(meta))
+        self._pending.append((meta, True))
+
+    def stored_many(self, metas: Iterable[BlockMeta]) -> None:
+        """:meth:`stored` for each of ``metas``, in order."""
+        self._pending.extend((meta, True) for meta in metas)
 
     def removed(self, meta: BlockMeta) -> None:
-        self._pending.append(BlockRemoved(block_hashes=[meta.block_hash], medium=self.medium))
+        self._pending.append((meta, False))
+
+    def removed_many(self, metas: Iterable[BlockMeta]) -> None:
+        """:meth:`removed` for each of ``metas``, in order."""
+        self._pending.extend((meta, False) for meta in metas)
 
     def take(self) -> list[KVEvent]:
-        """The events recorded since the last take, oldest first."""
-        events, self._pending = self._pending, []
-        return events
+        """The events recorded since the last take, oldest first: one per block."""
+        pending, self._pending = self._pending, []
+        medium = self.medium
+        return [
+            self._stored(meta) if stored else BlockRemoved(block_hashes=[meta.block_hash], medium=medium)
+            for meta, stored in pending
+        ]
+
+    def discard(self) -> int:
+        """Forget the events recorded since the last take (nobody will read them); returns how many."""
+        count = len(self._pending)
+        self._pending = []
+        return count
 
     def snapshot(self, metas: Iterable[BlockMeta]) -> list[BlockStored]:
         """A BlockStored for each of ``metas`` (what the medium holds now)."""

@@ -279,3 +279,17 @@ class ArenaMachine(RuleBasedStateMachine):
 
 TestArenaMachine = ArenaMachine.TestCase
 TestArenaMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_events_are_built_per_block_in_order_when_taken_and_never_when_discarded(arena: CpuArena) -> None:
+    metas, _ = make_blocks(4)
+    for fill, meta in enumerate(metas[:3]):
+        store(arena, meta, fill)
+    assert arena.drop_lru(1) == 1  # metas[0] goes
+    events = arena.take_events()
+    assert [type(event) for event in events] == [BlockStored] * 3 + [BlockRemoved]
+    assert [event.block_hashes for event in events] == [[meta.block_hash] for meta in (*metas[:3], metas[0])]
+    assert isinstance(events[1], BlockStored) and events[1].parent_block_hash == metas[0].block_hash
+    assert events[1].token_ids == list(metas[1].token_ids)
+    store(arena, metas[3], 9)
+    assert arena.discard_events() == 1 and arena.take_events() == []

@@ -37,7 +37,7 @@ from kvstore.config import EventsConfig
 from kvstore.errors import ConfigError
 from kvstore.events import BlockRemoved, BlockStored
 from kvstore.metrics import render
-from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.blocks import BlockMeta, check_blocks, check_tokens
 from kvstore.tiers.copy_engine import CopyEngine
 from kvstore.tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
 from kvstore.tiers.metrics import TierCollector
@@ -349,6 +349,28 @@ def test_callers_mistakes_raise_typed_errors(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_acquire_checks_the_tokens_of_unmatched_blocks_before_any_lease(tmp_path: Path) -> None:
+    """A promotion skips the token-range pass for blocks equal to stored ones (checked when stored); a bad
+    block after a matched prefix still raises, and before the prefix is leased."""
+
+    async def scenario() -> None:
+        async with new_store(tier_config(tmp_path, cpu_blocks=4)) as store:
+            metas, _ = make_blocks(3)
+            grants = await store.reserve(metas[:2])
+            await store.commit([grant.lease_id for grant in grants if grant is not None])
+            bad = BlockMeta(metas[2].block_hash, metas[2].parent_hash, (*metas[2].token_ids[:-1], -1))
+            before = store.cpu.lru_hashes()
+            with pytest.raises(InvalidBlockError, match="token id"):
+                await store.acquire([*metas[:2], bad])
+            assert store.cpu.num_leased_slots == 0 and store.cpu.lru_hashes() == before  # nothing changed
+            held = await store.acquire(metas)  # the good third block is a miss, not an error
+            assert len(held) == 2
+            store.release([grant.lease_id for grant in held])
+            store.check_invariants()
+
+    asyncio.run(scenario())
+
+
 def test_cpu_capacity_below_one_block_is_a_config_error(tmp_path: Path) -> None:
     config = tier_config(tmp_path, cpu_blocks=1)
     with pytest.raises(ConfigError, match="smaller than one block"):
@@ -365,3 +387,19 @@ def test_close_unlinks_the_arena(tmp_path: Path) -> None:
         return path
 
     assert not os.path.exists(asyncio.run(scenario()))
+
+
+@pytest.mark.parametrize("token", [-1, -(1 << 63), 1 << 63, (1 << 64) - 1, 1 << 70])
+def test_check_blocks_rejects_token_ids_outside_the_range_at_any_position(token: int) -> None:
+    metas, _ = make_blocks(6)
+    assert all(meta.token_ids for meta in metas)
+    check_blocks(metas, IDENTITY.block_size)
+    top = BlockMeta(metas[0].block_hash, None, (0, 1, 2, (1 << 63) - 1))  # the largest id is in range
+    check_blocks([top], IDENTITY.block_size)
+    for position in (0, 3, 5):
+        meta = metas[position]
+        bad = BlockMeta(meta.block_hash, meta.parent_hash, (*meta.token_ids[:-1], token))
+        with pytest.raises(InvalidBlockError, match="token id"):
+            check_blocks([*metas[:position], bad, *metas[position + 1 :]], IDENTITY.block_size)
+        with pytest.raises(InvalidBlockError, match="token id"):
+            check_tokens([bad], IDENTITY.block_size)
