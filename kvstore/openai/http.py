@@ -15,7 +15,6 @@ request if it is still running, and which raises
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
@@ -62,20 +61,38 @@ async def read_body(request: Request, bounds: BodyBounds) -> bytes:
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``; if the client disconnects first, cancel it and raise ClientDisconnected.
 
-    Call after the body was read: the next ASGI message is then the disconnect.
+    Call after the body was read: the next ASGI message is then the disconnect. ``work`` runs in the
+    calling task -- not a task of its own, which would start only at the event loop's next turn, behind
+    every other stream's chunks, on the path to a request's first token. A watcher task waits for the
+    disconnect and cancels the caller while ``work`` is still running; a cancellation from anywhere else
+    passes through as it came.
     """
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnect(request))
+    caller = asyncio.current_task()
+    assert caller is not None, "until_disconnected runs inside a task"
+    working, left = True, False
+
+    async def watch() -> None:
+        nonlocal left
+        await _disconnect(request)
+        if working:  # the loop runs one thing at a time: once work returned, this can no longer cancel it
+            left = True
+            caller.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        result = await work
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        caller.uncancel()
+        raise ClientDisconnected() from None
     finally:
-        watch.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise ClientDisconnected()
+        working = False
+        watcher.cancel()
+    if left:  # work caught the cancellation and returned anyway: the client is gone all the same
+        caller.uncancel()
+        raise ClientDisconnected()
+    return result
 
 
 async def _disconnect(request: Request) -> None:
