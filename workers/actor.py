@@ -86,12 +86,14 @@ class KVWorkerActor:
             timeout_s = 2 * config.tiers.io_deadline_s
             tier_name = tier_actor_name(self._node_id)
 
+            copy_threads = config.tiers.copy_threads
+
             def reconnect() -> TierLink:
                 """The node's tier actor as it is now (a restarted one has a new arena): looked up by name."""
-                return TierLink(RayTierClient(ray.get_actor(tier_name, namespace=TIER_NAMESPACE), timeout_s=timeout_s),
-                                identity)  # fmt: skip
+                actor = ray.get_actor(tier_name, namespace=TIER_NAMESPACE)
+                return TierLink(RayTierClient(actor, timeout_s=timeout_s), identity, copy_threads=copy_threads)
 
-            link = TierLink(RayTierClient(tier, timeout_s=timeout_s), identity)
+            link = TierLink(RayTierClient(tier, timeout_s=timeout_s), identity, copy_threads=copy_threads)
             self._offload = TierOffload(link, reconnect=reconnect)
         self._worker = KVWorker(name, config, offload=self._offload)
 

@@ -31,7 +31,11 @@ def tiered_config(tmp_path: Path, *, cpu_slots: int) -> Config:
             "cache": {"block_size": BLOCK},
             "pool": {"num_blocks": 48},
             "worker": {"device": "cpu"},
-            "tiers": {"cpu_capacity_bytes": cpu_slots * block_bytes, "disk_dir": str(tmp_path / "disk")},
+            "tiers": {
+                "cpu_capacity_bytes": cpu_slots * block_bytes,
+                "disk_dir": str(tmp_path / "disk"),
+                "copy_threads": 3,
+            },
         }
     )
 
@@ -54,6 +58,9 @@ def test_spilled_prefix_is_promoted_into_another_worker_exactly(
     try:
         first, second = (w.handle for w in workers)
         assert all(ray.get(w.handle.health.remote())["tiered"] for w in workers)
+        # The actor's link copies with tiers.copy_threads threads (it once ignored the setting).
+        threads = ray.get(first.__ray_call__.remote(lambda actor: actor._offload.link.engine._threads))
+        assert threads == 3
         # The first worker computes every prompt; its 48-block pool evicts (spills) the older ones.
         for prompt, want in zip(prompts, expected, strict=True):
             assert run(first, prompt, 6).output_token_ids == want
