@@ -253,7 +253,12 @@ class LocalTierClient:
             coro.close()
             raise TierUnavailableError("the tier store is closed")
         if self._direct_ready():
-            with self._locked():
+            try:
+                locked = self._locked()
+            except BaseException:  # timed out or closed meanwhile: the coroutine never runs
+                coro.close()
+                raise
+            with locked:
                 return _run_now(coro)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
