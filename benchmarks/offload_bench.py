@@ -391,7 +391,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                 writes.append(mine)
                 base_writes.append(base)
                 progress.update()
-                _drop_cache(disk.path_of(m.block_hash) for m in metas)
+                _drop_cache(iter(disk.slab_paths()))
                 _settle_disk(args.settle_s)
                 mine, base = await _side_by_side(read_all, lambda: baseline_read(big, source_view, direct), ours_first)
                 reads.append(mine)
