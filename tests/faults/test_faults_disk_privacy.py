@@ -1,9 +1,9 @@
 """The disk tier's files are its user's alone: KV can be read back into prompts.
 
-Block files are created 0600 and every directory of the tier 0700, whatever
-the process's umask; a directory an older version left open (0755) is
-tightened when the tier starts on it. Spares (retired block files the tier
-reuses) keep the mode of the file they were.
+Slab files are created 0600 and the tier's directory 0700, whatever the
+process's umask; a directory an older version left open (0755) is
+tightened when the tier starts on it, and the older format's shard folders
+are removed. Slots are reused in place, so no file changes hands.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_block_files_are_0600_and_directories_0700_even_under_a_permissive_umask(tmp_path: Path) -> None:
+def test_slab_files_are_0600_and_directories_0700_even_under_a_permissive_umask(tmp_path: Path) -> None:
     root = tmp_path / "disk"
     (root / IDENTITY.digest() / "00").mkdir(parents=True, mode=0o755)  # as an older version left it
     os.chmod(root / IDENTITY.digest(), 0o755)
