@@ -13,12 +13,13 @@ loop thread, so the Ray round trips per batch are not in these numbers.
 Baseline: one large ``torch`` copy of the same total size between the same
 memories (pool -> arena, arena -> pool), i.e. memcpy bandwidth.
 
-Disk tier -- the same blocks are written from arena slots to their files by
-one ``DiskTier.write_many`` (``--io`` I/Os in flight), as the store writes
-CPU evictions, then ``os.sync()``. By default the tier is full of other
-blocks first (filled once, untimed), so every write evicts a block and reuses
-its file, as the store's write-back does in steady state; ``--disk-fresh``
-writes into an empty tier each run instead (every write creates a file); the page cache of the files is dropped
+Disk tier -- the same blocks are written from arena slots to slab slots by
+one ``DiskTier.write_many`` (runs of consecutive slots, ``--io`` I/Os in
+flight), as the store writes CPU evictions, then ``os.sync()``. By default
+the tier is full of other blocks first (filled once, untimed), so every
+write evicts a block and reuses its slot, as the store's write-back does in
+steady state; ``--disk-fresh`` writes into an empty tier each run instead
+(the slabs grow first); the page cache of the slabs is dropped
 (``posix_fadvise(DONTNEED)``) and they are read back into arena slots by one
 ``DiskTier.read_many`` (header and checksum verified), as the store promotes
 a prompt's disk hits. Baseline: one large sequential O_DIRECT write (then fsync) and
@@ -349,7 +350,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
             full: DiskTier | None = None
             if not args.disk_fresh:
                 # Steady state: a tier exactly full of other blocks, so every write evicts one (and reuses
-                # its file), as the store's write-back does once its disk tier has filled up.
+                # its slot), as the store's write-back does once its disk tier has filled up.
                 full = DiskTier(
                     run_dir / "tier",
                     identity,
@@ -391,7 +392,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                 writes.append(mine)
                 base_writes.append(base)
                 progress.update()
-                _drop_cache(disk.path_of(m.block_hash) for m in metas)
+                _drop_cache(iter(disk.slab_paths()))
                 _settle_disk(args.settle_s)
                 mine, base = await _side_by_side(read_all, lambda: baseline_read(big, source_view, direct), ours_first)
                 reads.append(mine)
@@ -578,8 +579,8 @@ def plot(cpu: list[CpuRow], disk: list[DiskRow], ttft: list[TTFTRow], path: Path
             (
                 [f"{row.shape}\n{_mib(row.block_bytes)}" for row in disk],
                 {
-                    "write: DiskTier.write_many, arena -> files": [row.write_gbps for row in disk],
-                    "read: DiskTier.read_many, files -> arena": [row.read_gbps for row in disk],
+                    "write: DiskTier.write_many, arena -> slabs": [row.write_gbps for row in disk],
+                    "read: DiskTier.read_many, slabs -> arena": [row.read_gbps for row in disk],
                     "baseline: one sequential file, write + fsync": [row.baseline_write_gbps for row in disk],
                     "baseline: one sequential file, read": [row.baseline_read_gbps for row in disk],
                 },

@@ -1,30 +1,36 @@
-"""Block files on POSIX: what one block file's life costs in system calls, run on an I/O thread.
+"""Slab files on POSIX: what a run of slots costs in system calls, run on an I/O thread.
 
-Each of :func:`write_block_file` and :func:`read_block_file` is one file's
-whole life on one side -- create the temporary, write, close, rename; or
-open, read, check -- so that a block costs one hand-off to an I/O thread
-rather than one per system call, and so that the checksum (computed for a
-write, verified for a read) is hashed there, off the event loop.
+Each of :func:`write_run` and :func:`read_run` is one run's whole life on
+one side -- open the slab, one vectored ``pwritev`` / ``preadv`` of every
+block's header and payload, close; then (reads) check each block -- so a
+run of blocks costs one hand-off to an I/O thread and one device I/O, and
+the checksums (computed for a write, verified for a read) are hashed there,
+off the event loop.
 
 Why the calls are the ones they are:
 
-- A file is written to a temporary name in its final directory and renamed
-  into place, so no reader ever sees a half-written file under a block's
-  name; a crash leaves only temporaries, which the start-up scan removes.
-- Header and payload move in one vectored ``pwritev`` / ``preadv`` from
-  offset 0: one device I/O per block, not two.
-- With O_DIRECT (the file system takes it and the caller's buffer is
-  4096-aligned, as arena slots are) the payload moves between the file and
-  the caller's buffer with no page-cache copy; the header then needs an
-  aligned buffer too, kept per thread and per size (an mmap per I/O costs
-  two more system calls).
+- A run is consecutive slots of one slab: headers and payloads alternate in
+  the file exactly as they do in the iovec list, so one call moves them all
+  (at most :data:`MAX_RUN_BLOCKS` blocks: the kernel takes 1024 iovecs).
+- The slab is opened per run rather than kept open: a file held open for
+  writing would stop a read-only remount, and an ``open`` is cheap beside a
+  run of several blocks.
+- Slabs are allocated in full when they grow (:func:`grow_slab`,
+  ``posix_fallocate``): writes into them then allocate nothing, which is
+  what a small-block write used to cost most (a new file per block), and a
+  full disk shows up when a slab grows, not in the middle of a run.
+- With O_DIRECT (the file system takes it and every buffer of the run is
+  4096-aligned, as arena slots are) the payloads move between the slab and
+  the caller's buffers with no page-cache copy; the headers then need
+  aligned buffers too, kept per thread (an mmap per I/O costs two more
+  system calls).
 - Reads open with O_NOATIME where the kernel allows it: on a ``relatime``
-  mount the first read after a write would otherwise dirty the inode, one
-  journal write per block file.
+  mount the first read after a write would otherwise dirty the inode.
 
-Nothing here knows about the index, the capacity or deadlines: a file that
-is not what it claims raises :class:`~kvstore.tiers.disk_format.IntegrityError`,
-the system's refusals raise ``OSError``, and the disk tier decides what each
+Nothing here knows about the index, the capacity or deadlines: a block that
+is not what it claims is answered with an
+:class:`~kvstore.tiers.disk_format.IntegrityError` in its place, the
+system's refusals raise ``OSError``, and the disk tier decides what each
 means.
 """
 
@@ -37,6 +43,7 @@ import mmap
 import os
 import threading
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -53,9 +60,11 @@ from kvstore.tiers.disk_format import (
 
 logger = logging.getLogger(__name__)
 
+MAX_RUN_BLOCKS = 512  # two iovecs per block; the kernel's limit is 1024
+
 
 class FileLayout(NamedTuple):
-    """What a block file of one cache identity must look like: a reader checks every file against it."""
+    """What a slot of one cache identity must look like: a reader checks every slot against it."""
 
     identity_digest: bytes
     block_size: int
@@ -67,95 +76,129 @@ class FileLayout(NamedTuple):
 
     @property
     def file_bytes(self) -> int:
+        """Bytes of one slot: header, then payload."""
         return self.header_len + self.block_bytes
 
 
-def write_block_file(
-    temp: Path, final: Path, meta: BlockMeta, payload: memoryview, layout: FileLayout, direct: bool, fsync: bool
+class RunWrite(NamedTuple):
+    """One block of a run to write: its meta, payload and write sequence number."""
+
+    meta: BlockMeta
+    payload: memoryview
+    sequence: int
+
+
+def write_run(
+    path: Path, offset: int, blocks: Sequence[RunWrite], layout: FileLayout, direct: bool, fsync: bool
 ) -> None:
-    """Checksum the header, create ``temp``, write header and payload, (fsync,) close, rename to ``final``.
-
-    Raises OSError; the temporary is gone whatever happened.
-    """
-    head = _header(meta, payload, layout, direct)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o600)
+    """Checksum each block's header, then write headers and payloads of consecutive slots from ``offset``
+    of slab ``path`` in one vectored write (fsync if asked). Raises OSError; the slots hold anything then."""
+    hlen = layout.header_len
+    heads = _header_buffer(hlen * len(blocks)) if direct else memoryview(bytearray(hlen * len(blocks)))
+    views: list[memoryview] = []
+    for i, block in enumerate(blocks):
+        head = heads[i * hlen : (i + 1) * hlen]
+        head[:] = encode_header(block.meta, block.payload, layout.identity_digest, block.sequence)
+        views += (head, block.payload)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)  # made again if removed
     try:
-        _write_and_close(fd, head, payload, fsync)
-        os.replace(temp, final)
-    except BaseException:
-        remove(temp)
-        raise
-
-
-def overwrite_block_file(
-    spare: Path, final: Path, meta: BlockMeta, payload: memoryview, layout: FileLayout, direct: bool, fsync: bool
-) -> None:
-    """:func:`write_block_file` into an existing spare file (a retired block's: its blocks are allocated
-    already), then rename it to ``final``. Raises OSError; the spare stays where it was then."""
-    head = _header(meta, payload, layout, direct)
-    _write_and_close(os.open(spare, os.O_WRONLY | (os.O_DIRECT if direct else 0)), head, payload, fsync)
-    os.replace(spare, final)
-
-
-def _header(meta: BlockMeta, payload: memoryview, layout: FileLayout, direct: bool) -> memoryview:
-    """The block's checksummed header; in an aligned buffer for O_DIRECT."""
-    header = encode_header(meta, payload, layout.identity_digest)
-    if not direct:
-        return memoryview(header)
-    head = _header_buffer(len(header))
-    head[:] = header
-    return head
-
-
-def _write_and_close(fd: int, head: memoryview, payload: memoryview, fsync: bool) -> None:
-    try:
-        write_all(fd, [head, payload])
+        write_all(fd, views, offset)
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def read_block_file(path: Path, meta: BlockMeta, out: memoryview, direct: bool, layout: FileLayout) -> None:
-    """Read ``meta``'s file into ``out`` and check all of it against ``meta`` and ``layout``.
+def read_run(
+    path: Path, offset: int, blocks: Sequence[tuple[BlockMeta, memoryview]], direct: bool, layout: FileLayout
+) -> list[IntegrityError | None]:
+    """Read consecutive slots from ``offset`` of slab ``path`` into each block's buffer in one vectored
+    read, then check each against its meta and ``layout``: one answer per block, None when intact.
 
-    Raises IntegrityError (naming the reason) for a file that is not ``meta``'s intact block,
-    OSError (FileNotFoundError included) for the system's refusals. ``out`` holds garbage then.
+    Raises OSError (FileNotFoundError included) for the system's refusals: then no buffer holds anything
+    to use. A block answered with an IntegrityError leaves garbage in its buffer.
     """
     hlen = layout.header_len
-    head = _header_buffer(hlen) if direct else memoryview(bytearray(hlen))
+    heads = _header_buffer(hlen * len(blocks)) if direct else memoryview(bytearray(hlen * len(blocks)))
+    views: list[memoryview] = []
+    for i, (_, out) in enumerate(blocks):
+        views += (heads[i * hlen : (i + 1) * hlen], out)
     fd = _open_for_read(path, direct)
     try:
-        size = os.fstat(fd).st_size
-        if size != layout.file_bytes:
-            raise IntegrityError("short_read" if size < layout.file_bytes else "bad_length", f"file is {size} bytes")
-        got = read_full(fd, [head, out])
+        got = read_full(fd, views, offset)
     finally:
         os.close(fd)
+    answers: list[IntegrityError | None] = []
+    for i, (meta, out) in enumerate(blocks):
+        have = got - i * layout.file_bytes
+        try:
+            if have < layout.file_bytes:
+                raise IntegrityError("short_read", f"slot ends {max(have, 0)} bytes in (the slab is short)")
+            check_block(heads[i * hlen : (i + 1) * hlen], meta, out, layout)
+        except IntegrityError as exc:
+            answers.append(exc)
+        else:
+            answers.append(None)
+    return answers
+
+
+def check_block(head: memoryview, meta: BlockMeta, payload: memoryview, layout: FileLayout) -> None:
+    """Raise IntegrityError unless ``head`` and ``payload`` are ``meta``'s intact block."""
     header = decode_header(
-        head[: min(got, hlen)],
-        identity_digest=layout.identity_digest,
-        block_size=layout.block_size,
-        block_bytes=layout.block_bytes,
+        head, identity_digest=layout.identity_digest, block_size=layout.block_size, block_bytes=layout.block_bytes
     )
     if header.meta.block_hash != meta.block_hash:
-        raise IntegrityError("wrong_hash", f"file holds block {header.meta.block_hash:#x}")
+        raise IntegrityError("wrong_hash", f"slot holds block {header.meta.block_hash:#x}")
     if header.meta != meta:
-        raise IntegrityError("wrong_tokens", "file holds other tokens or another parent for this hash")
-    verify(header, out[: max(got - hlen, 0)])
+        raise IntegrityError("wrong_tokens", "slot holds other tokens or another parent for this hash")
+    verify(header, payload)
 
 
-def read_header_meta(path: Path, layout: FileLayout) -> BlockMeta:
-    """The block a file's header names, checked against ``layout`` (the payload is not read).
+def grow_slab(path: Path, old_bytes: int, new_bytes: int) -> None:
+    """Create (0600) or extend slab ``path`` from ``old_bytes`` to ``new_bytes``, allocated in full.
 
-    Raises IntegrityError or OSError like :func:`read_block_file`.
+    Raises OSError (ENOSPC: the file system is full); the slab is cut back to ``old_bytes`` then (a slab
+    it created is removed).
     """
-    with path.open("rb") as fh:
-        raw = fh.read(layout.header_len)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, old_bytes, new_bytes - old_bytes)
+    except OSError:
+        try:
+            os.ftruncate(fd, old_bytes)
+        except OSError as exc:
+            logger.warning("could not cut %s back to %d bytes: %s", path, old_bytes, exc)
+        if not old_bytes:
+            remove(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def invalidate_slot(path: Path, offset: int, hlen: int) -> bool:
+    """Zero a slot's header so no later start-up scan takes it for a block; False if refused (logged)."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, bytes(hlen), offset)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        logger.warning("could not invalidate the slot at byte %d of %s: %s", offset, path, exc)
+        return False
+    return True
+
+
+def read_header_at(fd: int, offset: int, layout: FileLayout) -> tuple[BlockMeta, int]:
+    """The block and write sequence a slot's header names, checked against ``layout`` (payload not read).
+
+    Raises IntegrityError or OSError like :func:`read_run`.
+    """
+    raw = os.pread(fd, layout.header_len, offset)
     header = decode_header(
         raw, identity_digest=layout.identity_digest, block_size=layout.block_size, block_bytes=layout.block_bytes
     )
-    return header.meta
+    return header.meta, header.sequence
 
 
 def direct_io_refusal(directory: Path) -> str | None:
@@ -186,10 +229,9 @@ def aligned(view: memoryview) -> bool:
     return address % ALIGN == 0
 
 
-def write_all(fd: int, views: list[memoryview]) -> None:
-    """Write ``views`` back to back from offset 0 in vectored writes (a raw or O_DIRECT file may
+def write_all(fd: int, views: list[memoryview], offset: int = 0) -> None:
+    """Write ``views`` back to back from ``offset`` in vectored writes (a raw or O_DIRECT file may
     take less than asked; the rest follows)."""
-    offset = 0
     pending = views
     while pending:
         written = os.pwritev(fd, pending, offset)
@@ -199,9 +241,10 @@ def write_all(fd: int, views: list[memoryview]) -> None:
         pending = _advance(pending, written)
 
 
-def read_full(fd: int, views: list[memoryview]) -> int:
-    """Fill ``views`` back to back from offset 0 with vectored reads; fewer bytes only at end of file."""
-    offset = 0
+def read_full(fd: int, views: list[memoryview], offset: int = 0) -> int:
+    """Fill ``views`` back to back from ``offset`` with vectored reads; bytes read (fewer only at end
+    of file)."""
+    start = offset
     pending = views
     while pending:
         got = os.preadv(fd, pending, offset)
@@ -209,7 +252,7 @@ def read_full(fd: int, views: list[memoryview]) -> int:
             break
         offset += got
         pending = _advance(pending, got)
-    return offset
+    return offset - start
 
 
 def remove(path: Path, *, log: bool = True) -> bool:
@@ -251,14 +294,12 @@ _thread_buffers = threading.local()
 
 
 def _header_buffer(nbytes: int) -> memoryview:
-    """This I/O thread's page-aligned buffer of ``nbytes`` for O_DIRECT headers, made once per size."""
-    buffers: dict[int, memoryview] | None = getattr(_thread_buffers, "headers", None)
-    if buffers is None:
-        buffers = _thread_buffers.headers = {}
-    view = buffers.get(nbytes)
-    if view is None:
-        view = buffers[nbytes] = memoryview(mmap.mmap(-1, nbytes))
-    return view
+    """``nbytes`` of this I/O thread's page-aligned buffer for O_DIRECT headers (grown when a longer
+    run needs it, never shrunk: one run's headers at a time per thread)."""
+    view: memoryview | None = getattr(_thread_buffers, "headers", None)
+    if view is None or view.nbytes < nbytes:
+        view = _thread_buffers.headers = memoryview(mmap.mmap(-1, max(nbytes, ALIGN)))
+    return view[:nbytes]
 
 
 def _advance(views: list[memoryview], done: int) -> list[memoryview]:

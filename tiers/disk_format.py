@@ -1,8 +1,16 @@
-"""The on-disk format of one block file (format version 1).
+"""The on-disk format: slab files of fixed-size slots, one block per slot (format version 2).
 
-All integers little-endian. The header is padded to a multiple of 4096
-bytes so the payload starts aligned (O_DIRECT reads it straight into an
-arena slot)::
+``<disk_dir>/<identity digest>/<n:06d>.kvslab`` holds slots ``n * S`` to
+``(n + 1) * S - 1`` (``S`` = :func:`slots_per_slab`, fixed by the slot size
+alone, so a restart with another capacity maps slots to the same places).
+Slot ``s`` starts at byte ``(s % S) * slot_bytes`` of its slab, and
+``slot_bytes`` = header length + block bytes. Only the last slab may be
+shorter than ``S`` slots. A slot is exactly what a block file was in format
+version 1, header then payload; the header's reserved field now carries the
+low 32 bits of the tier's write sequence, so a restart can order blocks by
+when they were written. All integers little-endian. The header is padded to
+a multiple of 4096 bytes so the payload starts aligned (O_DIRECT reads it
+straight into an arena slot)::
 
     offset      size  field
     0           8     magic  b"KVSTBLK\\0"
@@ -10,7 +18,7 @@ arena slot)::
     10          2     flags (bit 0: the block has a parent)
     12          4     header length (payload offset; a multiple of 4096)
     16          4     number of tokens (= block size)
-    20          4     reserved (0)
+    20          4     write sequence (low 32 bits; ordering after a restart)
     24          8     block hash (external, 64-bit)
     32          8     parent hash (0 when there is none)
     40          8     payload length (the cache identity's block bytes)
@@ -20,9 +28,11 @@ arena slot)::
     ...               zero padding up to the header length (checked on read: damage anywhere is refused)
     header_len  ...   payload: the block's KV, exactly as in the worker's pool row
 
-A file is served only if every field matches what the reader expects (and
+A slot is served only if every field matches what the reader expects (and
 the checksum matches); anything else raises :class:`IntegrityError` with a
-short reason, which callers count and treat as a miss.
+short reason, which callers count and treat as a miss. A never-written slot
+(zeros from the slab's allocation) and an invalidated one (header zeroed
+after a refusal) fail the magic check: free.
 """
 
 from __future__ import annotations
@@ -37,12 +47,12 @@ from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.errors import TierError
 
 MAGIC = b"KVSTBLK\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ALIGN = 4096
-SUFFIX = ".kvb"
+SLAB_SUFFIX = ".kvslab"
+SLAB_TARGET_BYTES = 64 * 1024 * 1024  # a slab's size when full: few files, each a long contiguous range
 TEMP_SUFFIX = ".tmp"
-SPARE_DIR = "spare"  # retired block files, overwritten by later writes (their content is never read)
-SPARE_SUFFIX = ".kvs"
+OLD_SUFFIXES = (".kvb", ".kvs", ".tmp")  # format 1's block files, spares and temporaries: removed at start
 _FIXED = struct.Struct("<8sHHIIIQQQ16s")
 _CHECKSUM = struct.Struct("<Q")
 _HAS_PARENT = 1
@@ -58,6 +68,7 @@ class IntegrityError(TierError):
 
 class FileHeader(NamedTuple):
     meta: BlockMeta
+    sequence: int  # the write sequence's low 32 bits
     header_len: int
     payload_len: int
     checksum: int
@@ -70,20 +81,22 @@ def header_len(num_tokens: int) -> int:
     return -(-used // ALIGN) * ALIGN
 
 
-def file_name(block_hash: int) -> str:
-    return f"{block_hash:016x}{SUFFIX}"
+def slab_name(slab: int) -> str:
+    return f"{slab:06d}{SLAB_SUFFIX}"
 
 
-def spare_name(spare: int) -> str:
-    return f"{spare:08d}{SPARE_SUFFIX}"
+def slab_number(name: str) -> int | None:
+    """The slab number a file name stands for, or None if it is not a slab's name."""
+    stem = name[: -len(SLAB_SUFFIX)] if name.endswith(SLAB_SUFFIX) else ""
+    return int(stem) if len(stem) == 6 and stem.isdigit() else None
 
 
-def shard_name(block_hash: int) -> str:
-    """Subdirectory of a block's file (the hash's top byte: 256 directories, evenly filled)."""
-    return f"{block_hash >> 56:02x}"
+def slots_per_slab(slot_bytes: int) -> int:
+    """Slots of a full slab: as many as fit in :data:`SLAB_TARGET_BYTES`, at least one."""
+    return max(1, SLAB_TARGET_BYTES // slot_bytes)
 
 
-def encode_header(meta: BlockMeta, payload: memoryview, identity_digest: bytes) -> bytes:
+def encode_header(meta: BlockMeta, payload: memoryview, identity_digest: bytes, sequence: int = 0) -> bytes:
     """The padded header of ``meta``'s file, checksum over it and ``payload`` included."""
     num_tokens = len(meta.token_ids)
     fixed = _FIXED.pack(
@@ -92,7 +105,7 @@ def encode_header(meta: BlockMeta, payload: memoryview, identity_digest: bytes) 
         _HAS_PARENT if meta.parent_hash is not None else 0,
         header_len(num_tokens),
         num_tokens,
-        0,
+        sequence & 0xFFFFFFFF,
         meta.block_hash,
         meta.parent_hash or 0,
         payload.nbytes,
@@ -109,7 +122,7 @@ def decode_header(raw: bytes | memoryview, *, identity_digest: bytes, block_size
     raw = bytes(raw[: header_len(block_size)])
     if len(raw) < _FIXED.size:
         raise IntegrityError("short_read", f"header is {len(raw)} bytes")
-    magic, version, flags, hlen, num_tokens, _, block_hash, parent, payload_len, digest = _FIXED.unpack_from(raw)
+    magic, version, flags, hlen, num_tokens, sequence, block_hash, parent, payload_len, digest = _FIXED.unpack_from(raw)
     if magic != MAGIC:
         raise IntegrityError("bad_magic", f"magic {magic!r}")
     if version != FORMAT_VERSION:
@@ -131,7 +144,7 @@ def decode_header(raw: bytes | memoryview, *, identity_digest: bytes, block_size
     if padding.count(0) != len(padding):
         raise IntegrityError("bad_padding", "non-zero bytes in the header's padding (the file is damaged)")
     meta = BlockMeta(ExternalBlockHash(block_hash), ExternalBlockHash(parent) if flags & _HAS_PARENT else None, tokens)
-    return FileHeader(meta, hlen, payload_len, checksum, raw[:end])
+    return FileHeader(meta, sequence, hlen, payload_len, checksum, raw[:end])
 
 
 def verify(header: FileHeader, payload: memoryview) -> None:

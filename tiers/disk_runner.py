@@ -1,5 +1,8 @@
 """Batches of block I/Os on the disk tier's I/O threads, every one answered by its deadline.
 
+An I/O (:class:`BlockIo`) moves one or more blocks -- a run of consecutive
+slots -- and answers each of them.
+
 Contracts
 ---------
 - At most ``threads`` I/Os run at once, one per I/O thread.
@@ -7,14 +10,14 @@ Contracts
   has its answers by then. An I/O no thread took up by the deadline is
   abandoned without touching its buffer and settled at once; one already
   running keeps running in the background and is settled when it finishes.
-  Its buffer belongs to it until it is settled: that is when the caller's
-  ``on_settled(ok)`` runs, exactly once per I/O, on the event loop.
+  Its buffers belong to it until it is settled: that is when the caller's
+  ``on_settled(ok)`` runs, exactly once per block, on the event loop.
 - A storage error (``OSError``, ``IntegrityError``) is an answer -- the
   planner's ``settle`` turns it into False and counts it. Any other
   exception is a bug: it is raised once every I/O of its batch is settled.
 
-Why a batch is one draining job per thread, not one job per block: each
-thread takes the batch's next block as soon as it finishes one, so a free
+Why a batch is one draining job per thread, not one job per I/O: each
+thread takes the batch's next I/O as soon as it finishes one, so a free
 thread never waits for the event loop, and the loop hears back once per
 batch instead of once per block. On a machine with few cores, the loop's
 turn for each completion is time the disk sits idle (docs/tiers.md has
@@ -52,21 +55,37 @@ def settled_nothing(ok: bool) -> None:
 
 
 class BlockIo:
-    """One block's I/O: ``job`` runs on an I/O thread unless the caller gave up first, and ``settle``
-    runs on the event loop once the job no longer touches its buffer, turning the outcome into the
-    answer (and calling the caller's ``on_settled``)."""
+    """One I/O of one or more blocks: ``job`` runs on an I/O thread unless the caller gave up first
+    (its return value kept as ``result``), and ``settle`` runs on the event loop once the job no longer
+    touches its buffers, turning the outcome into one answer per block, for the requests at
+    ``positions`` of the batch (and calling the caller's ``on_settled`` for each)."""
 
-    __slots__ = ("_lock", "_settle", "abandoned", "answer", "error", "finished", "job", "started")
+    __slots__ = (
+        "_lock",
+        "_settle",
+        "abandoned",
+        "answer",
+        "error",
+        "finished",
+        "job",
+        "positions",
+        "result",
+        "started",
+    )
 
-    def __init__(self, job: Callable[[], None], settle: Callable[[BlockIo], bool]) -> None:
+    def __init__(
+        self, positions: list[int], job: Callable[[], object], settle: Callable[[BlockIo], list[bool]]
+    ) -> None:
         self._lock = threading.Lock()
+        self.positions = positions
         self.job = job
         self._settle = settle
         self.started = False
         self.abandoned = False
         self.finished = False
         self.error: Exception | None = None
-        self.answer: bool | None = None
+        self.result: object = None
+        self.answer: list[bool] | None = None
 
     def run(self) -> None:
         """On an I/O thread: the job, unless abandoned; its exception is kept for ``settle``."""
@@ -75,7 +94,7 @@ class BlockIo:
                 return
             self.started = True
         try:
-            self.job()
+            self.result = self.job()
         except Exception as exc:  # judged on the loop: storage errors are answers, anything else a bug
             self.error = exc
         with self._lock:
@@ -88,15 +107,16 @@ class BlockIo:
                 self.abandoned = True
             return self.started and not self.finished
 
-    def settle(self) -> bool:
-        """On the event loop, once not busy: the answer (settled once; later calls repeat it)."""
+    def settle(self) -> list[bool]:
+        """On the event loop, once not busy: the answers (settled once; later calls repeat them)."""
         if self.answer is None:
             self.answer = self._settle(self)
         return self.answer
 
 
-Plan = Callable[[BlockMeta, memoryview, Settled], BlockIo | bool]
-"""Turns one request into its answer without I/O (a bool), or the I/O that will answer it."""
+Plan = Callable[[Sequence[Request]], tuple[list[bool | None], list[BlockIo]]]
+"""Turns a batch into the answers known without I/O (None where an I/O answers) and the I/Os, each
+naming the positions of the requests it answers."""
 
 
 class IoRunner:
@@ -112,23 +132,21 @@ class IoRunner:
         self._threads = threads
         self._expired = deadline_expired
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kv-disk")
-        self._batches: set[asyncio.Task[list[bool]]] = set()  # running, answered or not
+        self._batches: set[asyncio.Task[list[list[bool]]]] = set()  # running, answered or not
 
     async def run_batch(self, requests: Sequence[Request], plan: Plan, op: str) -> list[bool]:
-        """Plan each request -- answered at once (its ``on_settled`` called here) or an I/O -- then run
-        the I/Os together; one answer per request, in order."""
-        answers: list[bool | None] = []
-        ios: list[BlockIo] = []
-        for meta, buffer, on_settled in requests:
-            planned = plan(meta, buffer, on_settled)
-            if isinstance(planned, BlockIo):
-                ios.append(planned)
-                answers.append(None)
-            else:
-                on_settled(planned)
-                answers.append(planned)
-        ran = iter(await self._run(ios, op))
-        return [next(ran) if answer is None else answer for answer in answers]
+        """Plan the batch -- each request answered at once (its ``on_settled`` called here) or by an
+        I/O -- then run the I/Os together; one answer per request, in order."""
+        planned, ios = plan(requests)
+        for (_, _, on_settled), answer in zip(requests, planned, strict=True):
+            if answer is not None:
+                on_settled(answer)
+        answers = list(planned)
+        for io, ran in zip(ios, await self._run(ios, op), strict=True):
+            for position, answer in zip(io.positions, ran, strict=True):
+                answers[position] = answer
+        assert all(answer is not None for answer in answers), "a request that no I/O answers"
+        return [bool(answer) for answer in answers]
 
     async def aclose(self) -> None:
         """Wait (up to one deadline) for I/O still running, then stop the I/O threads."""
@@ -140,7 +158,7 @@ class IoRunner:
         """Stop the I/O threads without waiting (I/O already running finishes on its own)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, ios: list[BlockIo], op: str) -> list[bool]:
+    async def _run(self, ios: list[BlockIo], op: str) -> list[list[bool]]:
         """Run ``ios`` on the I/O threads and answer each by the deadline.
 
         At the deadline, I/Os no thread took up are abandoned and settled at once (their buffers
@@ -159,14 +177,14 @@ class IoRunner:
         answers = []
         for io in ios:
             if io.busy():
-                answers.append(False)  # settles when its thread finishes it
+                answers.append([False] * len(io.positions))  # settles when its thread finishes it
             else:
                 answers.append(io.settle())
             if not io.finished:
-                self._expired[op] += 1
+                self._expired[op] += len(io.positions)
         return answers
 
-    async def _settle_batch(self, ios: list[BlockIo], drains: list[Awaitable[None]]) -> list[bool]:
+    async def _settle_batch(self, ios: list[BlockIo], drains: list[Awaitable[None]]) -> list[list[bool]]:
         """Once every draining job has ended (or was cancelled by close()): settle every I/O."""
         await asyncio.gather(*drains, return_exceptions=True)
         answers = []

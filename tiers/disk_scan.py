@@ -1,19 +1,26 @@
-"""The disk tier's start-up scan: which block files of an earlier life to keep, so a restart keeps the cache.
+"""The disk tier's start-up scan: which slots of an earlier life hold blocks, so a restart keeps the cache.
 
-- Temporaries are removed: a write that never reached its rename (a crash)
-  is not a block.
-- A file whose name, place, size or header is not that of a block of this
-  cache identity is removed, counted by reason: it can never be served.
-- Only headers are read. Payload checksums are verified on every read
-  instead: reading every payload would make a start take as long as reading
-  the whole disk tier.
-- Files are kept oldest modification first (next to be evicted), so the LRU
-  order survives a restart as well as modification times tell it; the
-  oldest beyond the capacity in force are removed.
+- Slabs are taken in order while each earlier one is full (slots are handed
+  out in order, so a gap means damage): a slab after a short one, a file
+  that is not a slab, and whatever lies beyond the capacity in force are
+  removed or cut off, counted by reason.
+- Each slot's header is read (one ``pread`` per slot, not the payload:
+  reading every payload would make a start take as long as reading the
+  whole tier; checksums are verified on every read instead). A slot whose
+  header is not that of a block of this cache identity is free; one that
+  was written and is damaged is counted by reason. A never-written slot
+  (zeros) or an invalidated one is simply free.
+- The same block in two slots (an evicted copy that was not overwritten yet,
+  and a later one) keeps the later write.
+- Blocks are kept oldest write first (next to be evicted), so the LRU order
+  survives a restart as well as write order tells it.
+- Files of format version 1 (one file per block, spares, temporaries) are
+  removed, and their 256 shard folders with them.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections import Counter
@@ -21,95 +28,106 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvstore.tiers.blocks import BlockMeta
-from kvstore.tiers.disk_files import FileLayout, errno_name, read_header_meta, remove
-from kvstore.tiers.disk_format import (
-    SPARE_DIR,
-    SPARE_SUFFIX,
-    SUFFIX,
-    TEMP_SUFFIX,
-    IntegrityError,
-    file_name,
-    shard_name,
-)
+from kvstore.tiers.disk_files import FileLayout, errno_name, read_header_at, remove
+from kvstore.tiers.disk_format import OLD_SUFFIXES, IntegrityError, slab_name, slab_number, slots_per_slab
 
 logger = logging.getLogger(__name__)
 
 
 class ScanResult(NamedTuple):
-    kept: list[BlockMeta]  # oldest modification first
-    removed: Counter[str]  # reason -> files removed
-    io_errors: Counter[str]  # errno name -> files that could not be checked (left in place, not indexed)
-    spares: list[int]  # ids of the spare files kept (retired block files, sized right)
+    slots: int  # slots in the slab files kept
+    kept: list[tuple[BlockMeta, int]]  # (block, slot), oldest write first
+    removed: Counter[str]  # reason -> slots or files dropped
+    io_errors: Counter[str]  # errno name -> slabs that could not be read (their slots are free)
+    next_sequence: int  # one past the newest write sequence found
 
 
-def scan(directory: Path, layout: FileLayout, max_blocks: int) -> ScanResult:
-    """Check every file in ``directory``'s shard folders; keep at most ``max_blocks``, the newest."""
+def scan(directory: Path, layout: FileLayout, max_slots: int) -> ScanResult:
+    """Check every slab in ``directory``; keep at most ``max_slots`` slots of slabs, and the blocks in them."""
     removed: Counter[str] = Counter()
     io_errors: Counter[str] = Counter()
-    found: list[tuple[int, BlockMeta]] = []
-    for shard in sorted(directory.iterdir()):
-        if not shard.is_dir() or shard.name == SPARE_DIR:
-            continue
-        with os.scandir(shard) as listing:
-            for item in listing:
-                if item.name.endswith(TEMP_SUFFIX):
-                    remove(Path(item.path))
-                    removed["temporary"] += 1
-                    continue
-                if not item.name.endswith(SUFFIX) or not item.is_file(follow_symlinks=False):
-                    continue
-                try:
-                    meta = _check_file(Path(item.path), item.stat().st_size, shard.name, layout)
-                except IntegrityError as exc:
-                    remove(Path(item.path))
-                    removed[exc.reason] += 1
-                    continue
-                except OSError as exc:
-                    io_errors[errno_name(exc)] += 1
-                    continue
-                found.append((item.stat().st_mtime_ns, meta))
-    found.sort(key=lambda pair: pair[0])
-    keep = min(len(found), max_blocks)
-    for _, meta in found[: len(found) - keep]:
-        remove(directory / shard_name(meta.block_hash) / file_name(meta.block_hash))
-        removed["over_capacity"] += 1
-    spares = _scan_spares(directory / SPARE_DIR, layout, max_blocks - keep, removed)
-    if found or removed or spares:
-        logger.info(
-            "disk tier %s: %d blocks and %d spares kept, removed %s", directory, keep, len(spares), dict(removed)
-        )
-    return ScanResult([meta for _, meta in found[len(found) - keep :]], removed, io_errors, spares)
-
-
-def _scan_spares(spare_dir: Path, layout: FileLayout, room: int, removed: Counter[str]) -> list[int]:
-    """Spare files named and sized right, at most ``room`` of them; the rest are removed."""
-    spares: list[int] = []
-    if not spare_dir.is_dir():
-        return spares
-    with os.scandir(spare_dir) as listing:
+    _remove_old_format(directory, removed)
+    per_slab = slots_per_slab(layout.file_bytes)
+    slabs: dict[int, int] = {}  # slab -> its size in bytes
+    with os.scandir(directory) as listing:
         for item in listing:
-            stem = item.name[: -len(SPARE_SUFFIX)] if item.name.endswith(SPARE_SUFFIX) else ""
-            good = stem.isdigit() and item.is_file(follow_symlinks=False) and item.stat().st_size == layout.file_bytes
-            if good and len(spares) < room:
-                spares.append(int(stem))
-            else:
-                remove(Path(item.path))
-                removed["spare" if good else "bad_spare"] += 1
-    return spares
+            number = slab_number(item.name)
+            if number is not None and item.is_file(follow_symlinks=False):
+                slabs[number] = item.stat().st_size
+    slots = 0
+    found: dict[int, tuple[int, BlockMeta, int]] = {}  # hash -> (sequence, meta, slot)
+    for number in sorted(slabs):
+        path = directory / slab_name(number)
+        whole = min(slabs[number] // layout.file_bytes, per_slab)
+        keep = min(whole, max_slots - slots) if number * per_slab == slots else 0
+        if keep <= 0:
+            removed["slab_beyond_capacity" if number * per_slab == slots else "slab_after_a_gap"] += 1
+            remove(path)
+            continue
+        if keep * layout.file_bytes != slabs[number]:
+            _cut(path, keep * layout.file_bytes, removed)
+        try:
+            _scan_slab(path, number * per_slab, keep, layout, found, removed)
+        except OSError as exc:
+            io_errors[errno_name(exc)] += 1
+        slots += keep
+    ordered = sorted(found.values(), key=lambda item: item[0])
+    kept = [(meta, slot) for _, meta, slot in ordered]
+    next_sequence = ordered[-1][0] + 1 if ordered else 0
+    if kept or removed:
+        logger.info("disk tier %s: %d slots, %d blocks kept, removed %s", directory, slots, len(kept), dict(removed))
+    return ScanResult(slots, kept, removed, io_errors, next_sequence)
 
 
-def _check_file(path: Path, size: int, shard: str, layout: FileLayout) -> BlockMeta:
-    """The block ``path`` holds; raises IntegrityError if it is not where, or what, its name says."""
-    stem = path.name[: -len(SUFFIX)]
+def _scan_slab(
+    path: Path,
+    first_slot: int,
+    count: int,
+    layout: FileLayout,
+    found: dict[int, tuple[int, BlockMeta, int]],
+    removed: Counter[str],
+) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        named = int(stem, 16)
-    except ValueError:
-        raise IntegrityError("bad_name", f"{path.name} is not a block file name") from None
-    if path.name != file_name(named) or shard != shard_name(named):
-        raise IntegrityError("bad_name", f"{path} is not where block {named:#x} belongs")
-    if size != layout.file_bytes:
-        raise IntegrityError("bad_length", f"{path} is {size} bytes, expected {layout.file_bytes}")
-    meta = read_header_meta(path, layout)
-    if meta.block_hash != named:
-        raise IntegrityError("wrong_hash", f"{path.name} holds block {meta.block_hash:#x}")
-    return meta
+        for index in range(count):
+            try:
+                meta, sequence = read_header_at(fd, index * layout.file_bytes, layout)
+            except IntegrityError as exc:
+                if exc.reason != "bad_magic":  # zeros (never written, or invalidated) are just free
+                    removed[exc.reason] += 1
+                continue
+            slot = first_slot + index
+            earlier = found.get(meta.block_hash)
+            if earlier is not None:
+                removed["duplicate"] += 1
+                if earlier[0] > sequence:
+                    continue
+            found[meta.block_hash] = (sequence, meta, slot)
+    finally:
+        os.close(fd)
+
+
+def _cut(path: Path, nbytes: int, removed: Counter[str]) -> None:
+    """Cut a slab back to its whole slots under the capacity (a torn growth, a smaller capacity)."""
+    try:
+        os.truncate(path, nbytes)
+        removed["slab_cut"] += 1
+    except OSError as exc:
+        logger.warning("could not cut %s to %d bytes: %s", path, nbytes, exc)
+
+
+def _remove_old_format(directory: Path, removed: Counter[str]) -> None:
+    """Format 1's block files, spares and temporaries, and their folders once empty."""
+    for folder in sorted(directory.iterdir()):
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        with os.scandir(folder) as listing:
+            for item in listing:
+                old = item.name.endswith(OLD_SUFFIXES) and item.is_file(follow_symlinks=False)
+                if old and remove(Path(item.path)):
+                    removed["old_format"] += 1
+        try:
+            folder.rmdir()
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                logger.warning("could not remove %s: %s", folder, exc)

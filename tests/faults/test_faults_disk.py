@@ -1,13 +1,13 @@
-"""Disk tier faults under a real worker: corrupt, truncated and deleted block files; a full disk.
+"""Disk tier faults under a real worker: corrupt, torn and wiped slots; a disk that fills up.
 
 Each test runs KV workers (the real model and paged pool) whose evicted
 blocks go through a real tier store (:class:`LocalTierClient`: the shared
 arena in /dev/shm, block files on the real disk under ``tmp_path``), and
 whose admissions promote from it -- the same TierOffload/TierLink path as a
-Ray worker, in one process so that 1,000+ block files take seconds.
+Ray worker, in one process so that 1,000+ blocks take seconds.
 
-The disk is then damaged behind the tier's back, and the prompts whose
-prefixes live in the damaged files are served again. Every output must equal
+The slab files are then damaged behind the tier's back, and the prompts
+whose prefixes live in the damaged slots are served again. Every output must equal
 the output of a run with no cache at all, and every fault must show up in
 the tier's metrics, exactly where the count is deterministic.
 """
@@ -104,24 +104,40 @@ def tier_metrics(client: LocalTierClient) -> dict[str, float]:
     return page
 
 
-def corrupt_bytes(path: Path, rng: random.Random) -> str:
-    """XOR 1-8 bytes at a random offset with random non-zero values; returns the region hit."""
-    size = path.stat().st_size
-    offset = rng.randrange(size)
-    length = min(rng.randint(1, 8), size - offset)
+def corrupt_bytes(path: Path, offset: int, rng: random.Random) -> str:
+    """XOR 1-8 bytes at a random place of the slot at ``offset`` with random non-zero values; the region hit."""
+    size = slot_bytes()
+    at = rng.randrange(size)
+    length = min(rng.randint(1, 8), size - at)
     with path.open("r+b") as fh:
-        fh.seek(offset)
+        fh.seek(offset + at)
         raw = bytearray(fh.read(length))
         for k in range(length):
             raw[k] ^= rng.randrange(1, 256)
-        fh.seek(offset)
+        fh.seek(offset + at)
         fh.write(raw)
     fields = 64 + 8 * BLOCK + 8  # fixed fields, tokens, checksum
-    return "header fields" if offset < fields else "header padding" if offset < header_len(BLOCK) else "payload"
+    return "header fields" if at < fields else "header padding" if at < header_len(BLOCK) else "payload"
 
 
-def test_corrupt_truncated_and_deleted_block_files_never_serve_a_wrong_token(tmp_path: Path) -> None:
-    corrupt_n, truncate_n, delete_n = 1000, 100, 100
+def slot_bytes() -> int:
+    return header_len(BLOCK) + block_bytes()
+
+
+def write_at(path: Path, offset: int, raw: bytes) -> None:
+    with path.open("r+b") as fh:
+        fh.seek(offset)
+        fh.write(raw)
+
+
+def read_at(path: Path, offset: int, length: int) -> bytes:
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        return fh.read(length)
+
+
+def test_corrupt_torn_and_wiped_slots_never_serve_a_wrong_token(tmp_path: Path) -> None:
+    corrupt_n, torn_n, wiped_n = 1000, 100, 100
     config = disk_config(tmp_path)
     hasher = BlockHasher.from_config(config.cache)
     rng = random.Random(2024)
@@ -134,31 +150,35 @@ def test_corrupt_truncated_and_deleted_block_files_never_serve_a_wrong_token(tmp
         # 1. Fill: one worker computes every prompt; its evictions go through the 32-slot arena to disk.
         for prompt, want in zip(prompts, expected, strict=True):
             assert fill.generate(GenerateRequest(prompt, MAX_TOKENS)).output_token_ids == want
-        assert fill.drain_offload()  # stores run off the step loop: every file is written before the damage
+        assert fill.drain_offload()  # stores run off the step loop: every block is written before the damage
         disk = client.store.disk
         assert disk is not None
         whole = [d for d, h in enumerate(doc_hashes) if client.lookup(h).media == ("STORAGE",) * DOC_BLOCKS]
         files = [(d, i) for d in whole for i in range(DOC_BLOCKS)]
-        assert len(files) >= corrupt_n + truncate_n + delete_n + 100, (len(files), disk.num_blocks)
+        assert len(files) >= corrupt_n + torn_n + wiped_n + 100, (len(files), disk.num_blocks)
         stored_before = disk.num_blocks
 
-        # 2. Damage: corrupt bytes in 1,000 files, truncate 100, delete 100 (only files no other tier holds).
-        chosen = rng.sample(files, corrupt_n + truncate_n + delete_n)
+        # 2. Damage (only blocks no other tier holds): corrupt bytes in 1,000 slots; tear 100 (another block's
+        #    header over the old payload: a write cut short after its header); wipe 100 headers (zeros).
+        chosen = rng.sample(files, corrupt_n + torn_n + wiped_n)
         fault: dict[tuple[int, int], str] = {}
         regions: Counter[str] = Counter()
-        file_bytes = header_len(BLOCK) + block_bytes()
+        hlen = header_len(BLOCK)
+        spared = next(f for f in files if f not in set(chosen))
+        donor = disk.location_of(doc_hashes[spared[0]][spared[1]])  # an undamaged block: its header tears others
+        donor_header = read_at(donor[0], donor[1], hlen)
         for n, (d, i) in enumerate(chosen):
-            path = disk.path_of(doc_hashes[d][i])
+            path, offset = disk.location_of(doc_hashes[d][i])
             if n < corrupt_n:
-                region = corrupt_bytes(path, rng)
+                region = corrupt_bytes(path, offset, rng)
                 regions[region] += 1
                 fault[d, i] = f"corrupt {region}"
-            elif n < corrupt_n + truncate_n:
-                os.truncate(path, rng.randrange(file_bytes))
-                fault[d, i] = "truncated"
+            elif n < corrupt_n + torn_n:
+                write_at(path, offset, donor_header)
+                fault[d, i] = "torn"
             else:
-                path.unlink()
-                fault[d, i] = "deleted"
+                write_at(path, offset, bytes(hlen))
+                fault[d, i] = "wiped"
 
         # 3. Serve every damaged prompt on a worker that never computed it: its prefix comes from disk
         #    up to the first damaged block, the rest is recomputed.
@@ -184,49 +204,57 @@ def test_corrupt_truncated_and_deleted_block_files_never_serve_a_wrong_token(tmp
         stats = client.stats()
         integrity = dict(stats.integrity_failures)
         kinds = Counter(kind.split()[0] for kind in fault.values())
-        assert integrity.pop("missing") == kinds["deleted"] == delete_n
-        assert integrity.pop("short_read") == kinds["truncated"] == truncate_n
-        assert sum(integrity.values()) == corrupt_n, (integrity, regions)  # every corrupted byte run is caught
+        assert kinds == {"corrupt": corrupt_n, "torn": torn_n, "wiped": wiped_n}
+        assert sum(integrity.values()) == corrupt_n + torn_n + wiped_n, (integrity, regions)  # every one is caught
+        assert integrity["wrong_hash"] >= torn_n and integrity["bad_magic"] >= wiped_n, integrity
         assert set(integrity) <= {"bad_checksum", "bad_magic", "bad_version", "bad_length", "wrong_identity",
                                   "wrong_hash", "wrong_tokens", "bad_padding"}, integrity  # fmt: skip
         assert stats.disk_errors == {} and stats.collisions["STORAGE"] == 0
         page = tier_metrics(client)
         total = sum(v for k, v in page.items() if k.startswith("kvstore_tier_integrity_failures_total"))
-        assert total == corrupt_n + truncate_n + delete_n
-        assert page["kvstore_tier_integrity_failures_total{reason=missing}"] == delete_n
-        assert page["kvstore_tier_integrity_failures_total{reason=short_read}"] == truncate_n
-        for key in [k for k in disk.lru_hashes() if k in {doc_hashes[d][i] for d, i in fault}]:
-            # A damaged block back on disk was written again (spilled by the serving worker): a new, valid file.
-            assert disk.path_of(key).stat().st_size == file_bytes
+        assert total == corrupt_n + torn_n + wiped_n
+        assert page["kvstore_tier_integrity_failures_total{reason=bad_magic}"] == integrity["bad_magic"]
+        damaged = {doc_hashes[d][i] for d, i in fault}
+        for key in [k for k in disk.lru_hashes() if k in damaged]:
+            # A damaged block back on disk was written again (spilled by the serving worker): a valid slot.
+            path, offset = disk.location_of(key)
+            assert read_at(path, offset, 8) == b"KVSTBLK\0"
         served = sum(r.cached_tokens_by_medium["STORAGE"] for r in results) // BLOCK
         print(
-            f"\ndisk faults ({disk.io_mode}): {stored_before} block files, {len(files)} of them for {len(whole)} "
-            f"prompts; damaged {corrupt_n} (byte runs in {dict(regions)}), truncated {truncate_n}, deleted {delete_n}; "
+            f"\ndisk faults ({disk.io_mode}): {stored_before} blocks in slots, {len(files)} of them for {len(whole)} "
+            f"prompts; damaged {corrupt_n} (byte runs in {dict(regions)}), torn {torn_n}, wiped {wiped_n}; "
             f"{len(whole)} prompts served, 0 wrong tokens, {served} blocks promoted from disk; integrity failures "
             f"{dict(stats.integrity_failures)}"
         )
 
 
 class FailingWrites:
-    """Replaces the disk tier's write syscall loop: every write fails, ENOSPC except every ``eio_every``-th (EIO)."""
+    """Replaces the disk tier's vectored write loop: every run fails, ENOSPC except every ``eio_every``-th
+    (EIO); ``blocks`` counts the blocks of the failed runs by errno."""
 
     def __init__(self, eio_every: int) -> None:
         self.eio_every = eio_every
         self.calls: Counter[str] = Counter()
+        self.blocks: Counter[str] = Counter()
         self._lock = threading.Lock()  # called on the tier's I/O threads
 
-    def __call__(self, fd: int, views: list[memoryview]) -> None:
+    def __call__(self, fd: int, views: list[memoryview], offset: int = 0) -> None:
         with self._lock:
             n = sum(self.calls.values()) + 1
             name = "EIO" if n % self.eio_every == 0 else "ENOSPC"
             self.calls[name] += 1
+            self.blocks[name] += len(views) // 2  # a header and a payload per block
         raise OSError(getattr(errno, name), os.strerror(getattr(errno, name)))
+
+
+def no_room(*args: Any) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def test_full_disk_stops_storing_and_is_counted_while_every_output_stays_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = disk_config(tmp_path, disk_files=150)  # fewer files than the first prompts need: LRU at capacity
+    config = disk_config(tmp_path, disk_files=150)  # fewer slots than the first prompts need: LRU at capacity
     rng = random.Random(99)
     prompts = [tokens(rng, DOC_BLOCKS * BLOCK) + tokens(rng, 2) for _ in range(24)]
     expected = reference_outputs(prompts, MAX_TOKENS)
@@ -239,27 +267,29 @@ def test_full_disk_stops_storing_and_is_counted_while_every_output_stays_exact(
         before = client.stats()
         assert before.blocks["STORAGE"] == 150 and before.evictions["STORAGE"] > 0  # capacity reached: LRU evicts
 
-        # The file system fills up: every block file write fails (ENOSPC, and EIO now and then).
+        # The file system fills up: every write into a slot fails (ENOSPC, and EIO now and then), and no slab
+        # can grow.
         failing = FailingWrites(eio_every=5)
         monkeypatch.setattr(disk_files, "write_all", failing)
+        monkeypatch.setattr(os, "posix_fallocate", no_room)
         for i, prompt in enumerate(late, start=len(early)):
             assert worker.generate(GenerateRequest(prompt, MAX_TOKENS)).output_token_ids == expected[i]
         assert worker.drain_offload()
         full = client.stats()
-        calls = dict(failing.calls)
-        assert calls["ENOSPC"] > 0 and calls["EIO"] > 0, calls
-        assert full.not_stored["STORAGE"]["disk_full"] == calls["ENOSPC"]
-        assert full.not_stored["STORAGE"]["io_error"] == calls["EIO"] == full.disk_errors["EIO"]
-        assert full.capacity_bytes["STORAGE"] == full.usage_bytes["STORAGE"]  # the limit fell to what it holds
-        # statvfs still reports room (a quota, or another writer that freed space), so the limit grows back
-        # before each write: only the writes that found the tier at capacity evicted first (at most one
-        # arena's worth in flight). Before the fix every failure evicted one, and the tier drained for good.
+        blocks = dict(failing.blocks)
+        assert blocks["ENOSPC"] > 0 and blocks["EIO"] > 0, blocks
+        assert full.not_stored["STORAGE"]["disk_full"] == blocks["ENOSPC"]
+        assert full.not_stored["STORAGE"]["io_error"] == blocks["EIO"] == full.disk_errors["EIO"]
+        # A failed write may have touched its slot, so the block evicted for it is gone, and its slot is free
+        # for the next write: only the writes that found no free slot evicted (at most one arena's worth in
+        # flight), the rest reused the slots freed by earlier failures.
         lost = before.blocks["STORAGE"] - full.blocks["STORAGE"]
         assert lost == full.evictions["STORAGE"] - before.evictions["STORAGE"] <= CPU_SLOTS, lost
+        assert full.capacity_bytes["STORAGE"] <= before.capacity_bytes["STORAGE"]
         page = tier_metrics(client)
-        assert page["kvstore_tier_not_stored_total{medium=STORAGE,reason=disk_full}"] == calls["ENOSPC"]
-        assert page["kvstore_tier_disk_errors_total{reason=EIO}"] == calls["EIO"]
-        assert list((tmp_path / "disk").rglob("*.tmp")) == []  # no temporary left behind
+        assert page["kvstore_tier_not_stored_total{medium=STORAGE,reason=disk_full}"] == blocks["ENOSPC"]
+        assert page["kvstore_tier_disk_errors_total{reason=EIO}"] == blocks["EIO"]
+        assert [p.name for p in (tmp_path / "disk").rglob("*") if p.is_file()] == ["000000.kvslab"]  # one slab
 
         # The disk has room again: every prompt, early and late, is still served exactly.
         monkeypatch.undo()
@@ -273,9 +303,9 @@ def test_full_disk_stops_storing_and_is_counted_while_every_output_stays_exact(
         worker.check_invariants()
         client.check_invariants()
         print(
-            f"\nfull disk: capacity 150 files reached ({before.evictions['STORAGE']} LRU evictions), then "
-            f"{sum(calls.values())} writes failed ({calls}), each counted; {lost} stored blocks evicted for writes "
-            f"that then failed; "
+            f"\nfull disk: capacity 150 slots reached ({before.evictions['STORAGE']} LRU evictions), then "
+            f"{sum(blocks.values())} block writes failed ({blocks}), each counted; {lost} stored blocks evicted for "
+            f"writes that then failed; "
             f"{len(late)} prompts served while full and {len(prompts)} after, "
             f"0 wrong tokens; hits after: {sum(r.cached_tokens for r in results) // BLOCK} blocks"
         )

@@ -1,9 +1,9 @@
 """The disk tier's files are its user's alone: KV can be read back into prompts.
 
-Block files are created 0600 and every directory of the tier 0700, whatever
-the process's umask; a directory an older version left open (0755) is
-tightened when the tier starts on it. Spares (retired block files the tier
-reuses) keep the mode of the file they were.
+Slab files are created 0600 and the tier's directory 0700, whatever the
+process's umask; a directory an older version left open (0755) is
+tightened when the tier starts on it, and the older format's shard folders
+are removed. Slots are reused in place, so no file changes hands.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_block_files_are_0600_and_directories_0700_even_under_a_permissive_umask(tmp_path: Path) -> None:
+def test_slab_files_are_0600_and_directories_0700_even_under_a_permissive_umask(tmp_path: Path) -> None:
     root = tmp_path / "disk"
     (root / IDENTITY.digest() / "00").mkdir(parents=True, mode=0o755)  # as an older version left it
     os.chmod(root / IDENTITY.digest(), 0o755)
@@ -45,7 +45,7 @@ def test_block_files_are_0600_and_directories_0700_even_under_a_permissive_umask
         tier = DiskTier(
             root,
             IDENTITY,
-            capacity_bytes=2 * (IDENTITY.block_bytes + 4096),  # the third write evicts and reuses a file
+            capacity_bytes=2 * (IDENTITY.block_bytes + 4096),  # the third write evicts and reuses a slot
             deadline_s=5.0,
             max_concurrent_io=2,
         )
@@ -60,10 +60,10 @@ def test_block_files_are_0600_and_directories_0700_even_under_a_permissive_umask
         os.umask(old)
     try:
         directories = [tier.directory, *(p for p in tier.directory.iterdir() if p.is_dir())]
-        assert len(directories) == 1 + 256 + 1  # the tier's, its 256 shards, its spares
+        assert len(directories) == 1  # the tier's (the old version's shard folder, empty, is gone)
         assert {str(p): _mode(p) for p in directories if _mode(p) != 0o700} == {}
         files = [p for p in tier.directory.rglob("*") if p.is_file()]
-        assert len(files) == 2  # the third write reused the evicted block's file (through a spare)
+        assert [p.name for p in files] == ["000000.kvslab"]  # one slab of two slots: the third write reused one
         assert {str(p): oct(_mode(p)) for p in files if _mode(p) != 0o600} == {}
     finally:
         tier.close()

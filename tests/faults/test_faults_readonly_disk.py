@@ -9,11 +9,11 @@ wrapper (:mod:`kvstore.tiers.disk_files`: ``os.open`` for writing, ``os.replace`
 ``os.unlink``), and the test says which in its output. ``KVSTORE_TEST_INJECT_EROFS=1``
 picks the injection even where mounting is allowed.
 
-What must hold while it is read-only: no block whose file is still on disk
-leaves the index (it stays readable and is served), a file refused by its
-checksum is no longer served but still counted until it is really deleted,
-and the bytes the tier accounts for are exactly the files on disk. Once
-writable again, the tier stores blocks, deletes what it could not, and its
+What must hold while it is read-only: no block leaves the index for a write
+that cannot happen (the block evicted for it comes back: it stays readable
+and is served), a slot refused by its checksum is no longer served, and the
+slab bytes on disk are exactly what the tier accounts for. Once writable
+again, the tier stores blocks -- the refused slot first -- and its
 accounting is still exact.
 """
 
@@ -111,16 +111,17 @@ def read_only(directory: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]
         yield "EROFS injected at the disk tier's system calls"
 
 
-def files_on_disk(tier: DiskTier) -> int:
-    """Block files and spares (retired block files the tier reuses): every file the tier accounts for."""
-    return sum(1 for _ in tier.directory.glob("*/*.kvb")) + sum(1 for _ in tier.directory.glob("spare/*"))
+def slab_bytes_on_disk(tier: DiskTier) -> int:
+    """Bytes of every slab file: what the tier must account for."""
+    return sum(path.stat().st_size for path in tier.directory.glob("*.kvslab"))
 
 
-def flip_payload_byte(path: Path) -> None:
+def flip_payload_byte(tier: DiskTier, block_hash: int) -> None:
+    path, offset = tier.location_of(block_hash)
     with path.open("r+b") as fh:
-        fh.seek(-1, os.SEEK_END)
+        fh.seek(offset + tier.file_bytes - 1)
         last = fh.read(1)
-        fh.seek(-1, os.SEEK_END)
+        fh.seek(offset + tier.file_bytes - 1)
         fh.write(bytes([last[0] ^ 0xFF]))
 
 
@@ -141,34 +142,35 @@ def test_read_only_disk_keeps_its_entries_and_exact_accounting(
         )
         try:
             assert all(await tier.write_many([(m, v, lambda ok: None) for m, v in zip(held, views, strict=False)]))
-            assert tier.num_blocks == CAPACITY_FILES == files_on_disk(tier)
-            flip_payload_byte(tier.path_of(held[0].block_hash))  # damaged: refused on read, to be deleted
+            assert tier.num_blocks == CAPACITY_FILES and slab_bytes_on_disk(tier) == tier.disk_bytes
+            flip_payload_byte(tier, held[0].block_hash)  # damaged: refused on read
             tier.take_events()
 
             with read_only(tier.directory, monkeypatch) as how:
-                # Writes need room: the least recently used blocks cannot be deleted, so nothing is stored...
+                # Writes need room: the least recently used block is evicted for each, the write is refused
+                # before it touches the slot, and the block comes back: nothing is stored, nothing is lost...
                 for meta, view in zip(newer, views[CAPACITY_FILES:], strict=True):
                     assert not await tier.write(meta, view)
-                assert tier.num_blocks == CAPACITY_FILES, "blocks whose files are still there left the index"
-                # ... and every block still on disk is served, intact.
+                assert tier.num_blocks == CAPACITY_FILES, "blocks still on disk left the index"
+                assert tier.lru_hashes() == [m.block_hash for m in held] and tier.counters.evictions == 0
+                # ... and every intact block on disk is served.
                 for index, meta in enumerate(held[1:], start=1):
                     assert await tier.read_into(meta, out), f"block {index} is on disk but was not served"
                     assert bytes(out) == bytes(views[index])
-                # The damaged file is refused (never served), not deletable, and still counted.
+                # The damaged slot is refused (never served); its header cannot be zeroed, and need not be.
                 assert not await tier.read_into(held[0], out)
                 assert held[0].block_hash not in tier
-                assert tier.path_of(held[0].block_hash).exists()
-                assert tier.used_bytes == files_on_disk(tier) * tier.file_bytes, "accounting lost a file"
+                assert slab_bytes_on_disk(tier) == tier.disk_bytes == tier.capacity_bytes, "accounting is off"
+                assert tier.used_bytes == (CAPACITY_FILES - 1) * tier.file_bytes
                 assert tier.take_events() == [BlockRemoved(block_hashes=[held[0].block_hash], medium="STORAGE")]
-                assert sum(tier.counters.not_stored.values()) == len(newer)
+                assert dict(tier.counters.not_stored) == {"read_only": len(newer)}
                 tier.check_invariants()
 
-            # Writable again: the newer blocks are stored, the damaged file is deleted, accounting is exact.
+            # Writable again: the newer blocks are stored (the refused slot first), accounting is exact.
             for meta, view in zip(newer, views[CAPACITY_FILES:], strict=True):
                 assert await tier.write(meta, view)
-            assert not tier.path_of(held[0].block_hash).exists()
-            assert tier.num_blocks == CAPACITY_FILES
-            assert tier.used_bytes == files_on_disk(tier) * tier.file_bytes == tier.capacity_bytes
+            assert tier.num_blocks == CAPACITY_FILES and tier.counters.evictions == len(newer) - 1
+            assert tier.used_bytes == slab_bytes_on_disk(tier) == tier.disk_bytes == tier.capacity_bytes
             for meta in newer:
                 assert await tier.read_into(meta, out)
             tier.check_invariants()

@@ -1,4 +1,5 @@
-"""DiskTier on real files: round trips, every integrity refusal, restart scan, capacity, full disk, deadlines."""
+"""DiskTier on real slab files: round trips, runs, every integrity refusal, torn writes, restart scan,
+capacity, full disk, deadlines."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ import kvstore.tiers.disk_files as files_module
 from kvstore.events import BlockRemoved, BlockStored
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk_format import FORMAT_VERSION, file_name, header_len, shard_name
+from kvstore.tiers.disk_format import FORMAT_VERSION, header_len, slab_name
 from kvstore.tiers.errors import InvalidBlockError
 from kvstore.tiers.identity import CacheIdentity
 
-FILE_BYTES = header_len(IDENTITY.block_size) + IDENTITY.block_bytes
+FILE_BYTES = header_len(IDENTITY.block_size) + IDENTITY.block_bytes  # one slot
+HLEN = header_len(IDENTITY.block_size)
 
 
 def new_tier(root: Path, *, identity: CacheIdentity = IDENTITY, files: int = 16, **kw: Any) -> DiskTier:
@@ -66,6 +68,39 @@ class Settles:
         self.calls.append(ok)
 
 
+class Slot:
+    """One stored block's slot in its slab file, read and damaged behind the tier's back."""
+
+    def __init__(self, tier: DiskTier, block_hash: int) -> None:
+        self.path, self.offset = tier.location_of(block_hash)
+
+    def read(self) -> bytearray:
+        with self.path.open("rb") as fh:
+            fh.seek(self.offset)
+            return bytearray(fh.read(FILE_BYTES))
+
+    def write(self, raw: bytes | bytearray, at: int = 0) -> None:
+        with self.path.open("r+b") as fh:
+            fh.seek(self.offset + at)
+            fh.write(raw)
+
+    def header_zeroed(self) -> bool:
+        return not any(self.read()[:HLEN])
+
+
+def counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count calls of ``disk_files.<name>`` (the vectored write / read loop): one per run."""
+    real = getattr(files_module, name)
+    calls: list[int] = []
+
+    def counted(fd: int, views: list[memoryview], offset: int = 0) -> Any:
+        calls.append(len(views) // 2)
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(files_module, name, counted)
+    return calls
+
+
 def test_round_trip_on_the_real_disk(tmp_path: Path) -> None:
     async def scenario() -> None:
         tier = new_tier(tmp_path)
@@ -75,14 +110,54 @@ def test_round_trip_on_the_real_disk(tmp_path: Path) -> None:
         for meta, view in zip(metas, views, strict=True):
             assert await tier.write(meta, view, settled)
         assert settled.calls == [True, True, True]
-        assert tier.path_of(metas[0].block_hash).stat().st_size == FILE_BYTES
+        # One slab, grown a slot at a time, the blocks in write order.
+        assert tier.slab_paths() == [tier.directory / slab_name(0)]
+        assert [tier.location_of(m.block_hash) for m in metas] == [
+            (tier.directory / slab_name(0), i * FILE_BYTES) for i in range(3)
+        ]
+        assert tier.path_of(metas[0].block_hash).stat().st_size == 3 * FILE_BYTES == tier.disk_bytes
         assert tier.lru_hashes() == [m.block_hash for m in metas]
         out = out_buffer()
         assert await tier.read_into(metas[0], out, settled)
         assert bytes(out) == bytes(views[0]) and settled.calls[-1] is True
         assert tier.lru_hashes() == [metas[1].block_hash, metas[2].block_hash, metas[0].block_hash]
-        assert await tier.write(metas[1], views[1])  # already stored: True, no second file
+        assert await tier.write(metas[1], views[1])  # already stored: True, no second copy
         assert [type(e) for e in tier.take_events()] == [BlockStored] * 3
+        with pytest.raises(KeyError):
+            tier.location_of(12345)
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_moves_as_runs_of_consecutive_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of writes takes consecutive slots and goes out as one vectored write per run; a batch of
+    reads is sorted by slot and comes back the same way, each block still checked (and answered) alone."""
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=16)
+        metas, views = payloads(7)
+        writes, reads = counting(monkeypatch, "write_all"), counting(monkeypatch, "read_full")
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[:5], views[:5], strict=True)]))
+        assert writes == [5]  # five blocks, one pwritev
+        outs = [out_buffer() for _ in range(5)]
+        order = [3, 0, 4, 1, 2]  # requests out of slot order: still one run
+        answers = await tier.read_many([(metas[i], outs[n], Settles()) for n, i in enumerate(order)])
+        assert answers == [True] * 5 and reads == [5]
+        assert [bytes(outs[n]) for n in range(5)] == [bytes(views[i]) for i in order]
+        tier._run_blocks = 2  # runs are cut at a length: several I/Os in flight
+        writes.clear()
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[5:], views[5:], strict=True)]))
+        reads.clear()
+        assert all(await tier.read_many([(m, out_buffer(), Settles()) for m in metas[:5]]))
+        assert writes == [2] and sorted(reads) == [1, 2, 2]
+        # A damaged block in the middle of a run is refused alone.
+        Slot(tier, metas[2].block_hash).write(b"\xff", at=FILE_BYTES - 1)
+        tier._run_blocks = 16
+        answers = await tier.read_many([(m, out_buffer(), Settles()) for m in metas[:5]])
+        assert answers == [True, True, False, True, True]
+        assert dict(tier.counters.integrity_failures) == {"bad_checksum": 1}
         tier.check_invariants()
         await tier.aclose()
 
@@ -115,33 +190,33 @@ def test_buffered_path_for_blocks_that_are_not_page_multiples(tmp_path: Path) ->
     asyncio.run(scenario())
 
 
-def _flip(offset: int) -> Callable[[Path, Path], None]:
-    def corrupt(path: Path, other: Path) -> None:
-        raw = bytearray(path.read_bytes())
-        raw[offset] ^= 0x01
-        path.write_bytes(raw)
+def _flip(offset: int) -> Callable[[Slot, Slot], None]:
+    def corrupt(slot: Slot, other: Slot) -> None:
+        raw = slot.read()
+        slot.write(bytes([raw[offset] ^ 0x01]), at=offset)
 
     return corrupt
 
 
-def _truncate(path: Path, other: Path) -> None:
-    os.truncate(path, FILE_BYTES - 100)
+def _truncate(slot: Slot, other: Slot) -> None:
+    os.truncate(slot.path, slot.offset + FILE_BYTES - 100)
 
 
-def _other_block(path: Path, other: Path) -> None:
-    path.write_bytes(other.read_bytes())
+def _other_block(slot: Slot, other: Slot) -> None:
+    slot.write(other.read())
 
 
-def _other_version(path: Path, other: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[8:10] = struct.pack("<H", FORMAT_VERSION + 1)
-    path.write_bytes(raw)
+def _other_version(slot: Slot, other: Slot) -> None:
+    slot.write(struct.pack("<H", FORMAT_VERSION + 1), at=8)
 
 
-def _other_identity(path: Path, other: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[48:64] = bytes(16)
-    path.write_bytes(raw)
+def _other_identity(slot: Slot, other: Slot) -> None:
+    slot.write(bytes(16), at=48)
+
+
+def _torn(slot: Slot, other: Slot) -> None:
+    """A write that got only as far as the header: another block's header over this block's old payload."""
+    slot.write(other.read()[:HLEN])
 
 
 @pytest.mark.parametrize(
@@ -150,38 +225,42 @@ def _other_identity(path: Path, other: Path) -> None:
         (_flip(FILE_BYTES - 7), "bad_checksum"),  # a payload byte
         (_flip(64), "wrong_tokens"),  # a token: caught by the collision guard before the checksum
         (_flip(200), "bad_padding"),  # the header's zero padding (outside the checksum)
+        (_flip(0), "bad_magic"),
         (_truncate, "short_read"),
         (_other_block, "wrong_hash"),
         (_other_version, "bad_version"),
         (_other_identity, "wrong_identity"),
+        (_torn, "wrong_hash"),
     ],
     ids=[
         "flipped-payload-byte",
         "flipped-token",
         "flipped-padding-byte",
+        "flipped-magic",
         "truncated",
-        "header-of-another-hash",
+        "slot-of-another-block",
         "format-version",
         "identity",
+        "torn-write",
     ],
 )
-def test_integrity_failures_are_counted_misses_and_removed(
-    tmp_path: Path, corrupt: Callable[[Path, Path], None], reason: str
+def test_integrity_failures_are_counted_misses_and_invalidated(
+    tmp_path: Path, corrupt: Callable[[Slot, Slot], None], reason: str
 ) -> None:
     async def scenario() -> None:
         tier = new_tier(tmp_path)
         metas, views = payloads(2)
-        for meta, view in zip(metas, views, strict=True):
+        for meta, view in zip(metas[::-1], views[::-1], strict=True):  # the damaged block in the last slot
             assert await tier.write(meta, view)
         tier.take_events()
-        path = tier.path_of(metas[0].block_hash)
-        corrupt(path, tier.path_of(metas[1].block_hash))
+        slot = Slot(tier, metas[0].block_hash)
+        corrupt(slot, Slot(tier, metas[1].block_hash))
         out = out_buffer()
         settled = Settles()
         assert not await tier.read_into(metas[0], out, settled)  # a miss, never an exception
         assert settled.calls == [False]  # the buffer's content must not be used
         assert dict(tier.counters.integrity_failures) == {reason: 1}
-        assert not path.exists() and metas[0].block_hash not in tier
+        assert metas[0].block_hash not in tier and slot.header_zeroed()  # no restart takes it up again
         assert tier.take_events() == [BlockRemoved(block_hashes=[metas[0].block_hash], medium="STORAGE")]
         assert not await tier.read_into(metas[0], out)  # stays a miss
         assert await tier.read_into(metas[1], out) and bytes(out) == bytes(views[1])  # the other block is fine
@@ -191,15 +270,19 @@ def test_integrity_failures_are_counted_misses_and_removed(
     asyncio.run(scenario())
 
 
-def test_file_removed_behind_the_tiers_back_is_a_miss(tmp_path: Path) -> None:
+def test_slab_removed_behind_the_tiers_back_is_a_miss_and_comes_back(tmp_path: Path) -> None:
     async def scenario() -> None:
         tier = new_tier(tmp_path)
-        metas, views = payloads(1)
+        metas, views = payloads(2)
         assert await tier.write(metas[0], views[0])
         tier.path_of(metas[0].block_hash).unlink()
         assert not await tier.read_into(metas[0], out_buffer())
         assert dict(tier.counters.integrity_failures) == {"missing": 1}
         assert metas[0].block_hash not in tier
+        assert await tier.write(metas[1], views[1])  # the slab is made again (0600), holes and all
+        out = out_buffer()
+        assert await tier.read_into(metas[1], out) and bytes(out) == bytes(views[1])
+        tier.check_invariants()
         await tier.aclose()
 
     asyncio.run(scenario())
@@ -219,7 +302,7 @@ def test_collision_on_disk_is_a_miss(tmp_path: Path) -> None:
 
 
 def written_then_closed(tmp_path: Path, count: int) -> tuple[list[BlockMeta], list[bytes]]:
-    """A tier's first life, for the restart tests: ``count`` blocks written, then the tier closed."""
+    """A tier's first life, for the restart tests: ``count`` blocks written (slots 0, 1, ...), then closed."""
 
     async def first_run() -> tuple[list[BlockMeta], list[bytes]]:
         tier = new_tier(tmp_path)
@@ -232,14 +315,20 @@ def written_then_closed(tmp_path: Path, count: int) -> tuple[list[BlockMeta], li
     return asyncio.run(first_run())
 
 
+class SlabSlot(Slot):
+    """A slot by number, for a tier that is not running."""
+
+    def __init__(self, directory: Path, slot: int) -> None:
+        self.path, self.offset = directory / slab_name(0), slot * FILE_BYTES
+
+
 def test_tokens_damaged_while_the_tier_was_down_are_refused_not_taken_for_a_collision(tmp_path: Path) -> None:
     """The scan checks headers, not checksums (that needs the payload): a token flipped while the tier was
-    down is indexed with the wrong tokens. The first read must find the file damaged -- counted as an
-    integrity failure and removed -- not call it a hash collision and keep it forever."""
+    down is indexed with the wrong tokens. The first read must find the slot damaged -- counted as an
+    integrity failure and dropped -- not call it a hash collision and keep it forever."""
 
     metas, contents = written_then_closed(tmp_path, 2)
-    directory = tmp_path / IDENTITY.digest()
-    damaged = directory / shard_name(metas[0].block_hash) / file_name(metas[0].block_hash)
+    damaged = SlabSlot(tmp_path / IDENTITY.digest(), 0)
     _flip(64)(damaged, damaged)  # the first token
 
     async def second_run() -> None:
@@ -247,7 +336,7 @@ def test_tokens_damaged_while_the_tier_was_down_are_refused_not_taken_for_a_coll
         assert set(tier.lru_hashes()) == {m.block_hash for m in metas} and not tier.counters.scan_removed
         assert not await tier.read_into(metas[0], out_buffer())
         assert dict(tier.counters.integrity_failures) == {"bad_checksum": 1} and tier.counters.collisions == 0
-        assert not damaged.exists() and metas[0].block_hash not in tier
+        assert damaged.header_zeroed() and metas[0].block_hash not in tier
         out = out_buffer()
         assert await tier.read_into(metas[1], out) and bytes(out) == contents[1]
         tier.check_invariants()
@@ -256,51 +345,60 @@ def test_tokens_damaged_while_the_tier_was_down_are_refused_not_taken_for_a_coll
     asyncio.run(second_run())
 
 
-def test_restart_scan_keeps_valid_files_and_removes_the_rest(tmp_path: Path) -> None:
-    metas, contents = written_then_closed(tmp_path, 5)
+def test_restart_scan_keeps_intact_slots_and_frees_the_rest(tmp_path: Path) -> None:
+    metas, contents = written_then_closed(tmp_path, 6)
     directory = tmp_path / IDENTITY.digest()
-    path_of = {m.block_hash: directory / shard_name(m.block_hash) / file_name(m.block_hash) for m in metas}
-    for age, meta in enumerate(metas):  # distinct mtimes: the scan orders the LRU by them
-        stamp = time.time() - 100 + age
-        os.utime(path_of[meta.block_hash], (stamp, stamp))
-    temporary = path_of[metas[0].block_hash].with_name(".leftover.kvb.1234.tmp")
-    temporary.write_bytes(b"half a block")
-    _other_version(path_of[metas[1].block_hash], path_of[metas[1].block_hash])
-    _truncate(path_of[metas[2].block_hash], path_of[metas[2].block_hash])
+    _other_version(SlabSlot(directory, 1), SlabSlot(directory, 1))
+    SlabSlot(directory, 2).write(bytes(HLEN))  # zeroed: a free slot, not damage
+    _torn(SlabSlot(directory, 3), SlabSlot(directory, 0))  # block 0's header over block 3: a second copy of 0
+    os.truncate(directory / slab_name(0), 5 * FILE_BYTES + 100)  # slot 5 torn off: the slab is cut to 5 slots
+    (directory / slab_name(2)).write_bytes(bytes(FILE_BYTES))  # after a gap (no slab 1): removed
+    (directory / "ab").mkdir()
+    (directory / "ab" / "ab00000000000001.kvb").write_bytes(b"format 1")  # an old block file: removed
     stray = directory / "notes.txt"
     stray.write_text("not ours")
 
     async def second_run() -> None:
         tier = new_tier(tmp_path)
-        assert tier.lru_hashes() == [metas[0].block_hash, metas[3].block_hash, metas[4].block_hash]
-        assert dict(tier.counters.scan_removed) == {"temporary": 1, "bad_version": 1, "bad_length": 1}
-        assert not temporary.exists() and not path_of[metas[1].block_hash].exists()
-        assert stray.exists()  # not a block file: left alone
+        # Block 0's later copy (slot 3, a higher write sequence) wins; block 4 is the newest.
+        assert tier.lru_hashes() == [metas[0].block_hash, metas[4].block_hash]
+        assert tier.location_of(metas[0].block_hash)[1] == 3 * FILE_BYTES
+        assert dict(tier.counters.scan_removed) == {
+            "bad_version": 1,
+            "duplicate": 1,
+            "slab_cut": 1,
+            "slab_after_a_gap": 1,
+            "old_format": 1,
+        }
+        assert not (directory / "ab").exists() and not (directory / slab_name(2)).exists()
+        assert stray.exists()  # not ours: left alone
+        assert tier.disk_bytes == 5 * FILE_BYTES and tier.used_bytes == 2 * FILE_BYTES
         events = tier.take_events()
-        assert [e.block_hashes for e in events] == [[metas[i].block_hash] for i in (0, 3, 4)]
+        assert [e.block_hashes for e in events] == [[metas[i].block_hash] for i in (0, 4)]
         assert all(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in events)
         out = out_buffer()
-        assert await tier.read_into(metas[3], out) and bytes(out) == contents[3]
+        assert await tier.read_into(metas[4], out) and bytes(out) == contents[4]
+        # Block 0's copy in slot 3 has block 3's payload: refused on read, never served.
+        assert not await tier.read_into(metas[0], out)
+        assert dict(tier.counters.integrity_failures) == {"bad_checksum": 1}
+        more, views = payloads(3, seed=1)
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(more, views, strict=True)]))
+        assert sorted(tier.location_of(m.block_hash)[1] // FILE_BYTES for m in more) == [0, 1, 2]  # free slots first
+        assert tier.disk_bytes == 5 * FILE_BYTES  # no growth while slots are free
         tier.check_invariants()
         await tier.aclose()
 
     asyncio.run(second_run())
 
 
-def test_restart_with_a_smaller_capacity_keeps_the_newest(tmp_path: Path) -> None:
-    async def scenario() -> list[BlockMeta]:
-        tier = new_tier(tmp_path)
-        metas, views = payloads(4)
-        for age, (meta, view) in enumerate(zip(metas, views, strict=True)):
-            assert await tier.write(meta, view)
-            os.utime(tier.path_of(meta.block_hash), (1_000_000 + age, 1_000_000 + age))
-        await tier.aclose()
-        return metas
-
-    metas = asyncio.run(scenario())
+def test_restart_with_a_smaller_capacity_cuts_the_slab(tmp_path: Path) -> None:
+    """Slots are places: a smaller capacity keeps the slots that still fit (and the blocks in them)."""
+    metas, _ = written_then_closed(tmp_path, 4)
     smaller = new_tier(tmp_path, files=2)
-    assert smaller.lru_hashes() == [metas[2].block_hash, metas[3].block_hash]
-    assert smaller.counters.scan_removed["over_capacity"] == 2
+    assert smaller.lru_hashes() == [metas[0].block_hash, metas[1].block_hash]
+    assert smaller.counters.scan_removed["slab_cut"] == 1 and smaller.disk_bytes == 2 * FILE_BYTES
+    assert (tmp_path / IDENTITY.digest() / slab_name(0)).stat().st_size == 2 * FILE_BYTES
+    smaller.check_invariants()
     asyncio.run(smaller.aclose())
 
 
@@ -310,15 +408,16 @@ def test_lru_eviction_beyond_capacity(tmp_path: Path) -> None:
         metas, views = payloads(3)
         assert await tier.write(metas[0], views[0])
         assert await tier.write(metas[1], views[1])
+        evicted_slot = tier.location_of(metas[1].block_hash)
         assert await tier.read_into(metas[0], out_buffer())  # 0 is now the most recently used
         tier.take_events()
         assert await tier.write(metas[2], views[2])
         assert tier.lru_hashes() == [metas[0].block_hash, metas[2].block_hash]
-        assert not tier.path_of(metas[1].block_hash).exists()
+        assert tier.location_of(metas[2].block_hash) == evicted_slot  # written over the evicted block
         removed, stored = tier.take_events()
         assert removed == BlockRemoved(block_hashes=[metas[1].block_hash], medium="STORAGE")
         assert isinstance(stored, BlockStored) and stored.block_hashes == [metas[2].block_hash]
-        assert tier.used_bytes == 2 * FILE_BYTES and tier.counters.evictions == 1
+        assert tier.used_bytes == 2 * FILE_BYTES == tier.disk_bytes and tier.counters.evictions == 1
         await tier.aclose()
 
     asyncio.run(scenario())
@@ -337,65 +436,87 @@ def test_capacity_below_one_file_stores_nothing(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_enospc_degrades_to_not_stored_and_shrinks_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_write_all = files_module.write_all
+def _fallocate_fails(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    def full(*args: Any) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+
+
+def test_full_disk_stops_growth_and_the_tier_replaces_its_lru_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC when a slab grows: the limit falls to the slab bytes held, writes evict the least recently
+    used blocks and succeed; once the file system has room again the configured capacity is back."""
 
     async def scenario() -> None:
         tier = new_tier(tmp_path, files=8)
         metas, views = payloads(5)
         assert await tier.write(metas[0], views[0])
         assert await tier.write(metas[1], views[1])
-
-        def disk_full(*args: Any) -> None:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        # The file system is full: writes fail and statvfs reports no room.
-        monkeypatch.setattr(files_module, "write_all", disk_full)
+        # The file system is full: slabs cannot grow and statvfs reports no room.
+        _fallocate_fails(monkeypatch, errno.ENOSPC)
         monkeypatch.setattr(capacity_module, "fs_room", lambda directory: 0)
         settled = Settles()
-        assert not await tier.write(metas[2], views[2], settled)  # no exception reaches the caller
-        assert settled.calls == [False]
-        assert dict(tier.counters.not_stored) == {"disk_full": 1}
-        assert tier.limit_bytes == 2 * FILE_BYTES  # what it holds
-        assert list(tier.path_of(metas[2].block_hash).parent.glob("*.tmp")) == []  # the temporary is gone
-        monkeypatch.setattr(files_module, "write_all", real_write_all)
-        assert await tier.write(metas[3], views[3])  # room is made by evicting the LRU block
-        assert tier.lru_hashes() == [metas[1].block_hash, metas[3].block_hash]
-        assert tier.limit_bytes == 2 * FILE_BYTES
-        # The file system has room again: the configured capacity is back, nothing is evicted.
+        assert await tier.write(metas[2], views[2], settled)  # no exception: the LRU block makes room
+        assert settled.calls == [True] and not tier.counters.not_stored
+        assert tier.limit_bytes == 2 * FILE_BYTES == tier.disk_bytes  # what it holds
+        assert tier.path_of(metas[1].block_hash).stat().st_size == 2 * FILE_BYTES  # the failed growth is undone
+        assert tier.lru_hashes() == [metas[1].block_hash, metas[2].block_hash] and tier.counters.evictions == 1
+        # The file system has room again: the configured capacity is back, the slab grows, nothing is evicted.
+        monkeypatch.undo()
         monkeypatch.setattr(capacity_module, "fs_room", lambda directory: 100 * FILE_BYTES)
-        assert await tier.write(metas[4], views[4])
+        assert await tier.write(metas[3], views[3])
         assert tier.limit_bytes == tier.capacity_bytes == 8 * FILE_BYTES
-        assert tier.lru_hashes() == [metas[1].block_hash, metas[3].block_hash, metas[4].block_hash]
+        assert tier.lru_hashes() == [metas[1].block_hash, metas[2].block_hash, metas[3].block_hash]
+        assert tier.disk_bytes == 3 * FILE_BYTES
         tier.check_invariants()
         await tier.aclose()
 
     asyncio.run(scenario())
 
 
-def test_enospc_while_the_file_system_reports_room_evicts_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """ENOSPC that statvfs does not show (a quota, a competing writer that freed up): failed writes are counted,
-    and no stored block is given up for them."""
-
-    def disk_full(*args: Any) -> None:
-        raise OSError(errno.EDQUOT, "Disk quota exceeded")
-
+def test_full_disk_with_nothing_to_evict_is_not_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
         tier = new_tier(tmp_path, files=8)
-        metas, views = payloads(6)
-        for meta, view in zip(metas[:3], views[:3], strict=True):
-            assert await tier.write(meta, view)
-        monkeypatch.setattr(files_module, "write_all", disk_full)
-        for meta, view in zip(metas[3:], views[3:], strict=True):
-            assert not await tier.write(meta, view)
-        assert dict(tier.counters.not_stored) == {"disk_full": 3} and tier.counters.evictions == 0
-        assert tier.lru_hashes() == [m.block_hash for m in metas[:3]]
-        assert tier.limit_bytes == 3 * FILE_BYTES  # what it held at the last failure
+        metas, views = payloads(2)
+        _fallocate_fails(monkeypatch, errno.EDQUOT)
+        assert await tier.write_many([(m, v, Settles()) for m, v in zip(metas, views, strict=True)]) == [False] * 2
+        assert dict(tier.counters.not_stored) == {"disk_full": 2} and tier.limit_bytes == 0
+        assert tier.slab_paths() == [] and not (tier.directory / slab_name(0)).exists()
         monkeypatch.undo()
-        assert await tier.write(metas[3], views[3])  # statvfs reports room: the capacity is back
-        assert tier.limit_bytes == tier.capacity_bytes and tier.num_blocks == 4
+        assert await tier.write(metas[0], views[0])  # statvfs reports room: the capacity is back
+        assert tier.limit_bytes == tier.capacity_bytes and tier.num_blocks == 1
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_write_the_file_system_refuses_gives_up_no_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EROFS opening the slab: the slot was never touched, so the block evicted for the write comes back (at
+    the head of the LRU) and stays readable; the write is not stored (``read_only``)."""
+    real_open = files_module.os.open
+
+    def read_only(path: Any, flags: int, *args: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, flags, *args)
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=2)
+        metas, views = payloads(3)
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[:2], views[:2], strict=True)]))
+        tier.take_events()
+        monkeypatch.setattr(files_module.os, "open", read_only)
+        assert not await tier.write(metas[2], views[2])
+        assert dict(tier.counters.not_stored) == {"read_only": 1} and tier.counters.evictions == 0
+        assert tier.lru_hashes() == [metas[0].block_hash, metas[1].block_hash] and tier.take_events() == []
+        out = out_buffer()
+        assert await tier.read_into(metas[0], out) and bytes(out) == bytes(views[0])
+        monkeypatch.undo()
+        assert await tier.write(metas[2], views[2])  # writable again: evicts the LRU block for real
+        assert tier.lru_hashes() == [metas[0].block_hash, metas[2].block_hash] and tier.counters.evictions == 1
         tier.check_invariants()
         await tier.aclose()
 
@@ -581,7 +702,7 @@ def test_batches_answer_each_block_in_order(tmp_path: Path) -> None:
         assert [s.calls for s in settles[:4]] == [[True], [True], [False], [True]]
         assert tier.counters.not_stored == {"in_flight": 1}
         assert await tier.write_many([(metas[1], views[1], settles[4])]) == [True]  # already stored
-        # Room for three files: the fourth in one batch is refused up front, since every earlier one is in flight.
+        # Room for two blocks: the third in one batch is refused up front, since every earlier one is in flight.
         tier2 = new_tier(tmp_path / "small", files=2)
         assert await tier2.write_many([(m, v, Settles()) for m, v in zip(metas[:3], views[:3], strict=True)]) == [
             True,
@@ -593,7 +714,7 @@ def test_batches_answer_each_block_in_order(tmp_path: Path) -> None:
 
         outs = [out_buffer() for _ in range(4)]
         impostor = BlockMeta(metas[2].block_hash, None, (9, 9, 9, 9))
-        tier.path_of(metas[1].block_hash).write_bytes(b"garbage")
+        Slot(tier, metas[1].block_hash).write(b"garbage")
         reads = [Settles() for _ in range(4)]
         answers = await tier.read_many(
             [
@@ -606,7 +727,7 @@ def test_batches_answer_each_block_in_order(tmp_path: Path) -> None:
         assert answers == [True, False, False, False]
         assert [r.calls for r in reads] == [[True], [False], [False], [False]]
         assert bytes(outs[0]) == bytes(views[0])
-        assert tier.counters.integrity_failures == {"short_read": 1} and tier.counters.collisions == 1
+        assert tier.counters.integrity_failures == {"bad_magic": 1} and tier.counters.collisions == 1
         assert tier.lru_hashes() == [metas[2].block_hash, metas[0].block_hash]
         assert await tier.read_many([]) == [] and await tier.write_many([]) == []
         tier.check_invariants()
@@ -622,7 +743,7 @@ def test_batch_deadline_answers_finished_now_abandons_queued_and_settles_running
     release = threading.Event()
     calls = 0
 
-    def second_hangs(*args: Any) -> int:  # the batch's second read hangs (one I/O thread: in order)
+    def second_hangs(*args: Any) -> int:  # the batch's second run hangs (one I/O thread: in order)
         nonlocal calls
         calls += 1
         if calls == 2:
@@ -631,9 +752,10 @@ def test_batch_deadline_answers_finished_now_abandons_queued_and_settles_running
 
     async def scenario() -> None:
         tier = new_tier(tmp_path, deadline_s=0.3, max_concurrent_io=1)
-        metas, views = payloads(3)
-        for meta, view in zip(metas, views, strict=True):
+        stored, stored_views = payloads(5)
+        for meta, view in zip(stored, stored_views, strict=True):
             assert await tier.write(meta, view)
+        metas, views = stored[::2], stored_views[::2]  # slots 0, 2, 4: three runs
         monkeypatch.setattr(files_module, "read_full", second_hangs)
         outs = [out_buffer() for _ in range(3)]
         settles = [Settles() for _ in range(3)]
@@ -669,34 +791,36 @@ def test_a_bug_in_an_io_is_raised_after_every_io_in_the_batch_settled(
 
     async def scenario() -> None:
         tier = new_tier(tmp_path, max_concurrent_io=1)
-        metas, views = payloads(2)
-        for meta, view in zip(metas, views, strict=True):
+        stored, views = payloads(3)
+        for meta, view in zip(stored, views, strict=True):
             assert await tier.write(meta, view)
+        metas = stored[::2]  # slots 0 and 2: two runs
         monkeypatch.setattr(files_module, "read_full", first_breaks)
         settles = [Settles(), Settles()]
         with pytest.raises(RuntimeError, match="a bug"):
             await tier.read_many([(m, out_buffer(), s) for m, s in zip(metas, settles, strict=True)])
         assert [s.calls for s in settles] == [[False], [True]]  # every buffer handed back before the raise
-        assert len(tier.lru_hashes()) == 2  # a bug is not a damaged file: nothing removed
+        assert len(tier.lru_hashes()) == 3  # a bug is not a damaged slot: nothing removed
         await tier.aclose()
 
     asyncio.run(scenario())
 
 
-def test_evicted_files_are_reused_not_deleted(tmp_path: Path) -> None:
-    """A write into a full tier overwrites the evicted block's file (renamed to a spare, then into place): no new
-    file is created, so no blocks are allocated, and the bytes held stay the files on disk."""
+def test_evicted_slots_are_reused_in_place(tmp_path: Path) -> None:
+    """A write into a full tier overwrites the evicted blocks' slots: the slab does not grow, no file is
+    created, and a batch evicting consecutive slots writes them as one run again."""
 
     async def scenario() -> None:
         tier = new_tier(tmp_path, files=3)
         metas, views = payloads(6)
         assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[:3], views[:3], strict=True)]))
-        inodes = {os.stat(tier.path_of(m.block_hash)).st_ino for m in metas[:3]}
+        places = [tier.location_of(m.block_hash) for m in metas[:3]]
+        inode = os.stat(places[0][0]).st_ino
         assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[3:], views[3:], strict=True)]))
-        assert {os.stat(tier.path_of(m.block_hash)).st_ino for m in metas[3:]} == inodes
+        assert [tier.location_of(m.block_hash) for m in metas[3:]] == places
+        assert os.stat(places[0][0]).st_ino == inode and tier.disk_bytes == 3 * FILE_BYTES
         assert tier.lru_hashes() == [m.block_hash for m in metas[3:]] and tier.counters.evictions == 3
-        assert not any(tier.path_of(m.block_hash).exists() for m in metas[:3])
-        assert list(tier.directory.glob("spare/*")) == [] and tier.used_bytes == 3 * FILE_BYTES
+        assert [p.name for p in tier.directory.iterdir()] == [slab_name(0)]
         for meta, view in zip(metas[3:], views[3:], strict=True):
             out = out_buffer()
             assert await tier.read_into(meta, out) and bytes(out) == bytes(view)
@@ -706,18 +830,14 @@ def test_evicted_files_are_reused_not_deleted(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_spares_survive_a_restart_and_are_reused(tmp_path: Path) -> None:
-    """A refused file becomes a spare; a restart keeps spares of the right size (and removes others), and the
-    next write reuses one instead of creating a file."""
-
+def test_a_refused_slot_is_not_taken_up_by_a_restart_and_is_reused(tmp_path: Path) -> None:
     async def first_life() -> list[BlockMeta]:
         tier = new_tier(tmp_path, files=4)
         metas, views = payloads(2)
         assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas, views, strict=True)]))
-        _flip(FILE_BYTES - 1)(tier.path_of(metas[0].block_hash), tier.path_of(metas[1].block_hash))
-        assert not await tier.read_into(metas[0], out_buffer())  # refused: its file is now a spare
-        assert len(list(tier.directory.glob("spare/*"))) == 1 and tier.used_bytes == 2 * FILE_BYTES
-        (tier.directory / "spare" / "99999999.kvs").write_bytes(b"short")  # not a spare: removed at start
+        _flip(FILE_BYTES - 1)(Slot(tier, metas[0].block_hash), Slot(tier, metas[0].block_hash))
+        assert not await tier.read_into(metas[0], out_buffer())  # refused: its header is zeroed
+        assert tier.used_bytes == FILE_BYTES and tier.disk_bytes == 2 * FILE_BYTES
         await tier.aclose()
         return metas
 
@@ -725,14 +845,12 @@ def test_spares_survive_a_restart_and_are_reused(tmp_path: Path) -> None:
 
     async def second_life() -> None:
         tier = new_tier(tmp_path, files=4)
-        assert tier.counters.scan_removed["bad_spare"] == 1
-        assert tier.lru_hashes() == [metas[1].block_hash] and tier.used_bytes == 2 * FILE_BYTES
-        (spare,) = tier.directory.glob("spare/*")
-        inode = spare.stat().st_ino
+        assert not tier.counters.scan_removed  # a zeroed header is a free slot, not damage
+        assert tier.lru_hashes() == [metas[1].block_hash] and tier.used_bytes == FILE_BYTES
         more, views = payloads(3, seed=1)
         assert await tier.write(more[2], views[2])
-        assert os.stat(tier.path_of(more[2].block_hash)).st_ino == inode  # the spare, reused
-        assert list(tier.directory.glob("spare/*")) == [] and tier.used_bytes == 2 * FILE_BYTES
+        assert tier.location_of(more[2].block_hash)[1] == 0  # the freed slot, reused
+        assert tier.disk_bytes == 2 * FILE_BYTES
         tier.check_invariants()
         await tier.aclose()
 

@@ -1,4 +1,4 @@
-"""CacheIdentity (digest, sizes), the block file format (encode, decode, each refusal), TierConfig validation."""
+"""CacheIdentity (digest, sizes), the slot and slab format (encode, decode, each refusal), TierConfig validation."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from kvstore.tiers.disk_format import (
     IntegrityError,
     decode_header,
     encode_header,
-    file_name,
     header_len,
-    shard_name,
+    slab_name,
+    slab_number,
+    slots_per_slab,
     verify,
 )
 from kvstore.tiers.identity import CacheIdentity
@@ -83,10 +84,11 @@ def test_header_round_trip() -> None:
     assert first.meta.parent_hash is None  # the root block has no parent (not parent 0)
 
 
-def test_file_names_are_content_addressed() -> None:
-    assert file_name(0xAB00000000000001) == "ab00000000000001.kvb"
-    assert shard_name(0xAB00000000000001) == "ab"
-    assert shard_name(5) == "00"
+def test_slab_names_and_sizes() -> None:
+    assert slab_name(3) == "000003.kvslab" and slab_number("000003.kvslab") == 3
+    assert slab_number("notes.txt") is None and slab_number("3.kvslab") is None
+    assert slots_per_slab(2 * 1024 * 1024 + 4096) == 31  # a Llama-3-8B block and its header: 62 MiB slabs
+    assert slots_per_slab(200 * 1024) == 327 and slots_per_slab(1 << 30) == 1
 
 
 def _header() -> tuple[bytearray, memoryview, BlockMeta]:

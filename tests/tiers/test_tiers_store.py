@@ -198,14 +198,15 @@ def test_corrupt_disk_block_ends_the_hit_and_is_never_served(tmp_path: Path) -> 
         metas, data = make_blocks(6)
         spill_all(link, metas, data)  # 0..3 on disk, 4..5 in CPU
         assert store.disk is not None
-        path = store.disk.path_of(metas[2].block_hash)
+        path, offset = store.disk.location_of(metas[2].block_hash)
+        last = offset + store.disk.file_bytes - 1  # the slot's last payload byte
         raw = bytearray(path.read_bytes())
-        raw[-1] ^= 0xFF
+        raw[last] ^= 0xFF
         path.write_bytes(raw)
         promoted, got = promote_all(link, metas)
         assert len(promoted.block_ids) == 2 and torch.equal(got, data[:2])  # stops before the corrupt block
         stats = client.stats()
-        assert stats.integrity_failures == {"bad_checksum": 1} and not path.exists()
+        assert stats.integrity_failures == {"bad_checksum": 1} and metas[2].block_hash not in store.disk
         assert client.lookup(hashes(metas)).num_blocks == 2  # (in CPU or on disk, as promotion left them)
         client.check_invariants()
 
@@ -215,6 +216,7 @@ def test_full_disk_degrades_spill_without_raising(tmp_path: Path, monkeypatch: p
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with linked_tier(tier_config(tmp_path, cpu_blocks=2, disk_blocks=64)) as (client, link):
+        monkeypatch.setattr(os, "posix_fallocate", disk_full)  # no slab can grow
         monkeypatch.setattr(files_module, "write_all", disk_full)
         monkeypatch.setattr(capacity_module, "fs_room", lambda directory: 0)  # statvfs agrees: no room
         metas, data = make_blocks(5)
@@ -224,9 +226,9 @@ def test_full_disk_degrades_spill_without_raising(tmp_path: Path, monkeypatch: p
         assert client.lookup(hashes(metas)) == (0, ())  # the evicted ones could not be kept
         assert client.lookup(hashes(metas), start=3) == (2, ("CPU", "CPU"))
         stats = client.stats()
-        # The first write-back hits ENOSPC; the tier then limits itself to what it holds (nothing), so the
-        # next two are turned away before any I/O.
-        assert stats.not_stored["STORAGE"] == {"disk_full": 1, "capacity": 2}
+        # The first write-back's slab cannot grow (ENOSPC): the tier limits itself to what it holds (nothing),
+        # so each write-back is turned away before any I/O.
+        assert stats.not_stored["STORAGE"] == {"disk_full": 3}
         assert stats.blocks["STORAGE"] == 0 and stats.capacity_bytes["STORAGE"] == 0
         client.check_invariants()
         monkeypatch.undo()  # room again: the next write-backs take the configured capacity back
