@@ -99,7 +99,9 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     tail.add_argument(
         "--curve-server-key",
         default=None,
-        help="the producer's CURVE public key (Z85), when it publishes with CURVE (events.curve_public_key)",
+        metavar="KEY",
+        help="the producer's CURVE public key (Z85), when it publishes with CURVE (events.curve_public_key); "
+        "write --curve-server-key=KEY, since a Z85 key may begin with '-'",
     )
     tail.add_argument(
         "--curve-client-cert",

@@ -79,7 +79,7 @@ def test_serve_deployment_with_curve_routes_on_its_events_and_tail_needs_the_key
 
         endpoint, replay = worker.endpoint, worker.replay_endpoint
         tail = ["events", "tail", "--endpoint", endpoint, "--replay-endpoint", replay]
-        keyed = [*tail, "--curve-server-key", public]
+        keyed = [*tail, f"--curve-server-key={public}"]  # =: a Z85 key may begin with "-"
         if allow_list:
             assert main([*keyed, "--duration", "1.5"]) == 0  # the server's key, but an unlisted client: nothing
             assert capsys.readouterr().out == ""

@@ -128,9 +128,11 @@ def test_curve_allow_list_admits_only_listed_client_keys(ctx: zmq.Context[zmq.So
         assert raw.poll(500) == 0
         raw.close(linger=0)
         # `kvstore events tail` with the listed client's certificate reads the stream; with another, nothing.
-        got = tail(ep.endpoint, ep.replay_endpoint, 2.0, "--curve-server-key", public,
+        # The key goes as --curve-server-key=KEY: a Z85 key may begin with "-", which a separate argument
+        # would have argparse read as an option.
+        got = tail(ep.endpoint, ep.replay_endpoint, 2.0, f"--curve-server-key={public}",
                    "--curve-client-cert", str(listed_cert))  # fmt: skip
-        refused = tail(ep.endpoint, ep.replay_endpoint, 1.5, "--curve-server-key", public,
+        refused = tail(ep.endpoint, ep.replay_endpoint, 1.5, f"--curve-server-key={public}",
                        "--curve-client-cert", str(unlisted_cert))  # fmt: skip
         print(f"\nallow-list: the listed subscriber holds {sum(listed_view.view('sealed').values())} blocks; "
               f"unlisted ones 0; tail printed {len(got)} events with the listed certificate, {len(refused)} "
@@ -161,7 +163,7 @@ def test_allow_lists_and_client_keys_are_validated() -> None:
 def test_tail_refuses_a_client_certificate_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     public, _ = (key.decode() for key in zmq.curve_keypair())
     public_only, _ = zmq.auth.create_certificates(str(tmp_path), "client")
-    base = ["events", "tail", "--endpoint", "tcp://127.0.0.1:1", "--curve-server-key", public, "--duration", "0.1"]
+    base = ["events", "tail", "--endpoint", "tcp://127.0.0.1:1", f"--curve-server-key={public}", "--duration", "0.1"]
     assert main([*base, "--curve-client-cert", str(tmp_path / "missing")]) == 2
     assert "no file" in capsys.readouterr().err
     assert main([*base, "--curve-client-cert", public_only]) == 2  # the .key file: public half only
