@@ -33,11 +33,11 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     disk_dir: str | None = None
     """Root of the disk tier (one subdirectory per cache identity); None turns the disk tier off."""
     disk_capacity_bytes: Annotated[int, Meta(ge=0)] = 64 * 1024**3
-    """Bytes of block files (headers included) kept under the identity's directory; LRU beyond that."""
+    """Bytes of slab files (a slot per block, header included) under the identity's directory; LRU beyond."""
     disk_direct_io: bool = True
     """Use O_DIRECT where the file system and the block size allow it; else buffered I/O."""
     disk_fsync: bool = False
-    """fsync each file before its rename (survives power loss; the checksum already turns torn files into misses)."""
+    """fsync a run's slab after its write (survives power loss; the checksum turns torn slots into misses anyway)."""
     io_deadline_s: Annotated[float, Meta(gt=0.0)] = 5.0
     """Deadline of every disk I/O (queueing included); a late I/O is a miss or "not stored"."""
     max_concurrent_io: Annotated[int, Meta(ge=1)] = 16
