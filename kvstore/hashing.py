@@ -193,22 +193,9 @@ class BlockHasher:
         """:meth:`hash_blocks`, one hash at a time: a walk that stops early hashes no further."""
         size = self.block_size
         first, rest = self.extra_keys(0, lora_name, cache_salt), self.extra_keys(1, lora_name, cache_salt)
-        digest, encode = self._digest, _TOKEN_CBOR.__getitem__
-        tokens_head = self._tokens_head
-        try:
-            extra = _NULL if rest is None else _extra_cbor(rest)
-        except TypeError:
-            extra = b""  # unhashable keys: every block takes hash_block's path
+        hash_block = self.hash_block
         for index in range(start_block, len(token_ids) // size):
-            block_tokens = token_ids[index * size : (index + 1) * size]
-            if index == 0 or parent is None or not extra:
-                parent = self.hash_block(parent, block_tokens, first if index == 0 else rest)
-            else:
-                try:
-                    head = _PARENT_HEADS.get(len(parent)) or _BLOCK_HEAD + _cbor_head(2, len(parent))
-                    parent = BlockHash(digest(b"".join((head, parent, tokens_head, *map(encode, block_tokens), extra))))
-                except _Unencodable:
-                    parent = self.hash_block(parent, block_tokens, rest)
+            parent = hash_block(parent, token_ids[index * size : (index + 1) * size], first if index == 0 else rest)
             yield parent
 
     @staticmethod
