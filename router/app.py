@@ -15,10 +15,10 @@ Two ways to serve a completion, by the kind of fleet:
   (:mod:`kvstore.openai.routing`), and forwarded byte for byte; status,
   body and SSE chunks come back as the replica sent them, and what the
   router adds travels in ``x-kvstore-*`` headers. This path is plain ASGI
-  beside the FastAPI app (:mod:`kvstore.router.relay`): the front
-  (:class:`RouterApp`) sends those requests there, through the request
-  counting and the guard only, off the framework's per-request and
-  per-chunk costs.
+  beside the FastAPI app (:mod:`kvstore.router.relay`): :class:`RouterApp`
+  sends those requests there, under the request counting and the guard
+  that every request passes, off the framework's per-request and per-chunk
+  costs.
 
 Every failure of the router's own is an OpenAI-style error body: 400 for bad
 input, 401 without the configured bearer token, 404 for a model or LoRA
@@ -80,7 +80,7 @@ def create_app(
     *,
     manage_lifecycle: bool = True,
     tasks: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
-) -> RouterApp:
+) -> ASGIApp:
     """Build the app around a service. With ``manage_lifecycle`` the app starts and closes it.
 
     ``tasks`` run on the app's loop from after the service starts until before it closes (a deployer's
@@ -106,11 +106,6 @@ def create_app(
                 await service.close()
 
     app = FastAPI(title="kvstore router", lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    # Each add wraps the ones before, so the last is outermost: request counting (which then sees the
-    # guard's refusals too), the guard, the app. The relay gets the same two around it (below).
-    app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
-    app.add_middleware(RequestCounting, metrics=service.metrics, paths=KINDS)
 
     answer_errors_openai_style(app)
 
@@ -178,32 +173,30 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
-    relay = RequestCounting(
-        _Guard(RelayApp(service), api_key=config.api_key, max_body_bytes=config.max_body_bytes),
-        metrics=service.metrics,
-        paths=KINDS,
-    )
-    return RouterApp(app, relay, service)
+    # Outermost the request counting (which so sees the guard's refusals too), then the guard, then the
+    # split between the relay and the FastAPI app: both paths pass the same two, once.
+    front = _Guard(RouterApp(app, service), api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    return RequestCounting(front, metrics=service.metrics, paths=KINDS)
 
 
 class RouterApp:
-    """The router's ASGI app: completions for an external fleet go to the relay, everything else to FastAPI.
+    """Completions for an external fleet go to the relay, everything else to the FastAPI app.
 
     The relay path (:mod:`kvstore.router.relay`) is the hot one -- every chunk of every stream -- so it
-    runs under the request counting and the guard alone; the FastAPI app (``fastapi``) serves the rest,
-    our workers' completions included, and the lifespan.
+    runs off the framework; the FastAPI app serves the rest, our workers' completions included, and the
+    lifespan. :func:`create_app` puts the request counting and the guard around both.
     """
 
-    def __init__(self, fastapi: FastAPI, relay: ASGIApp, service: RouterService) -> None:
-        self.fastapi = fastapi
-        self._relay = relay
+    def __init__(self, fastapi: FastAPI, service: RouterService) -> None:
+        self._fastapi = fastapi
+        self._relay = RelayApp(service)
         self._service = service
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in KINDS and scope["method"] == "POST" and self._service.forwards:
             await self._relay(scope, receive, send)
         else:
-            await self.fastapi(scope, receive, send)
+            await self._fastapi(scope, receive, send)
 
 
 class _Guard:
