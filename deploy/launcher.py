@@ -42,7 +42,7 @@ from kvstore.openai.protocol import ModelLimits
 from kvstore.openai.tokenizer import load_tokenizer
 from kvstore.router.backends import RayActorBackend
 from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
-from kvstore.subscriber import CurveKeyPair, load_client_cert
+from kvstore.subscriber import CurveKeyPair
 from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name, tier_arena_name
 from kvstore.tiers.shared_memory import reclaim_dead_arenas
 from kvstore.workers.actor import KVWorkerActor, routable_endpoint, worker_actor_options
@@ -399,8 +399,7 @@ def router_curve(config: Config) -> RouterCurve:
     list: without a listed certificate it would hear nothing and route blind, so that is a ConfigError.
     """
     server_key = config.events.curve_public_key or None
-    cert = config.router.curve_client_cert
-    keys = load_client_cert(cert, field="router.curve_client_cert") if cert else None
+    keys = config.router.curve_client_keys()
     if keys is not None and server_key is None:
         raise ConfigError("router.curve_client_cert is set but the events run without CURVE (events.curve_public_key)")
     allowed = config.events.curve_allowed_client_keys

@@ -21,7 +21,6 @@ from kvstore.openai.tokenizer import load_tokenizer
 from kvstore.router.app import create_app
 from kvstore.router.backends import HttpBackend
 from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
-from kvstore.subscriber import load_client_cert
 
 
 def build_router(config: Config) -> RouterService:
@@ -44,8 +43,7 @@ def build_router(config: Config) -> RouterService:
     # No tokenizer: token-id prompts only (a text prompt is refused, naming router.tokenizer).
     tokenizer = load_tokenizer(config.router.tokenizer) if config.router.tokenizer else None
     service = RouterService(config, tokenizer, limits)
-    cert = config.router.curve_client_cert
-    client_keys = load_client_cert(cert, field="router.curve_client_cert") if cert else None
+    client_keys = config.router.curve_client_keys()
     if client_keys is not None and not any(r.curve_server_key for r in replicas):
         raise ConfigError("router.curve_client_cert is set but no [[router.replicas]] has a curve_server_key")
     for r in replicas:

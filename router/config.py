@@ -9,6 +9,7 @@ from msgspec import Meta
 
 from kvstore.config import CacheConfig, Fraction, NonNegativeInt, PositiveInt, is_z85_key
 from kvstore.openai.bounds import BodyBounds
+from kvstore.subscriber import CurveKeyPair, load_client_cert
 
 PolicyName = Literal["kvstore", "round_robin", "random", "least_loaded"]
 """``kvstore``: cached prefix against load (the Scorer); the others: cache-blind baselines (router/policies.py)."""
@@ -128,6 +129,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """A ZeroMQ secret certificate (``zmq.auth.create_certificates``' ``.key_secret`` file) with the key pair
     the router presents to CURVE event publishers: needed when they admit only listed clients
     (``events.curve_allowed_client_keys``); list its public key there. Empty: a key pair made at start."""
+
+    def curve_client_keys(self) -> CurveKeyPair | None:
+        """The key pair of :attr:`curve_client_cert`, read from its file (ConfigError naming the field); None
+        when unset."""
+        cert = self.curve_client_cert
+        return load_client_cert(cert, field="router.curve_client_cert") if cert else None
 
     def body_bounds(self) -> BodyBounds:
         """What one request body may hold, for every HTTP front the config starts."""
