@@ -202,6 +202,10 @@ class DiskTier:
     def take_events(self) -> list[KVEvent]:
         return self._events.take()
 
+    def discard_events(self) -> int:
+        """Forget the events recorded since the last take (the owner publishes nowhere)."""
+        return self._events.discard()
+
     def snapshot_events(self) -> list[BlockStored]:
         """Every stored block as a BlockStored (medium STORAGE). Safe from another thread."""
         return self._events.snapshot(self._index.metas())

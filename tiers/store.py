@@ -418,7 +418,7 @@ class TierStore:
         if self._events_off:  # no subscriber can exist: the events are never built
             self._cpu.discard_events()
             if self._disk is not None:
-                self._disk.take_events()
+                self._disk.discard_events()
             return
         events = self._cpu.take_events()
         if self._disk is not None:

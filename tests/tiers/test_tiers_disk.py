@@ -123,6 +123,10 @@ def test_round_trip_on_the_real_disk(tmp_path: Path) -> None:
         assert tier.lru_hashes() == [metas[1].block_hash, metas[2].block_hash, metas[0].block_hash]
         assert await tier.write(metas[1], views[1])  # already stored: True, no second copy
         assert [type(e) for e in tier.take_events()] == [BlockStored] * 3
+        # With no publisher (events off), the store discards what was recorded without building events.
+        more, more_views = payloads(4)
+        assert await tier.write(more[3], more_views[3])
+        assert tier.discard_events() == 1 and tier.take_events() == []
         with pytest.raises(KeyError):
             tier.location_of(12345)
         tier.check_invariants()
