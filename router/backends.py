@@ -100,7 +100,8 @@ class RayActorBackend:
         try:
             while True:
                 try:
-                    ref = await asyncio.wait_for(refs.__anext__(), self._timeout)
+                    async with asyncio.timeout(self._timeout):
+                        ref = await refs.__anext__()
                 except StopAsyncIteration:
                     return
                 chunk: StreamChunk = await ref
