@@ -123,6 +123,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """How long the router waits for a replica's next piece of an answer (its first token, the next chunk, an
     HTTP read) before it gives the replica up: retried elsewhere before any output, else an error. Every
     backend takes it: our Ray workers and external HTTP servers."""
+    hash_memo_blocks: NonNegativeInt = 65_536
+    """Block hashes the router remembers for prompts that share a prefix, so that routing one costs dict
+    lookups rather than SHA-256s (about 500 bytes each: 32 MiB at the default); 0 = hash every prompt anew."""
     replicas: list[ExternalReplica] = msgspec.field(default_factory=list)
     """External OpenAI-compatible replicas (``kvstore router``); ``kvstore serve`` places its own."""
     curve_client_cert: str = ""

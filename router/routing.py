@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-from kvstore.hashing import BlockHasher, to_external
+from kvstore.hashing import BlockHasher, HashMemo
 from kvstore.openai.errors import ApiError
 from kvstore.router.config import PolicyName
 from kvstore.router.index import PrefixIndex
@@ -45,8 +45,12 @@ class RouteResult(NamedTuple):
 class Router:
     """Routes prompts with one hasher, index and scorer; baselines are made on first use and keep their state."""
 
-    def __init__(self, hasher: BlockHasher, index: PrefixIndex, scorer: Scorer, rng: random.Random) -> None:
+    def __init__(
+        self, hasher: BlockHasher, index: PrefixIndex, scorer: Scorer, rng: random.Random, memo_blocks: int = 0
+    ) -> None:
+        """``memo_blocks``: how many block hashes to remember for prompts that share prefixes (:class:`HashMemo`)."""
         self._hasher = hasher
+        self._memo = HashMemo(hasher, memo_blocks)
         self._index = index
         self._scorer = scorer
         self._rng = rng
@@ -57,7 +61,7 @@ class Router:
         start = time.perf_counter()
         if not candidates:
             raise ApiError(503, "no healthy replica is available; retry later")
-        matches = self._index.lookup(_block_hashes(self._hasher, prompt))
+        matches = self._index.lookup(_block_hashes(self._memo, prompt))
         now = time.monotonic()
         states = {r.spec.name: replica_state(r.prefill, r.load, now) for r in candidates}
         num_blocks = -(-len(prompt.token_ids) // self._hasher.block_size)
@@ -75,12 +79,12 @@ class Router:
         return self._baselines[policy]
 
 
-def _block_hashes(hasher: BlockHasher, prompt: Prompt) -> Iterator[int]:
+def _block_hashes(memo: HashMemo, prompt: Prompt) -> Iterator[int]:
     """The prompt's block hashes (external), each computed only when the lookup asks for it.
 
     The lookup stops at the first block no replica holds, so a prompt no
-    replica has seen costs one hash rather than one per block -- chained
-    hashing is most of what routing a long prompt costs.
+    replica has seen costs one hash rather than one per block; a block an
+    earlier prompt hashed comes from the memo -- chained hashing is most of
+    what routing a long prompt costs.
     """
-    for digest in hasher.iter_hashes(prompt.token_ids, lora_name=prompt.lora_name, cache_salt=prompt.cache_salt):
-        yield to_external(digest)
+    return memo.iter_external(prompt.token_ids, lora_name=prompt.lora_name, cache_salt=prompt.cache_salt)

@@ -79,7 +79,7 @@ class RouterService:
         self._replicas = ReplicaSet(self.index, self.listener, config.router)
         self._tiers = TierWatch(self.index, self.listener)
         self._pages = PageSources()
-        self._router = Router(self.hasher, self.index, self.scorer, self._rng)
+        self._router = Router(self.hasher, self.index, self.scorer, self._rng, config.router.hash_memo_blocks)
         self._metrics = RouterMetrics(self.registry, self.listener, self._replicas.healthy_count, self._fleet_pages)
         self._dispatcher = Dispatcher(self._replicas, self.route, self._metrics, self.hasher.block_size)
         self._health_task: asyncio.Task[None] | None = None

@@ -17,7 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.config import CacheConfig
-from kvstore.hashing import LORA_PATH, BlockHasher, published_extra_keys, tagged_extra_keys, to_external
+from kvstore.hashing import (
+    LORA_PATH,
+    BlockHasher,
+    HashMemo,
+    published_extra_keys,
+    tagged_extra_keys,
+    to_external,
+)
 
 
 def sha256_cbor(value: object) -> bytes:
@@ -249,3 +256,80 @@ def test_a_chain_with_any_token_ids_is_vllms(tokens: list[int], size: int, lora:
     assert hasher.hash_blocks(tokens, lora_name=lora, cache_salt=salt) == by_hand(
         sha256_cbor, "seed", tokens, size, lora=lora, salt=salt
     )
+
+
+# ----------------------------------------------------------------- the router's memo
+
+_PROMPT_TOKENS = st.one_of(st.integers(min_value=0, max_value=40), st.sampled_from([2**32 - 1, 2**32, -1, 2**64]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(
+            st.lists(_PROMPT_TOKENS, max_size=14),
+            st.one_of(st.none(), st.just("adapter"), st.just("other")),
+            st.one_of(st.none(), st.just("tenant"), st.just("")),
+        ),
+        max_size=12,
+    ),
+    shared=st.lists(st.integers(min_value=0, max_value=3), min_size=3, max_size=3),
+    capacity=st.integers(min_value=0, max_value=9),
+    size=st.integers(min_value=1, max_value=4),
+    algo=st.sampled_from(["sha256_cbor", "xxh3_128"]),
+)
+def test_the_memo_answers_the_hashers_chain_for_any_sequence_of_prompts(
+    prompts: list[tuple[list[int], str | None, str | None]], shared: list[int], capacity: int, size: int, algo: str
+) -> None:
+    # Prompts that share a prefix (the memo's hits), differ in LoRA or salt (keys that must not alias), carry
+    # ids the memo's 32-bit words cannot hold (its fallback), under every capacity (its generations turning).
+    hasher = BlockHasher(algo, "seed", size)  # type: ignore[arg-type]
+    memo = HashMemo(hasher, capacity)
+    for tokens, lora, salt in prompts:
+        tokens = shared + tokens
+        expected = [to_external(h) for h in hasher.hash_blocks(tokens, lora_name=lora, cache_salt=salt)]
+        assert list(memo.iter_external(tokens, lora_name=lora, cache_salt=salt)) == expected
+        assert len(memo) <= capacity
+
+
+class _CountingHasher(BlockHasher):
+    """Records the token ids of every block it hashes itself."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.hashed: list[tuple[int, ...]] = []
+
+    def hash_block(self, parent, token_ids, extra_keys=None):  # type: ignore[no-untyped-def]
+        self.hashed.append(tuple(token_ids))
+        return super().hash_block(parent, token_ids, extra_keys)
+
+
+def test_the_memo_keeps_what_is_used_and_drops_the_oldest_generation() -> None:
+    hasher = _CountingHasher("sha256_cbor", "seed", 2)
+    memo = HashMemo(hasher, 4)  # two generations of at most two blocks each
+    system, a, b, c, d = [1, 2, 3, 4], [9, 9], [8, 8], [7, 7], [6, 6]
+
+    def run(tokens: list[int]) -> list[tuple[int, ...]]:
+        hasher.hashed.clear()
+        assert list(memo.iter_external(tokens)) == [to_external(h) for h in BlockHasher.hash_blocks(hasher, tokens)]
+        return hasher.hashed[: len(hasher.hashed) - len(tokens) // 2]  # what the memo hashed, not the check
+
+    assert run(system) == [(1, 2), (3, 4)]  # young: both blocks
+    assert run(a) == [(9, 9)]  # the young generation was full: it became the old one
+    assert run(system) == []  # both from the old generation, back into the young one (which turned again)
+    assert run(b) == [(8, 8)]
+    assert run(c) == [(7, 7)]  # turned: the generation that held (9, 9) and (1, 2) is gone
+    assert run(system + d) == [(1, 2), (6, 6)]  # (3, 4) was kept: it had been used since
+    assert len(memo) <= 4
+    assert run(a) == [(9, 9)]
+
+
+def test_a_memo_of_no_capacity_hashes_every_prompt_and_a_negative_one_is_refused() -> None:
+    hasher = _CountingHasher("sha256_cbor", "seed", 2)
+    memo = HashMemo(hasher, 0)
+    for _ in range(2):
+        assert list(memo.iter_external([1, 2, 3, 4])) == [to_external(h) for h in hasher.hash_blocks([1, 2, 3, 4])]
+    assert len(memo) == 0
+    assert len(hasher.hashed) == 8  # twice by the memo, twice by the check
+    with pytest.raises(ValueError, match="capacity"):
+        HashMemo(hasher, -1)

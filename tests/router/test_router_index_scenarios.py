@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.config import CacheConfig
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from kvstore.hashing import BlockHasher, to_external
+from kvstore.hashing import BlockHasher, HashMemo, to_external
 from kvstore.router.index import PrefixIndex
 from kvstore.router.index_lookup import NO_MATCH, MediumCounts
 from kvstore.router.routing import Prompt, _block_hashes
@@ -219,4 +219,7 @@ def test_routing_hashes_a_prompt_as_the_hasher_does(lora: str | None, salt: str 
     hasher = BlockHasher.from_config(CacheConfig(block_size=4))
     tokens = list(range(50, 73))  # 5 full blocks and a partial one
     expected = [to_external(h) for h in hasher.hash_blocks(tokens, lora_name=lora, cache_salt=salt)]
-    assert list(_block_hashes(hasher, Prompt(tokens, salt, lora))) == expected
+    for capacity in (0, 64):  # no memo; a memo, asked twice (hashed, then remembered)
+        memo = HashMemo(hasher, capacity)
+        for _ in range(2):
+            assert list(_block_hashes(memo, Prompt(tokens, salt, lora))) == expected
