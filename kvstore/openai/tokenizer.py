@@ -121,7 +121,11 @@ class HFTokenizer:
         return self._template
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch of one text, not encode: the same ids at the same cost, but the library releases the
+        # GIL only around its batch call -- encode holds it, so a long prompt tokenised in a worker thread
+        # (the router's relay) would stop the event loop for as long as it takes.
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))

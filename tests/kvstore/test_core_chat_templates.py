@@ -148,3 +148,38 @@ def test_a_template_that_refuses_raises_a_clear_error() -> None:
         ChatTemplate("{% for m in messages %}")
     with pytest.raises(ChatTemplateError, match="both"):
         template.render([], add_generation_prompt=True, continue_final_message=True, special_tokens={})
+
+
+def test_a_long_prompt_tokenised_in_a_thread_leaves_the_event_loop_running(
+    family: tuple[HFTokenizer, Any],
+) -> None:
+    # The router tokenises long text prompts in a worker thread so that its loop keeps relaying other streams.
+    # That helps only if the tokenizer lets go of the GIL: the library's single-text encode holds it (the loop
+    # then stalls as long as the encode runs), its batch call releases it -- which HFTokenizer.encode uses.
+    import asyncio
+    import time
+
+    ours, hf = family
+    text = " ".join(CORPUS) * 60  # ~250k characters: about 0.1 s of BPE
+    started = time.perf_counter()
+    expected = ours.encode(text, add_special_tokens=True)
+    alone_s = time.perf_counter() - started
+    assert expected == _ids(hf(text))
+
+    async def run() -> tuple[list[int], float]:
+        gaps: list[float] = []
+        task = asyncio.create_task(asyncio.to_thread(ours.encode, text, add_special_tokens=True))
+        last = time.perf_counter()
+        while not task.done():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        return await task, max(gaps)
+
+    ids, longest_gap_s = asyncio.run(run())
+    assert ids == expected
+    assert alone_s > 0.02, "the text is too short to tell"
+    assert longest_gap_s < alone_s / 2, (
+        f"the loop stalled {longest_gap_s * 1e3:.1f} ms of a {alone_s * 1e3:.1f} ms encode"
+    )
