@@ -16,6 +16,7 @@ import uvicorn
 from kvstore.deploy.config import Config, load_config
 from kvstore.deploy.http_server import server_config
 from kvstore.errors import ConfigError
+from kvstore.heap import freeze_startup_heap
 from kvstore.openai.protocol import ModelLimits
 from kvstore.openai.tokenizer import load_tokenizer
 from kvstore.router.app import create_app
@@ -62,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
     host = args.host or config.router.host
     port = args.port if args.port is not None else config.router.port
     print(f"kvstore router: http://{host}:{port}  ({len(config.router.replicas)} replicas)", file=sys.stderr)
-    uvicorn.Server(server_config(create_app(service), config.router, host=host, port=port)).run()
+    server = uvicorn.Server(server_config(create_app(service), config.router, host=host, port=port))
+    freeze_startup_heap()
+    server.run()
     return 0
 
 

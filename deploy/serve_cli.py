@@ -32,6 +32,7 @@ from kvstore.deploy.shm import check_arena_fits
 from kvstore.deploy.signals import stop_on_signals
 from kvstore.deploy.supervisor import WorkerSupervisor
 from kvstore.errors import ConfigError
+from kvstore.heap import freeze_startup_heap
 from kvstore.router.app import create_app
 
 
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             supervisor = WorkerSupervisor(deployment)
             app = create_app(deployment.service, tasks=[supervisor.run])
             server = uvicorn.Server(server_config(app, config.router, lifespan="on"))
+            freeze_startup_heap()
             # uvicorn catches SIGINT/SIGTERM itself while it serves, drains, and re-raises the signal on its way
             # out, still inside its event loop: raising there would tear down its lifespan task mid-shutdown.
             with signals.shielded():

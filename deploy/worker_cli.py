@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from kvstore.deploy.config import load_config
 from kvstore.deploy.http_server import server_config
 from kvstore.deploy.model_args import add_model_arguments, model_overrides
+from kvstore.heap import freeze_startup_heap
 from kvstore.workers.http import create_worker_app
 from kvstore.workers.worker import KVWorker
 
@@ -39,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
           f"on {worker.device} at http://{args.host}:{args.port}", file=sys.stderr)  # fmt: skip
     print(f"  events: {endpoints.endpoint}  replay: {endpoints.replay_endpoint}", file=sys.stderr, flush=True)
     # The router section's HTTP limits (timeouts, connections, body bounds) hold for this front too.
-    uvicorn.Server(server_config(app, config.router, host=args.host, port=args.port)).run()
+    server = uvicorn.Server(server_config(app, config.router, host=args.host, port=args.port))
+    freeze_startup_heap()
+    server.run()
     return 0
 
 

@@ -26,6 +26,7 @@ import msgspec
 import ray
 from ray.util import get_node_ip_address
 
+from kvstore.heap import freeze_startup_heap
 from kvstore.publisher import EventEndpoints
 from kvstore.tiers.actor import TIER_NAMESPACE, tier_actor_name
 from kvstore.tiers.client import RayTierClient
@@ -96,6 +97,7 @@ class KVWorkerActor:
             link = TierLink(RayTierClient(tier, timeout_s=timeout_s), identity, copy_threads=copy_threads)
             self._offload = TierOffload(link, reconnect=reconnect)
         self._worker = KVWorker(name, config, offload=self._offload)
+        freeze_startup_heap()  # the model and the libraries: never garbage, no longer walked by each collection
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Raises InvalidRequestError (before queuing) or the error that stopped the request.
