@@ -64,6 +64,7 @@ our keys from the event's LoRA name) is what matches its blocks to our requests.
 
 _LOW_64 = (1 << 64) - 1
 _NULL = b"\xf6"  # CBOR null: a block without extra keys
+_ID_BYTES = array("I").itemsize  # a token id in the memo's keys (4 bytes on every platform we build for)
 
 
 def _cbor_head(major: int, length: int) -> bytes:
@@ -310,7 +311,7 @@ class HashMemo:
                 yield to_external(digest)
             return
         size = hasher.block_size
-        width = 4 * size
+        width = _ID_BYTES * size
         extras = [hasher.extra_keys(i, lora_name, cache_salt) for i in (0, 1)]
         suffixes = [b"" if keys is None else _extra_cbor(keys) for keys in extras]
         parent = hasher.none_hash
