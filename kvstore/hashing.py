@@ -300,13 +300,8 @@ class HashMemo:
     ) -> Iterator[ExternalBlockHash]:
         """The external hashes of the full blocks of ``token_ids``, one at a time (as ``iter_hashes`` yields)."""
         hasher = self._hasher
-        if not self._half:
-            for digest in hasher.iter_hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt):
-                yield to_external(digest)
-            return
-        try:
-            words = array("I", token_ids).tobytes()
-        except (OverflowError, TypeError):
+        words = _id_words(token_ids) if self._half else None
+        if words is None:  # nothing is remembered, or an id no key can hold: the hasher as it is
             for digest in hasher.iter_hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt):
                 yield to_external(digest)
             return
@@ -334,3 +329,11 @@ class HashMemo:
             self._old = self._young
             self._young = {}
         self._young[key] = entry
+
+
+def _id_words(token_ids: Sequence[int]) -> bytes | None:
+    """The ids as the memo's key writes them (C unsigned ints); None when one does not fit [0, 2**32)."""
+    try:
+        return array("I", token_ids).tobytes()
+    except (OverflowError, TypeError):
+        return None
