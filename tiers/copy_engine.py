@@ -4,17 +4,20 @@ A batch is a list of (source row, destination row) pairs; consecutive runs
 are coalesced into one slice copy each, so neighbouring blocks move as one
 large span.
 
-- Host tensors (a CPU worker's pool, the tier store's own staging): the
-  runs are split by rows into ``num_threads`` shares, copied with libc
-  ``memmove`` (bounds checked first; it releases the GIL): the caller's
-  thread copies the first share and the thread pool the others, so the
-  caller waits for at most ``num_threads - 1`` hand-offs. Batches of at
-  most 1 MiB are copied on the caller's thread alone, where a hand-off
-  (a wake-up: tens of microseconds on a loaded machine) would cost more
-  than it saves; that path coalesces and copies in one pass over the pairs
-  (no run objects, no shares) and reuses the row view of the last pool
-  tensor seen (checked by identity, address, shape and dtype each call):
-  on 16 KiB blocks the per-call Python was a fifth of the copy.
+- Host tensors (a CPU worker's pool, the tier store's own staging): each
+  pair list is copied by :func:`_copy_pairs`, which coalesces and copies in
+  one pass. Where the compiled kernel (``kvstore.tiers._copyrows``, built
+  from ``tiers/_copyrows.c`` at install) is present, that pass is one C call
+  that checks every row, then copies with the GIL released, writing runs of
+  at least ``stream_min_bytes`` with non-temporal (streaming) stores; without
+  it, a Python loop around libc ``memmove`` (bounds checked first). Batches
+  over 1 MiB are split by pairs into ``num_threads`` shares: the caller's
+  thread copies the first and the thread pool the others, so the caller
+  waits for at most ``num_threads - 1`` hand-offs. Batches of at most 1 MiB
+  are copied on the caller's thread alone, where a hand-off (a wake-up: tens
+  of microseconds on a loaded machine) would cost more than it saves. The
+  row view of the last pool tensor seen is reused (checked by identity,
+  address, shape and dtype each call).
 - CUDA tensors (*CUDA path*, kept thin; no GPU on the development
   machines, so it is exercised only where one exists): the arena is
   registered once per process as pinned memory (``cudaHostRegister``), the
@@ -23,23 +26,26 @@ large span.
   spill sees the KV the compute just wrote), and a second event marks
   completion; a waiter thread resolves the Future when it fires.
 
-Measured and not taken (16 KiB / 192 KiB / 2 MiB blocks, 32 a call, 2-core
-host, against one large copy of the same bytes): torch ``index_select``
-(gather into arena runs) and ``index_put_`` on a ``complex128`` view (scatter
-into pool rows) run on the calling thread's OpenMP team. From the main
-thread of an idle machine they reached 0.8-0.9 of the large copy even at
-16 KiB, but from any other thread (the worker's offload thread) they fell
-to 0.3-0.7 (two OpenMP teams on two cores, the likely cause), and with a second process
-busy on one core a 32-block spill took 200-1400 us instead of 150: an
-OpenMP team waits for its slowest, descheduled thread. Handing half a small
-batch to a pool thread costs a wake-up (+60 us per 512 KiB). libc
-``memmove`` on the caller's thread is the steady choice; what it cannot
-reach is non-temporal stores, which glibc uses only above
-``glibc.cpu.x86_non_temporal_threshold`` (190 MiB on the development host:
-no block copy reaches it). Setting it to 128 KiB in a worker's environment
-(a process-wide, start-time setting, so a deployment's choice) took 192 KiB blocks from about 0.5 to 1.0 of the
-large copy and 2 MiB from 0.9 to 1.3 in two runs each (its baseline moved
-too: that setting changes every copy in the process).
+Why streaming stores (measured on the 2-core development host, scattered
+rows, 32 blocks a call, against one large ``torch`` copy of the same bytes,
+which glibc writes with non-temporal stores): glibc's ``memmove`` switches
+to them only above ``glibc.cpu.x86_non_temporal_threshold`` (about 190 MiB
+there), which no block copy reaches, so every destination line was first
+read for ownership. Bare copies with the kernel's streaming stores against
+``memmove``: 192 KiB blocks on two threads 0.89 against 0.78 of the large
+copy, 2 MiB 1.27 against 1.0, 16 KiB on one thread 0.49 against 0.44. A
+spill's destination (the arena) is not read back until a promotion, and a
+promotion's is read once by the model, so nothing is lost by bypassing the
+cache. ``stream_min_bytes=0`` turns them off.
+
+Measured and not taken: torch ``index_select`` (gather into arena runs) and
+``index_put_`` (scatter into pool rows) run on the calling thread's OpenMP
+team: from the main thread of an idle machine they reached 0.8-0.9 of the
+large copy even at 16 KiB, but from any other thread (the worker's offload
+thread) they fell to 0.3-0.7, and with a second process busy on one core a
+32-block spill took 200-1400 us instead of 150: an OpenMP team waits for its
+slowest, descheduled thread. Handing half a small batch to a pool thread
+costs a wake-up (+60 us per 512 KiB).
 
 Contract: between the call and the Future's completion the caller keeps the
 source rows unchanged and the destination rows unread, and holds leases on
@@ -49,15 +55,25 @@ the slots involved (``reserve`` for spills, ``acquire`` for promotions).
 from __future__ import annotations
 
 import ctypes
+import importlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
 from kvstore.tiers.errors import InvalidBlockError, TierError
 
+_native: ModuleType | None
+try:
+    _native = importlib.import_module("kvstore.tiers._copyrows")
+except ImportError:  # built without a C compiler: the ctypes.memmove loop copies the same bytes
+    _native = None
+
+NATIVE = _native is not None  # whether this process copies host rows with the compiled kernel
 _INLINE_BYTES = 1 << 20  # up to this a batch is copied on the caller's thread alone (a hand-off costs more)
+STREAM_MIN_BYTES = 16 * 1024  # runs at least this long are written with streaming stores (0: never)
 
 
 class Run(NamedTuple):
@@ -99,34 +115,33 @@ def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     return runs
 
 
-def split_runs(runs: list[Run], parts: int) -> list[list[Run]]:
-    """At most ``parts`` groups of runs with (nearly) equal rows, cutting runs where needed."""
-    total = sum(run.length for run in runs)
-    share = -(-total // parts)
-    groups: list[list[Run]] = [[]]
-    room = share
-    for run in runs:
-        s, d, n = run
-        while n:
-            if room == 0:
-                groups.append([])
-                room = share
-            take = min(n, room)
-            groups[-1].append(Run(s, d, take))
-            s, d, n, room = s + take, d + take, n - take, room - take
-    return groups
-
-
 class CopyEngine:
     """Copies batches of blocks between pool tensors and one arena (``uint8 [slots, block_bytes]``)."""
 
-    def __init__(self, arena: torch.Tensor, *, num_threads: int = 2, pin: bool | None = None) -> None:
+    def __init__(
+        self,
+        arena: torch.Tensor,
+        *,
+        num_threads: int = 2,
+        pin: bool | None = None,
+        native: bool | None = None,
+        stream_min_bytes: int = STREAM_MIN_BYTES,
+    ) -> None:
+        """``native``: copy host rows with the compiled kernel (None: where it was built; True: it must
+        be; False: the ``ctypes.memmove`` loop). ``stream_min_bytes``: the kernel writes runs at least
+        this long with streaming stores (0: never)."""
         if arena.dtype != torch.uint8 or arena.dim() != 2 or arena.device.type != "cpu":
             raise InvalidBlockError("the arena must be a host uint8 tensor [num_slots, block_bytes]")
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if stream_min_bytes < 0:
+            raise ValueError(f"stream_min_bytes must be >= 0, got {stream_min_bytes}")
+        if native and not NATIVE:
+            raise TierError("the compiled copy kernel (kvstore.tiers._copyrows) is not built in this install")
         self._arena = arena
         self.block_bytes = int(arena.shape[1])
+        self.native = NATIVE if native is None else native
+        self._stream_min = stream_min_bytes
         self._threads = num_threads
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-copy")
         use_cuda = torch.cuda.is_available() if pin is None else pin
@@ -172,52 +187,77 @@ class CopyEngine:
     def _submit(
         self, src: torch.Tensor, src_rows: Sequence[int], dst: torch.Tensor, dst_rows: Sequence[int]
     ) -> Future[None]:
-        _check_rows(src_rows, src.shape[0], "source")
-        _check_rows(dst_rows, dst.shape[0], "destination")
         if len(src_rows) != len(dst_rows):
             raise InvalidBlockError(f"{len(src_rows)} source rows but {len(dst_rows)} destination rows")
-        nbytes = len(src_rows) * self.block_bytes
-        if nbytes <= _INLINE_BYTES and not (src.is_cuda or dst.is_cuda):
-            # Small batches: copied here, in one pass (the threads' hand-off would cost more than it saves).
+        if src.is_cuda or dst.is_cuda:
+            _check_rows(src_rows, src.shape[0], "source")
+            _check_rows(dst_rows, dst.shape[0], "destination")
+            if self._cuda is None:
+                raise TierError("a CUDA tensor was given but this copy engine was built without pinning (pin=False)")
+            return self._cuda.copy(src, dst, coalesce(src_rows, dst_rows))
+        count = len(src_rows)
+        if count * self.block_bytes <= _INLINE_BYTES or self._threads == 1:
+            # Copied here, in one pass (the threads' hand-off would cost more than it saves); a bad row
+            # raises before any byte moves.
             done: Future[None] = Future()
             try:
-                _copy_pairs(src, dst, src_rows, dst_rows)
+                self._copy(src, dst, src_rows, dst_rows)
+            except InvalidBlockError:
+                raise  # the caller's mistake, raised here as every other bad batch is
             except BaseException as exc:
                 done.set_exception(exc)
             else:
                 done.set_result(None)
             return done
-        runs = coalesce(src_rows, dst_rows)
-        if src.is_cuda or dst.is_cuda:
-            if self._cuda is None:
-                raise TierError("a CUDA tensor was given but this copy engine was built without pinning (pin=False)")
-            return self._cuda.copy(src, dst, runs)
-        groups = split_runs(runs, self._threads)
-        # The caller's thread copies the first share itself (it would only wait otherwise): one hand-off
-        # fewer, and a batch too small to be worth a hand-off (tens of microseconds) is copied inline.
-        handed = [self._pool.submit(_copy_runs, src, dst, group) for group in groups[1:]]
+        # Split: every row is checked before any share starts, then the caller's thread copies the
+        # first share itself (it would only wait otherwise) and the pool the others.
+        _check_rows(src_rows, src.shape[0], "source")
+        _check_rows(dst_rows, dst.shape[0], "destination")
+        share = -(-count // self._threads)
+        cuts = range(share, count, share)
+        handed = [
+            self._pool.submit(self._copy, src, dst, src_rows[cut : cut + share], dst_rows[cut : cut + share])
+            for cut in cuts
+        ]
         mine: Future[None] = Future()
         try:
-            _copy_runs(src, dst, groups[0])
+            self._copy(src, dst, src_rows[:share], dst_rows[:share])
         except BaseException as exc:
             mine.set_exception(exc)
         else:
             mine.set_result(None)
-        return _gather([mine, *handed]) if handed else mine
+        return _gather([mine, *handed])
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
+        if self.native:
+            _copy_pairs_native(src, dst, src_rows, dst_rows, self._stream_min)
+        else:
+            _check_rows(src_rows, src.shape[0], "source")
+            _check_rows(dst_rows, dst.shape[0], "destination")
+            _copy_pairs(src, dst, src_rows, dst_rows)
 
 
-def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[Run]) -> None:
-    """Host rows to host rows with libc memmove: it releases the GIL, and -- unlike one ``copy_`` per
-    block, which starts an OpenMP team each time -- runs near one large copy's speed (docs/tiers.md)."""
+def _copy_pairs_native(
+    src: torch.Tensor, dst: torch.Tensor, src_rows: Sequence[int], dst_rows: Sequence[int], stream_min: int
+) -> int:
+    """:func:`_copy_pairs` in one call of the compiled kernel (rows checked there, before any byte moves;
+    streaming stores for runs of at least ``stream_min`` bytes). Returns the number of runs copied."""
     row = src.shape[1]
-    assert dst.shape[1] == row and src.is_contiguous() and dst.is_contiguous(), "host rows must be contiguous"
-    src_base, dst_base = src.data_ptr(), dst.data_ptr()
-    for s, d, n in runs:
-        ctypes.memmove(dst_base + d * row, src_base + s * row, n * row)
+    assert _native is not None and dst.shape[1] == row and src.is_contiguous() and dst.is_contiguous()
+    try:
+        return int(
+            _native.copy_rows(
+                dst.data_ptr(), dst.shape[0], src.data_ptr(), src.shape[0], row, src_rows, dst_rows, stream_min
+            )
+        )
+    except IndexError as exc:
+        raise InvalidBlockError(str(exc)) from None
 
 
 def _copy_pairs(src: torch.Tensor, dst: torch.Tensor, src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
-    """:func:`_copy_runs` of ``coalesce(src_rows, dst_rows)``, coalescing and copying in one pass."""
+    """Pool rows to arena rows (or back) with libc memmove, which releases the GIL: runs of pairs that
+    advance together are coalesced and copied as one span, in one pass over the pairs (no run objects).
+    The rows must have been checked."""
     if not src_rows:
         return
     row = src.shape[1]

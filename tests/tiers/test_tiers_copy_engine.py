@@ -1,4 +1,5 @@
-"""CopyEngine: run coalescing, thread splitting, correctness of batched spills and promotions, CUDA path."""
+"""CopyEngine: run coalescing, thread splitting, correctness of batched spills and promotions (through the
+compiled kernel and through the ctypes.memmove loop), the kernel's own checks, CUDA path."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 from tiers_helpers import IDENTITY, arena_name
 
-from kvstore.tiers.copy_engine import CopyEngine, Run, block_rows, coalesce, split_runs
+from kvstore.tiers import copy_engine
+from kvstore.tiers.copy_engine import CopyEngine, Run, block_rows, coalesce
 from kvstore.tiers.errors import InvalidBlockError
 from kvstore.tiers.shared_memory import SharedSlots
 
@@ -20,12 +22,57 @@ def slots() -> Iterator[SharedSlots]:
     arena.close()
 
 
-def test_coalesce_and_split() -> None:
+# Both host copy paths: the compiled kernel (built by the dev install; see test_the_install_built_the_kernel)
+# and the ctypes.memmove loop it replaces where no C compiler was found.
+PATHS = [pytest.param(True, id="native"), pytest.param(False, id="memmove")]
+
+
+def test_coalesce() -> None:
     assert coalesce([3, 4, 5, 9, 1, 2], [0, 1, 2, 3, 7, 8]) == [Run(3, 0, 3), Run(9, 3, 1), Run(1, 7, 2)]
-    runs = [Run(0, 10, 5), Run(20, 0, 1)]
-    assert split_runs(runs, 2) == [[Run(0, 10, 3)], [Run(3, 13, 2), Run(20, 0, 1)]]
-    assert split_runs(runs, 1) == [runs]
-    assert split_runs([Run(0, 0, 1)], 4) == [[Run(0, 0, 1)]]
+    assert coalesce([], []) == []
+
+
+def test_the_install_built_the_kernel() -> None:
+    """``scripts/dev setup`` builds tiers/_copyrows.c (setup.py); without it every copy would silently take
+    the slower memmove loop, so the suite insists on it."""
+    assert copy_engine.NATIVE, "kvstore.tiers._copyrows is missing: reinstall with a C compiler (scripts/dev setup)"
+    assert CopyEngine(torch.zeros((1, 64), dtype=torch.uint8), num_threads=1, pin=False).native
+
+
+@pytest.mark.parametrize("row_bytes", [1, 63, 64, 4099, 65536 + 17])  # odd sizes: unaligned heads and tails
+@pytest.mark.parametrize("stream_min", [0, 1, 4096])
+def test_kernel_copies_exactly_the_pairs_it_is_given(row_bytes: int, stream_min: int) -> None:
+    """Each pair's row lands where asked, runs or not, streamed or not, and no other byte is written."""
+    generator = torch.Generator().manual_seed(row_bytes + stream_min)
+    src = torch.randint(0, 256, (40, row_bytes), dtype=torch.uint8, generator=generator)
+    dst = torch.zeros((50, row_bytes), dtype=torch.uint8)
+    src_rows = [3, 4, 5, 9, 0, 1, 39, 20, 21]
+    dst_rows = [10, 11, 12, 0, 30, 31, 49, 40, 41]
+    runs = copy_engine._copy_pairs_native(src, dst, src_rows, dst_rows, stream_min)
+    assert runs == len(coalesce(src_rows, dst_rows)) == 5
+    assert torch.equal(dst[dst_rows], src[src_rows])
+    untouched = [row for row in range(50) if row not in set(dst_rows)]
+    assert not dst[untouched].any()
+
+
+def test_kernel_checks_every_row_before_copying() -> None:
+    src = torch.ones((4, 100), dtype=torch.uint8)
+    dst = torch.zeros((4, 100), dtype=torch.uint8)
+    with pytest.raises(InvalidBlockError, match=r"destination row 4 is outside 0\.\.3"):
+        copy_engine._copy_pairs_native(src, dst, [0, 1], [0, 4], 0)
+    with pytest.raises(InvalidBlockError, match=r"source row -1 is outside 0\.\.3"):
+        copy_engine._copy_pairs_native(src, dst, [0, -1], [0, 1], 0)
+    assert not dst.any()  # the good first pair was not copied either
+    with pytest.raises(ValueError, match="2 source rows but 1 destination rows"):
+        copy_engine._copy_pairs_native(src, dst, [0, 1], [0], 0)
+    with pytest.raises(TypeError):
+        copy_engine._copy_pairs_native(src, dst, [0, "1"], [0, 1], 0)  # type: ignore[list-item]
+    with pytest.raises(OverflowError):
+        copy_engine._copy_pairs_native(src, dst, [2**80], [0], 0)
+    with pytest.raises(TypeError, match="sequence"):
+        copy_engine._copy_pairs_native(src, dst, 5, [0], 0)  # type: ignore[arg-type]
+    assert copy_engine._copy_pairs_native(src, dst, [], [], 0) == 0
+    assert not dst.any()
 
 
 def test_block_rows_views_without_copying() -> None:
@@ -40,8 +87,9 @@ def test_block_rows_views_without_copying() -> None:
         block_rows(torch.zeros((0, 2048), dtype=torch.float16), IDENTITY.block_bytes)
 
 
-def test_spill_and_promote_scattered_batches(slots: SharedSlots) -> None:
-    engine = CopyEngine(slots.tensor, num_threads=3, pin=False)
+@pytest.mark.parametrize("native", PATHS)
+def test_spill_and_promote_scattered_batches(slots: SharedSlots, native: bool) -> None:
+    engine = CopyEngine(slots.tensor, num_threads=3, pin=False, native=native)
     try:
         pool = torch.randn((400, *IDENTITY.layout.block_shape)).to(IDENTITY.torch_dtype)  # > 1 MiB: split over threads
         generator = torch.Generator().manual_seed(1)
@@ -58,11 +106,12 @@ def test_spill_and_promote_scattered_batches(slots: SharedSlots) -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("pool_blocks", [100, 400])  # 400 blocks > 1 MiB: the threads' path; 100: copied inline
-def test_runs_of_neighbours_and_a_new_pool_each_call(slots: SharedSlots, pool_blocks: int) -> None:
+def test_runs_of_neighbours_and_a_new_pool_each_call(slots: SharedSlots, pool_blocks: int, native: bool) -> None:
     """Runs (rows and slots advancing together) mixed with scattered pairs, through both paths; a second
     pool tensor -- of the same shape, then another one reshaped -- is copied from its own rows."""
-    engine = CopyEngine(slots.tensor, num_threads=2, pin=False)
+    engine = CopyEngine(slots.tensor, num_threads=2, pin=False, native=native)
     try:
         generator = torch.Generator().manual_seed(2)
         blocks = [5, 6, 7, 40, 2, 3, 90, 91, 92, 93, 11]
@@ -84,8 +133,10 @@ def test_runs_of_neighbours_and_a_new_pool_each_call(slots: SharedSlots, pool_bl
         engine.close()
 
 
-def test_bad_batches_raise_before_copying(slots: SharedSlots) -> None:
-    engine = CopyEngine(slots.tensor, num_threads=1, pin=False)
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bad_batches_raise_before_copying(slots: SharedSlots, native: bool, threads: int) -> None:
+    engine = CopyEngine(slots.tensor, num_threads=threads, pin=False, native=native)
     pool = torch.zeros((4, *IDENTITY.layout.block_shape), dtype=IDENTITY.torch_dtype)
     try:
         with pytest.raises(InvalidBlockError, match="destination row 64"):
@@ -95,6 +146,12 @@ def test_bad_batches_raise_before_copying(slots: SharedSlots) -> None:
         with pytest.raises(InvalidBlockError, match="2 source rows but 1"):
             engine.promote([0, 1], pool, [0])
         assert engine.spill(pool, [], []).result(timeout=1) is None
+        # Over 1 MiB (split over the threads when there are two): the last pair is bad, nothing is copied.
+        slots.tensor.fill_(7)
+        big = torch.zeros((400, *IDENTITY.layout.block_shape), dtype=IDENTITY.torch_dtype)
+        with pytest.raises(InvalidBlockError, match="destination row 400"):
+            engine.promote([i % 64 for i in range(300)], big, [*range(299), 400])
+        assert not big.any()
     finally:
         engine.close()
 

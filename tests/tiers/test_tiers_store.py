@@ -134,8 +134,8 @@ def test_a_failed_copy_releases_every_lease(tmp_path: Path, monkeypatch: pytest.
     with linked_tier(tier_config(tmp_path, cpu_blocks=8)) as (client, link):
         metas, data = make_blocks(8)
         spill_all(link, metas[:4], data[:4])
-        monkeypatch.setattr(copy_module, "_copy_runs", broken)
-        monkeypatch.setattr(copy_module, "_copy_pairs", broken)  # small batches are copied in one pass
+        monkeypatch.setattr(copy_module, "_copy_pairs", broken)
+        monkeypatch.setattr(copy_module, "_copy_pairs_native", broken)  # the compiled kernel's path
         with pytest.raises(RuntimeError, match="copy failed"):
             spill_all(link, metas[4:], data[4:])
         with pytest.raises(RuntimeError, match="copy failed"):
