@@ -372,6 +372,7 @@ def test_dockerfile_builds_kvstore_on_python_311_slim() -> None:
     torch = next(i for i, run in enumerate(runs) if 'pip install "torch==${TORCH_VERSION}"' in run)
     kvstore = next(i for i, run in enumerate(runs) if re.search(r"pip install \.(\s|$)", run))
     assert torch < kvstore, "torch before kvstore, so pip keeps the chosen build"
+    assert "gcc" in runs[kvstore] and "import kvstore.tiers._copyrows" in runs[kvstore], "the C copy kernel is built"
     assert any("wget" in run for run in runs), "KubeRay's probes run wget in the Ray container"
     (entrypoint,) = [arg for keyword, arg in instructions if keyword == "ENTRYPOINT"]
     assert json.loads(entrypoint) == ["kvstore"]
