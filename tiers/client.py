@@ -160,6 +160,10 @@ class LocalTierClient:
         timeout_s: float = 30.0,
     ) -> None:
         self._timeout_s = timeout_s
+        # Guards sending a coroutine to the loop against closing it: once ``_closing`` is set under it,
+        # nothing more is sent, so every coroutine sent is run (or cancelled) before the loop closes.
+        self._send_lock = threading.Lock()
+        self._closing = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-tier-loop", daemon=True)
         self._thread.start()
@@ -260,12 +264,22 @@ class LocalTierClient:
                 raise
             with locked:
                 return _run_now(coro)
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future = self._to_loop(coro)
         try:
             return future.result(self._timeout_s)
+        except concurrent.futures.CancelledError:  # sent as the client closed: cancelled before it ran
+            raise TierUnavailableError("the tier store closed before answering") from None
         except TimeoutError:
             future.cancel()
             raise TierTimeoutError(f"the tier store did not answer within {self._timeout_s} s") from None
+
+    def _to_loop(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop, unless the client is closing (then it is closed, never run)."""
+        with self._send_lock:
+            if self._closing or self._loop.is_closed():
+                coro.close()
+                raise TierUnavailableError("the tier store is closed")
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _direct_ready(self) -> bool:
         # Set once the store is built (the build itself runs on the loop); never while closing.
@@ -290,10 +304,7 @@ class LocalTierClient:
 
     def _send(self, coro: Coroutine[Any, Any, Any]) -> Pending:
         """Start ``coro`` on the loop (after every call sent before it) and return without waiting."""
-        if self._loop.is_closed():
-            coro.close()
-            raise TierUnavailableError("the tier store is closed")
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future = self._to_loop(coro)
         self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(future)
         return _LocalPending(future, self._timeout_s)
@@ -307,8 +318,28 @@ class LocalTierClient:
             concurrent.futures.wait(pending, timeout=self._timeout_s)
 
     def _stop_loop(self) -> None:
+        """Stop sending, stop the loop thread, cancel what was sent but not run, close the loop.
+
+        The loop stops after the callbacks queued before its stop, which can leave two kinds of call
+        behind: one whose task was created but not started, and one that finished but whose answer
+        (a callback that completes the caller's future) was not yet passed on. Both are finished here,
+        on this thread, as ``asyncio.run`` tears a loop down: the tasks left are cancelled and run to
+        their end, then one more pass runs the callbacks still queued. So no coroutine is left never
+        awaited, and every caller gets its answer or TierUnavailableError at once instead of waiting
+        out its timeout.
+        """
+        with self._send_lock:
+            self._closing = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        if self._thread.is_alive():  # stuck in a call: the daemon thread is left to the process
+            return
+        left = asyncio.all_tasks(self._loop)
+        for task in left:
+            task.cancel()
+        if left:  # (gather of nothing would bind to another loop)
+            self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
         self._loop.close()
 
 
