@@ -6,7 +6,15 @@
   removed or cut off, counted by reason.
 - Each slot's header is read (one ``pread`` per slot, not the payload:
   reading every payload would make a start take as long as reading the
-  whole tier; checksums are verified on every read instead). A slot whose
+  whole tier; checksums are verified on every read instead). On a cold
+  page cache each ``pread`` is a device round trip, so the headers of a
+  slab and of the next one are first asked for with
+  ``posix_fadvise(WILLNEED)`` (the kernel reads them ahead, many at once)
+  and then read in order. 65,536 slots of 16 KiB blocks on the development
+  VM's disk, caches dropped: 7.5 s one round trip at a time, 1.3 s
+  prefetched (16 threads of plain ``pread`` took 2.7 s, held up by the
+  GIL, and slowed a warm scan 0.6 -> 1.1 s; prefetching costs a warm
+  scan 0.6 -> 0.7 s). A slot whose
   header is not that of a block of this cache identity is free; one that
   was written and is damaged is counted by reason. A never-written slot
   (zeros) or an invalidated one is simply free.
@@ -55,7 +63,7 @@ def scan(directory: Path, layout: FileLayout, max_slots: int) -> ScanResult:
             if number is not None and item.is_file(follow_symlinks=False):
                 slabs[number] = item.stat().st_size
     slots = 0
-    found: dict[int, tuple[int, BlockMeta, int]] = {}  # hash -> (sequence, meta, slot)
+    kept_slabs: list[tuple[Path, int, int]] = []  # (slab, its first slot, slots kept), in slab order
     for number in sorted(slabs):
         path = directory / slab_name(number)
         whole = min(slabs[number] // layout.file_bytes, per_slab)
@@ -66,11 +74,27 @@ def scan(directory: Path, layout: FileLayout, max_slots: int) -> ScanResult:
             continue
         if keep * layout.file_bytes != slabs[number]:
             _cut(path, keep * layout.file_bytes, removed)
-        try:
-            _scan_slab(path, number * per_slab, keep, layout, found, removed)
-        except OSError as exc:
-            io_errors[errno_name(exc)] += 1
+        kept_slabs.append((path, number * per_slab, keep))
         slots += keep
+    found: dict[int, tuple[int, BlockMeta, int]] = {}  # hash -> (sequence, meta, slot)
+    if kept_slabs:
+        _prefetch(kept_slabs[0][0], kept_slabs[0][2], layout)
+    for position, (path, first_slot, count) in enumerate(kept_slabs):
+        if position + 1 < len(kept_slabs):  # the next slab's headers come in while this one's are read
+            _prefetch(kept_slabs[position + 1][0], kept_slabs[position + 1][2], layout)
+        read = _read_slab(path, count, layout)
+        if isinstance(read, OSError):
+            io_errors[errno_name(read)] += 1
+            continue
+        held, damaged = read
+        removed.update(damaged)
+        for index, meta, sequence in held:
+            earlier = found.get(meta.block_hash)
+            if earlier is not None:
+                removed["duplicate"] += 1
+                if earlier[0] > sequence:
+                    continue
+            found[meta.block_hash] = (sequence, meta, first_slot + index)
     ordered = sorted(found.values(), key=lambda item: item[0])
     kept = [(meta, slot) for _, meta, slot in ordered]
     next_sequence = ordered[-1][0] + 1 if ordered else 0
@@ -79,32 +103,46 @@ def scan(directory: Path, layout: FileLayout, max_slots: int) -> ScanResult:
     return ScanResult(slots, kept, removed, io_errors, next_sequence)
 
 
-def _scan_slab(
-    path: Path,
-    first_slot: int,
-    count: int,
-    layout: FileLayout,
-    found: dict[int, tuple[int, BlockMeta, int]],
-    removed: Counter[str],
-) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _prefetch(path: Path, count: int, layout: FileLayout) -> None:
+    """Ask the kernel to read the headers of a slab's first ``count`` slots ahead (best effort)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # _read_slab meets and counts it
     try:
         for index in range(count):
-            try:
-                meta, sequence = read_header_at(fd, index * layout.file_bytes, layout)
-            except IntegrityError as exc:
-                if exc.reason != "bad_magic":  # zeros (never written, or invalidated) are just free
-                    removed[exc.reason] += 1
-                continue
-            slot = first_slot + index
-            earlier = found.get(meta.block_hash)
-            if earlier is not None:
-                removed["duplicate"] += 1
-                if earlier[0] > sequence:
-                    continue
-            found[meta.block_hash] = (sequence, meta, slot)
+            os.posix_fadvise(fd, index * layout.file_bytes, layout.header_len, os.POSIX_FADV_WILLNEED)
+    except OSError as exc:  # a hint only: the reads still happen
+        logger.debug("readahead hint for %s failed: %s", path, exc)
     finally:
         os.close(fd)
+
+
+def _read_slab(
+    path: Path, count: int, layout: FileLayout
+) -> tuple[list[tuple[int, BlockMeta, int]], Counter[str]] | OSError:
+    """The headers of a slab's first ``count`` slots: (slot index, block, write sequence) of each that holds a
+    block of this identity, and the damaged ones counted by reason; or the OSError that stopped the read."""
+    held: list[tuple[int, BlockMeta, int]] = []
+    damaged: Counter[str] = Counter()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for index in range(count):
+                try:
+                    meta, sequence = read_header_at(fd, index * layout.file_bytes, layout)
+                except IntegrityError as exc:
+                    if exc.reason != "bad_magic":  # zeros (never written, or invalidated) are just free
+                        damaged[exc.reason] += 1
+                    continue
+                held.append((index, meta, sequence))
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc
+    return held, damaged
 
 
 def _cut(path: Path, nbytes: int, removed: Counter[str]) -> None:

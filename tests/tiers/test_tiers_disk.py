@@ -395,6 +395,38 @@ def test_restart_scan_keeps_intact_slots_and_frees_the_rest(tmp_path: Path) -> N
     asyncio.run(second_run())
 
 
+def test_restart_scan_reads_headers_ahead_and_a_refused_hint_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scan asks for every kept slot's header ahead (posix_fadvise WILLNEED: the kernel reads them
+    together instead of one round trip per pread); the hint is only a hint, so one the system refuses
+    leaves the result as it was."""
+    metas, _ = written_then_closed(tmp_path, 4)
+    slab = tmp_path / IDENTITY.digest() / slab_name(0)
+    kept = [m.block_hash for m in metas]
+    hints: list[tuple[str, int, int, int]] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        hints.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    tier = new_tier(tmp_path)
+    assert tier.lru_hashes() == kept
+    assert hints == [(str(slab.resolve()), i * FILE_BYTES, HLEN, os.POSIX_FADV_WILLNEED) for i in range(4)]
+    asyncio.run(tier.aclose())
+
+    def refused(fd: int, offset: int, length: int, advice: int) -> None:
+        raise OSError(errno.EINVAL, "no hints here")
+
+    monkeypatch.setattr(os, "posix_fadvise", refused)
+    again = new_tier(tmp_path)
+    assert again.lru_hashes() == kept and not again.counters.io_errors and not again.counters.scan_removed
+    again.check_invariants()
+    asyncio.run(again.aclose())
+
+
 def test_restart_with_a_smaller_capacity_cuts_the_slab(tmp_path: Path) -> None:
     """Slots are places: a smaller capacity keeps the slots that still fit (and the blocks in them)."""
     metas, _ = written_then_closed(tmp_path, 4)
