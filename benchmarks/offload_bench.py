@@ -129,6 +129,9 @@ class CpuRow(NamedTuple):
     promote_ratio: float
     spill_ratio_runs: list[float]  # each run's ratio, to show the spread
     promote_ratio_runs: list[float]
+    # --breakdown: microseconds per block in each part of the path, over the measured runs (else empty);
+    # the baseline's own cost per block is "memcpy".
+    breakdown_us: dict[str, float]
 
 
 class DiskRow(NamedTuple):
@@ -227,6 +230,29 @@ def _promote_all(link: TierLink, metas: list[BlockMeta], pool: torch.Tensor, ord
     link.settle()  # and the last release
 
 
+# --breakdown: the parts of a spill and of a promotion, timed where the link calls them.
+_SPILL_PARTS = {"reserve": "client", "commit_later": "client", "spill": "engine"}
+_PROMOTE_PARTS = {"acquire": "client", "release_later": "client", "promote": "engine"}
+
+
+def _time_parts(link: TierLink, spent: dict[str, float]) -> None:
+    """Wrap the link's client calls and copies so each adds its seconds to ``spent[name]`` (a copy's
+    until its Future is done). Costs two clock reads a call: a batch of blocks is one call."""
+    for name, owner in {**_SPILL_PARTS, **_PROMOTE_PARTS}.items():
+        target = link.client if owner == "client" else link.engine
+        inner = getattr(target, name)
+
+        def timed(*args: Any, _inner: Any = inner, _name: str = name, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            answer = _inner(*args, **kwargs)
+            if _name in ("spill", "promote"):
+                answer.result()
+            spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - start
+            return answer
+
+        setattr(target, name, timed)
+
+
 def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, progress: tqdm) -> CpuRow:
     block_bytes = identity.block_bytes
     count = max(1, args.total_mib * 1024 * 1024 // block_bytes)
@@ -251,7 +277,12 @@ def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, pr
         stack.callback(scratch.close)
         scratch_arena = scratch.tensor
         scratch_target = torch.zeros_like(flat_target)
+        spent: dict[str, float] = {}
+        if args.breakdown:
+            _time_parts(link, spent)
         for rep in range(args.repeat + 1):  # the first round warms up
+            if rep == 1:
+                spent.clear()
             metas = _metas(identity, count, rep)
             spill_s = _timed(partial(_spill_all, link, metas, pool, spill_order, args.batch_blocks))
             memcpy_spill = _timed(lambda: scratch_arena.copy_(flat_pool))
@@ -269,6 +300,13 @@ def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, pr
                 base_spill.append(memcpy_spill)
                 base_promote.append(memcpy_promote)
     total = count * block_bytes
+    breakdown: dict[str, float] = {}
+    if args.breakdown:
+        moved = count * args.repeat  # blocks per direction over the measured runs
+        breakdown = {part: round(spent.get(part, 0.0) / moved * 1e6, 2) for part in {**_SPILL_PARTS, **_PROMOTE_PARTS}}
+        breakdown["spill_total"] = round(sum(spills) / moved * 1e6, 2)
+        breakdown["promote_total"] = round(sum(promotes) / moved * 1e6, 2)
+        breakdown["memcpy"] = round((sum(base_spill) + sum(base_promote)) / 2 / moved * 1e6, 2)
     return CpuRow(
         name,
         block_bytes,
@@ -281,6 +319,7 @@ def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, pr
         statistics.median(_ratios(promotes, base_promote)),
         _ratios(spills, base_spill),
         _ratios(promotes, base_promote),
+        breakdown,
     )
 
 
@@ -479,6 +518,15 @@ def print_tables(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespac
                 f"{row.promote_gbps:>14.2f}{memcpy:>13.2f}{row.spill_ratio:>14.2f}{row.promote_ratio:>16.2f}"
                 f"{_target(CPU_TARGETS, row.shape, row.spill_ratio, row.promote_ratio):>8}"
             )
+        if any(row.breakdown_us for row in cpu):
+            print(
+                "\nWhere a block's time goes (--breakdown: us per block, measured runs; a promotion's copy "
+                "includes allocating its pool rows)"
+            )
+            parts = [*_SPILL_PARTS, "spill_total", *_PROMOTE_PARTS, "promote_total", "memcpy"]
+            print(f"{'shape':<17}" + "".join(f"{part:>14}" for part in parts))
+            for row in cpu:
+                print(f"{row.shape:<17}" + "".join(f"{row.breakdown_us.get(part, 0.0):>14.2f}" for part in parts))
     if disk:
         fill = "an empty tier each run" if args.disk_fresh else "a full tier (every write evicts a block)"
         print(
@@ -713,6 +761,11 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="blocks per spill / promote call (a worker's job: 128 = 2k tokens)",
     )
     p.add_argument("--copy-threads", type=int, default=2, help="copy engine threads")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time each part of a spill and a promotion (tier calls, copies): us per block",
+    )
     p.add_argument("--io", type=int, default=16, help="disk I/Os in flight")
     p.add_argument("--deadline-s", type=float, default=30.0, help="per-I/O deadline of the disk tier")
     p.add_argument(

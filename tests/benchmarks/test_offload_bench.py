@@ -69,6 +69,30 @@ def test_offload_bench_writes_json_and_plot(tmp_path: Path, capsys: pytest.Captu
     assert "spill/memcpy" in text and "I/O mode:" in text and "recompute/CPU" in text
 
 
+def test_breakdown_parts_add_up_within_each_direction(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--breakdown times the tier calls and copies of the measured runs; they happen inside the timed
+    spills and promotions, so each direction's parts sum to at most its total (the rest is the link's own
+    Python), and without the flag no part is timed."""
+    out = tmp_path / "offload.json"
+    common = "bench offload --shapes tiny --total-mib 2 --disk-total-mib 0 --repeat 2 --ttft-lengths= --no-progress"
+    args = build_parser().parse_args([*common.split(), "--breakdown", "--json", str(out), "--disk-dir", str(tmp_path)])
+    assert args.func(args) == 0
+    (row,) = json.loads(out.read_text())["cpu"]["rows"]
+    parts = row["breakdown_us"]
+    assert set(parts) == {
+        *("reserve", "spill", "commit_later", "spill_total"),
+        *("acquire", "promote", "release_later", "promote_total"),
+        "memcpy",
+    }
+    assert all(parts[name] > 0 for name in parts)
+    assert parts["reserve"] + parts["spill"] + parts["commit_later"] <= parts["spill_total"]
+    assert parts["acquire"] + parts["promote"] + parts["release_later"] <= parts["promote_total"]
+    assert "Where a block's time goes" in capsys.readouterr().out
+    plain = build_parser().parse_args([*common.split(), "--json", str(out), "--disk-dir", str(tmp_path)])
+    assert plain.func(plain) == 0
+    assert json.loads(out.read_text())["cpu"]["rows"][0]["breakdown_us"] == {}
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
