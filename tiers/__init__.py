@@ -17,6 +17,7 @@ module                        what it holds
 ``tiers.disk_scan``           the start-up scan that rebuilds the disk index
 ``tiers.disk``                DiskTier: owns the four above, counts outcomes
 ``tiers.copy_engine``         CopyEngine: batched pool <-> arena copies (threads / CUDA)
+``tiers._copyrows``           the copy engine's host kernel, in C (built at install)
 ``tiers.admission``           AdmissionFilter: admit a block on its N-th spill
 ``tiers.leases``              LeaseBook: grants, their incarnation check and end
 ``tiers.stats``               counters and the TierStats snapshot
