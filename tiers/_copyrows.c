@@ -138,7 +138,10 @@ static PyObject *copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
         uint8_t *to = (uint8_t *)dst + (size_t)d * (size_t)row;
         const uint8_t *from = (const uint8_t *)src + (size_t)s * (size_t)row;
 #if KV_HAVE_STREAM
-        if (stream_min && bytes >= (size_t)stream_min) {
+        /* Streaming copies go forward only: a run whose source and destination overlap (the same
+         * buffer on both sides) is left to memmove, which copies it as the source was. */
+        int overlap = (const uint8_t *)to < from + bytes && from < (const uint8_t *)to + bytes;
+        if (stream_min && bytes >= (size_t)stream_min && !overlap) {
             stream_copy(to, from, bytes);
             streamed = 1;
         } else

@@ -55,6 +55,19 @@ def test_kernel_copies_exactly_the_pairs_it_is_given(row_bytes: int, stream_min:
     assert not dst[untouched].any()
 
 
+@pytest.mark.parametrize("stream_min", [0, 1])
+def test_kernel_copies_overlapping_runs_within_one_buffer_as_memmove_does(stream_min: int) -> None:
+    """One buffer on both sides, a run shifted by one row onto itself: copied as the source was
+    (streaming stores copy forward only, so an overlapping run goes to memmove)."""
+    rows = torch.arange(6 * 4096, dtype=torch.int64).remainder(251).to(torch.uint8).view(6, 4096)
+    before = rows.clone()
+    assert copy_engine._copy_pairs_native(rows, rows, [0, 1, 2], [1, 2, 3], stream_min) == 1
+    assert torch.equal(rows[1:4], before[0:3]) and torch.equal(rows[0], before[0])
+    shifted = rows.clone()  # rows 0..5 now hold before's 0, 0, 1, 2, 4, 5
+    assert copy_engine._copy_pairs_native(rows, rows, [3, 4], [2, 3], stream_min) == 1  # and backwards
+    assert torch.equal(rows[2:4], shifted[3:5]) and torch.equal(rows[2:4], torch.stack([before[2], before[4]]))
+
+
 def test_kernel_checks_every_row_before_copying() -> None:
     src = torch.ones((4, 100), dtype=torch.uint8)
     dst = torch.zeros((4, 100), dtype=torch.uint8)
