@@ -253,10 +253,7 @@ class LocalTierClient:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("LocalTierClient called from its own loop thread: await the store instead")
-        if self._loop.is_closed():
-            coro.close()
-            raise TierUnavailableError("the tier store is closed")
-        if self._direct_ready():
+        if self._direct_ready():  # (never once the loop is closed: _to_loop refuses those calls below)
             try:
                 locked = self._locked()
             except BaseException:  # timed out or closed meanwhile: the coroutine never runs
