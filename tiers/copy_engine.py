@@ -190,15 +190,16 @@ class CopyEngine:
         if len(src_rows) != len(dst_rows):
             raise InvalidBlockError(f"{len(src_rows)} source rows but {len(dst_rows)} destination rows")
         if src.is_cuda or dst.is_cuda:
-            _check_rows(src_rows, src.shape[0], "source")
-            _check_rows(dst_rows, dst.shape[0], "destination")
+            _check_pairs(src, src_rows, dst, dst_rows)
             if self._cuda is None:
                 raise TierError("a CUDA tensor was given but this copy engine was built without pinning (pin=False)")
             return self._cuda.copy(src, dst, coalesce(src_rows, dst_rows))
         count = len(src_rows)
         if count * self.block_bytes <= _INLINE_BYTES or self._threads == 1:
             # Copied here, in one pass (the threads' hand-off would cost more than it saves); a bad row
-            # raises before any byte moves.
+            # raises before any byte moves (the kernel checks the rows itself).
+            if not self.native:
+                _check_pairs(src, src_rows, dst, dst_rows)
             done: Future[None] = Future()
             try:
                 self._copy(src, dst, src_rows, dst_rows)
@@ -211,8 +212,7 @@ class CopyEngine:
             return done
         # Split: every row is checked before any share starts, then the caller's thread copies the
         # first share itself (it would only wait otherwise) and the pool the others.
-        _check_rows(src_rows, src.shape[0], "source")
-        _check_rows(dst_rows, dst.shape[0], "destination")
+        _check_pairs(src, src_rows, dst, dst_rows)
         share = -(-count // self._threads)
         cuts = range(share, count, share)
         handed = [
@@ -229,11 +229,10 @@ class CopyEngine:
         return _gather([mine, *handed])
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
+        """Host rows, already checked (the kernel checks them again, before any byte moves)."""
         if self.native:
             _copy_pairs_native(src, dst, src_rows, dst_rows, self._stream_min)
         else:
-            _check_rows(src_rows, src.shape[0], "source")
-            _check_rows(dst_rows, dst.shape[0], "destination")
             _copy_pairs(src, dst, src_rows, dst_rows)
 
 
@@ -275,6 +274,12 @@ def _copy_pairs(src: torch.Tensor, dst: torch.Tensor, src_rows: Sequence[int], d
         memmove(dst_base + start_d * row, src_base + start_s * row, (end_s - start_s) * row)
         start_s, start_d, end_s, end_d = s, d, s + 1, d + 1
     memmove(dst_base + start_d * row, src_base + start_s * row, (end_s - start_s) * row)
+
+
+def _check_pairs(src: torch.Tensor, src_rows: Sequence[int], dst: torch.Tensor, dst_rows: Sequence[int]) -> None:
+    """InvalidBlockError unless every row is inside its tensor."""
+    _check_rows(src_rows, src.shape[0], "source")
+    _check_rows(dst_rows, dst.shape[0], "destination")
 
 
 def _check_rows(rows: Sequence[int], limit: int, what: str) -> None:
