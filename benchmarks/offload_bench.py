@@ -233,19 +233,21 @@ def _promote_all(link: TierLink, metas: list[BlockMeta], pool: torch.Tensor, ord
 # --breakdown: the parts of a spill and of a promotion, timed where the link calls them.
 _SPILL_PARTS = {"reserve": "client", "commit_later": "client", "spill": "engine"}
 _PROMOTE_PARTS = {"acquire": "client", "release_later": "client", "promote": "engine"}
+_PARTS = {**_SPILL_PARTS, **_PROMOTE_PARTS}  # call name -> whose method it is
 
 
 def _time_parts(link: TierLink, spent: dict[str, float]) -> None:
     """Wrap the link's client calls and copies so each adds its seconds to ``spent[name]`` (a copy's
     until its Future is done). Costs two clock reads a call: a batch of blocks is one call."""
-    for name, owner in {**_SPILL_PARTS, **_PROMOTE_PARTS}.items():
-        target = link.client if owner == "client" else link.engine
+    for name, owner in _PARTS.items():
+        copy = owner == "engine"  # the engine's calls return a Future: timed until it is done
+        target = link.engine if copy else link.client
         inner = getattr(target, name)
 
-        def timed(*args: Any, _inner: Any = inner, _name: str = name, **kwargs: Any) -> Any:
+        def timed(*args: Any, _inner: Any = inner, _name: str = name, _copy: bool = copy, **kwargs: Any) -> Any:
             start = time.perf_counter()
             answer = _inner(*args, **kwargs)
-            if _name in ("spill", "promote"):
+            if _copy:
                 answer.result()
             spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - start
             return answer
@@ -303,7 +305,7 @@ def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, pr
     breakdown: dict[str, float] = {}
     if args.breakdown:
         moved = count * args.repeat  # blocks per direction over the measured runs
-        breakdown = {part: round(spent.get(part, 0.0) / moved * 1e6, 2) for part in {**_SPILL_PARTS, **_PROMOTE_PARTS}}
+        breakdown = {part: round(spent.get(part, 0.0) / moved * 1e6, 2) for part in _PARTS}
         breakdown["spill_total"] = round(sum(spills) / moved * 1e6, 2)
         breakdown["promote_total"] = round(sum(promotes) / moved * 1e6, 2)
         breakdown["memcpy"] = round((sum(base_spill) + sum(base_promote)) / 2 / moved * 1e6, 2)
