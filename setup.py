@@ -14,6 +14,7 @@ setup(
             "kvstore.tiers._copyrows",
             sources=["tiers/_copyrows.c"],
             extra_compile_args=["-O2", "-std=c11"],
+            extra_link_args=["-pthread"],
             optional=True,
         )
     ]

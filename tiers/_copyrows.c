@@ -13,21 +13,40 @@
  * Returns the number of runs copied: pairs that advance together by one row on both
  * sides are coalesced into one copy, in the order given.
  *
+ * Copier(helpers).copy_rows(<the same eight>, split_min) -> runs
+ *
+ *   The same copy, shared with `helpers` threads of the Copier's own (started at its
+ *   first shared copy, stopped by close() or when it is freed) once the batch is at
+ *   least split_min bytes. The runs are cut into pieces of at most PIECE_BYTES; the
+ *   caller posts the batch, wakes the helpers and copies pieces itself, each thread
+ *   taking the next piece from one atomic counter (work stealing). So a helper that
+ *   wakes late, or is descheduled by other work on the machine, costs the caller at
+ *   most the piece it holds: the caller never waits for work nobody has started.
+ *   Helpers block on a condition variable between batches, taking no CPU.
+ *   Buffers that overlap each other are copied by the caller alone, in order (a
+ *   shared copy has no order between pieces). One call at a time per Copier; calls
+ *   from several threads queue.
+ *
  * Why C: at 16 KiB - 2 MiB a block, the Python loop around libc memmove cost a large
  * share of the copy, and glibc's memmove uses non-temporal stores only above a
  * threshold (about 190 MiB on the development host) that no block copy reaches. A
  * copy that is not read back soon (a spill into the arena; a promotion the model reads
  * once) gains from streaming stores: they skip the read-for-ownership of every
  * destination cache line. Every row is checked before any byte moves, with the GIL
- * held; the copies run with the GIL released, so two threads can copy at once.
+ * held; the copies run with the GIL released. Sharing a batch through a Python thread
+ * pool cost two thread wake-ups and two GIL hand-offs per call (about 120 us measured
+ * on the development host: more than the copy of a 32-block batch of 16 KiB blocks).
  *
  * Built by setuptools as an optional extension (setup.py); where it is missing the
  * copy engine falls back to ctypes.memmove, same results.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
@@ -80,12 +99,58 @@ static int read_rows(PyObject *seq, Py_ssize_t n, Py_ssize_t limit, const char *
     return 0;
 }
 
-static PyObject *copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "copy_rows takes 8 arguments, got %zd", nargs);
-        return NULL;
+/* One span to copy: a whole run, or a piece of one. */
+typedef struct {
+    uint8_t *to;
+    const uint8_t *from;
+    size_t bytes;
+} Span;
+
+/* A piece is at most this long: small enough that a thread holding the last one keeps the
+ * others waiting briefly, large enough that taking one (an atomic add) costs nothing beside it. */
+#define PIECE_BYTES ((size_t)256 * 1024)
+
+/* Copies one span; returns whether it streamed (so the thread fences before it reports). */
+static int copy_span(const Span *span, size_t stream_min) {
+#if KV_HAVE_STREAM
+    /* Streaming copies go forward only: a span whose source and destination overlap (the same
+     * buffer on both sides) is left to memmove, which copies it as the source was. */
+    const uint8_t *to = span->to;
+    int overlap = to < span->from + span->bytes && span->from < to + span->bytes;
+    if (stream_min && span->bytes >= stream_min && !overlap) {
+        stream_copy(span->to, span->from, span->bytes);
+        return 1;
     }
+#else
+    (void)stream_min;
+#endif
+    memmove(span->to, span->from, span->bytes);
+    return 0;
+}
+
+static void fence(int streamed) {
+#if KV_HAVE_STREAM
+    if (streamed) {
+        _mm_sfence(); /* streaming stores are weakly ordered: visible before we report */
+    }
+#else
+    (void)streamed;
+#endif
+}
+
+/* The arguments of a copy, checked: the rows (both sides) and the buffers. */
+typedef struct {
+    uint8_t *dst;
+    const uint8_t *src;
+    Py_ssize_t dst_count, src_count, row, n;
+    size_t stream_min;
+    Py_ssize_t *rows; /* n source rows, then n destination rows */
+} Batch;
+
+/* Parses and checks the eight copy_rows arguments into *batch (rows owned by it: batch_free).
+ * -1 with an exception set, nothing allocated. */
+static int batch_parse(PyObject *const *args, Batch *batch) {
+    memset(batch, 0, sizeof(*batch));
     void *dst = PyLong_AsVoidPtr(args[0]);
     Py_ssize_t dst_count = PyLong_AsSsize_t(args[1]);
     const void *src = PyLong_AsVoidPtr(args[2]);
@@ -93,80 +158,418 @@ static PyObject *copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_ssize_t row = PyLong_AsSsize_t(args[4]);
     Py_ssize_t stream_min = PyLong_AsSsize_t(args[7]);
     if (PyErr_Occurred()) {
-        return NULL;
+        return -1;
     }
     if (dst == NULL || src == NULL || row <= 0 || dst_count < 0 || src_count < 0 || stream_min < 0) {
         PyErr_SetString(PyExc_ValueError, "copy_rows: null buffer, or a non-positive row size or count");
-        return NULL;
+        return -1;
     }
     PyObject *src_seq = PySequence_Fast(args[5], "source rows must be a sequence of ints");
     if (src_seq == NULL) {
-        return NULL;
+        return -1;
     }
     PyObject *dst_seq = PySequence_Fast(args[6], "destination rows must be a sequence of ints");
     if (dst_seq == NULL) {
         Py_DECREF(src_seq);
-        return NULL;
+        return -1;
     }
-    PyObject *result = NULL;
-    Py_ssize_t *rows = NULL;
+    int status = -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(src_seq);
     if (PySequence_Fast_GET_SIZE(dst_seq) != n) {
         PyErr_Format(PyExc_ValueError, "%zd source rows but %zd destination rows", n,
                      PySequence_Fast_GET_SIZE(dst_seq));
         goto done;
     }
-    rows = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(2 * n + 1));
+    Py_ssize_t *rows = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(2 * n + 1));
     if (rows == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    Py_ssize_t *s_rows = rows, *d_rows = rows + n;
-    if (read_rows(src_seq, n, src_count, "source", s_rows) < 0 ||
-        read_rows(dst_seq, n, dst_count, "destination", d_rows) < 0) {
+    if (read_rows(src_seq, n, src_count, "source", rows) < 0 ||
+        read_rows(dst_seq, n, dst_count, "destination", rows + n) < 0) {
+        PyMem_Free(rows);
         goto done;
     }
+    batch->dst = dst;
+    batch->src = src;
+    batch->dst_count = dst_count;
+    batch->src_count = src_count;
+    batch->row = row;
+    batch->n = n;
+    batch->stream_min = (size_t)stream_min;
+    batch->rows = rows;
+    status = 0;
+done:
+    Py_DECREF(src_seq);
+    Py_DECREF(dst_seq);
+    return status;
+}
+
+static void batch_free(Batch *batch) {
+    PyMem_Free(batch->rows);
+    batch->rows = NULL;
+}
+
+/* The runs of a batch into spans[] (at most n of them); returns how many. No GIL needed. */
+static Py_ssize_t batch_runs(const Batch *batch, Span *spans) {
+    const Py_ssize_t *s_rows = batch->rows, *d_rows = batch->rows + batch->n;
+    size_t row = (size_t)batch->row;
     Py_ssize_t runs = 0;
-    Py_BEGIN_ALLOW_THREADS
-    int streamed = 0;
-    for (Py_ssize_t i = 0; i < n;) {
+    for (Py_ssize_t i = 0; i < batch->n;) {
         Py_ssize_t s = s_rows[i], d = d_rows[i], len = 1;
-        while (i + len < n && s_rows[i + len] == s + len && d_rows[i + len] == d + len) {
+        while (i + len < batch->n && s_rows[i + len] == s + len && d_rows[i + len] == d + len) {
             len++;
         }
-        size_t bytes = (size_t)len * (size_t)row;
-        uint8_t *to = (uint8_t *)dst + (size_t)d * (size_t)row;
-        const uint8_t *from = (const uint8_t *)src + (size_t)s * (size_t)row;
-#if KV_HAVE_STREAM
-        /* Streaming copies go forward only: a run whose source and destination overlap (the same
-         * buffer on both sides) is left to memmove, which copies it as the source was. */
-        int overlap = (const uint8_t *)to < from + bytes && from < (const uint8_t *)to + bytes;
-        if (stream_min && bytes >= (size_t)stream_min && !overlap) {
-            stream_copy(to, from, bytes);
-            streamed = 1;
-        } else
-#endif
-        {
-            memmove(to, from, bytes);
-        }
+        spans[runs].to = batch->dst + (size_t)d * row;
+        spans[runs].from = batch->src + (size_t)s * row;
+        spans[runs].bytes = (size_t)len * row;
         runs++;
         i += len;
     }
-#if KV_HAVE_STREAM
-    if (streamed) {
-        _mm_sfence(); /* streaming stores are weakly ordered: visible before we return */
-    }
-#else
-    (void)streamed;
-#endif
-    Py_END_ALLOW_THREADS
-    result = PyLong_FromSsize_t(runs);
-done:
-    PyMem_Free(rows);
-    Py_DECREF(src_seq);
-    Py_DECREF(dst_seq);
-    return result;
+    return runs;
 }
+
+/* Copies a batch on this thread alone, run by run in order; returns the number of runs. No GIL needed. */
+static Py_ssize_t batch_copy_here(const Batch *batch) {
+    const Py_ssize_t *s_rows = batch->rows, *d_rows = batch->rows + batch->n;
+    size_t row = (size_t)batch->row;
+    Py_ssize_t runs = 0;
+    int streamed = 0;
+    for (Py_ssize_t i = 0; i < batch->n;) {
+        Py_ssize_t s = s_rows[i], d = d_rows[i], len = 1;
+        while (i + len < batch->n && s_rows[i + len] == s + len && d_rows[i + len] == d + len) {
+            len++;
+        }
+        Span span = {batch->dst + (size_t)d * row, batch->src + (size_t)s * row, (size_t)len * row};
+        streamed |= copy_span(&span, batch->stream_min);
+        runs++;
+        i += len;
+    }
+    fence(streamed);
+    return runs;
+}
+
+static PyObject *copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "copy_rows takes 8 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Batch batch;
+    if (batch_parse(args, &batch) < 0) {
+        return NULL;
+    }
+    Py_ssize_t runs;
+    Py_BEGIN_ALLOW_THREADS
+    runs = batch_copy_here(&batch);
+    Py_END_ALLOW_THREADS
+    batch_free(&batch);
+    return PyLong_FromSsize_t(runs);
+}
+
+/* ------------------------------------------------------------------------ Copier */
+
+/* A batch posted to the helpers: its pieces, the next one to take, and how many helpers hold it. */
+typedef struct {
+    const Span *pieces;
+    size_t count;
+    size_t stream_min;
+    atomic_size_t next;
+    atomic_int active; /* helpers that took the job and have not left it (registered under mu) */
+} Job;
+
+typedef struct {
+    PyObject_HEAD
+    int helpers;     /* threads asked for */
+    int started;     /* threads running */
+    pid_t owner;     /* the process that started them (a forked child has none) */
+    int stop;        /* under mu */
+    unsigned long generation; /* under mu: bumped per posted job */
+    Job *job;        /* under mu: the posted job, or NULL */
+    pthread_mutex_t mu;
+    pthread_cond_t wake; /* helpers: a job was posted, or stop */
+    pthread_cond_t left; /* the caller: the last helper left a job */
+    pthread_mutex_t calls; /* one copy at a time */
+    pthread_t *threads;
+} Copier;
+
+/* Takes pieces until none is left; returns whether any streamed. */
+static int take_pieces(Job *job) {
+    int streamed = 0;
+    for (;;) {
+        size_t i = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+        if (i >= job->count) {
+            return streamed;
+        }
+        streamed |= copy_span(&job->pieces[i], job->stream_min);
+    }
+}
+
+static void *helper_main(void *arg) {
+    Copier *self = arg;
+    pthread_mutex_lock(&self->mu);
+    unsigned long seen = self->generation;
+    for (;;) {
+        while (!self->stop && (self->job == NULL || self->generation == seen)) {
+            pthread_cond_wait(&self->wake, &self->mu);
+        }
+        if (self->stop) {
+            break;
+        }
+        seen = self->generation;
+        Job *job = self->job;
+        atomic_fetch_add(&job->active, 1); /* under mu: the caller unposts the job under it */
+        pthread_mutex_unlock(&self->mu);
+        fence(take_pieces(job));
+        /* The job lives on the caller's stack: after this it may be gone. The release pairs with the
+         * caller's acquire load, so every byte copied here (fenced above) is visible to it. */
+        if (atomic_fetch_sub_explicit(&job->active, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&self->mu);
+            pthread_cond_broadcast(&self->left);
+            pthread_mutex_unlock(&self->mu);
+        }
+        pthread_mutex_lock(&self->mu);
+    }
+    pthread_mutex_unlock(&self->mu);
+    return NULL;
+}
+
+static int copier_init_sync(Copier *self) {
+    if (pthread_mutex_init(&self->mu, NULL) || pthread_cond_init(&self->wake, NULL) ||
+        pthread_cond_init(&self->left, NULL) || pthread_mutex_init(&self->calls, NULL)) {
+        return -1;
+    }
+    return 0;
+}
+
+/* In a forked child the Copier's memory is the parent's, but not its threads, and its locks may have
+ * been held by a parent thread at the fork: forget the threads and make the locks anew. With the GIL. */
+static void copier_after_fork(Copier *self) {
+    if (self->owner != 0 && self->owner != getpid()) {
+        self->owner = 0;
+        self->started = 0;
+        self->job = NULL;
+        self->stop = 0;
+        copier_init_sync(self);
+    }
+}
+
+/* Starts the helpers not running yet (holding `calls`). Returns how many run: fewer than asked when
+ * the system refuses a thread. */
+static int copier_start(Copier *self) {
+    if (self->started == self->helpers) {
+        return self->started;
+    }
+    if (self->threads == NULL) {
+        self->threads = PyMem_RawCalloc((size_t)self->helpers, sizeof(pthread_t));
+        if (self->threads == NULL) {
+            return 0;
+        }
+    }
+    self->owner = getpid();
+    pthread_mutex_lock(&self->mu);
+    self->stop = 0;
+    pthread_mutex_unlock(&self->mu);
+    while (self->started < self->helpers) {
+        if (pthread_create(&self->threads[self->started], NULL, helper_main, self) != 0) {
+            break;
+        }
+        self->started++;
+    }
+    return self->started;
+}
+
+/* Stops and joins the helpers (none in a forked child). Without the GIL. */
+static void copier_stop(Copier *self) {
+    if (self->started == 0 || self->owner != getpid()) {
+        self->started = 0;
+        return;
+    }
+    pthread_mutex_lock(&self->mu);
+    self->stop = 1;
+    pthread_cond_broadcast(&self->wake);
+    pthread_mutex_unlock(&self->mu);
+    for (int i = 0; i < self->started; i++) {
+        pthread_join(self->threads[i], NULL);
+    }
+    self->started = 0;
+}
+
+/* Copies a batch with the helpers (calls held, helpers running, no GIL); returns the number of runs,
+ * or -1 when the pieces could not be allocated (nothing copied). */
+static Py_ssize_t copier_share(Copier *self, const Batch *batch) {
+    Span *runs = malloc(sizeof(Span) * (size_t)batch->n);
+    if (runs == NULL) {
+        return -1;
+    }
+    Py_ssize_t run_count = batch_runs(batch, runs);
+    size_t count = 0;
+    for (Py_ssize_t r = 0; r < run_count; r++) {
+        count += (runs[r].bytes + PIECE_BYTES - 1) / PIECE_BYTES;
+    }
+    Span *pieces = malloc(sizeof(Span) * count);
+    if (pieces == NULL) {
+        free(runs);
+        return -1;
+    }
+    size_t p = 0;
+    for (Py_ssize_t r = 0; r < run_count; r++) {
+        for (size_t offset = 0; offset < runs[r].bytes; offset += PIECE_BYTES) {
+            size_t left = runs[r].bytes - offset;
+            pieces[p].to = runs[r].to + offset;
+            pieces[p].from = runs[r].from + offset;
+            pieces[p].bytes = left < PIECE_BYTES ? left : PIECE_BYTES;
+            p++;
+        }
+    }
+    free(runs);
+    Job job = {.pieces = pieces, .count = count, .stream_min = batch->stream_min};
+    atomic_init(&job.next, 0);
+    atomic_init(&job.active, 0);
+    pthread_mutex_lock(&self->mu);
+    self->job = &job;
+    self->generation++;
+    pthread_cond_broadcast(&self->wake);
+    pthread_mutex_unlock(&self->mu);
+    fence(take_pieces(&job));
+    /* Every piece is taken: unpost the job so a helper waking now skips it, then wait for the ones
+     * holding it -- each finishes at most the piece it has. A short spin first (about 1024 pauses:
+     * tens of microseconds, what a piece takes), since a condition-variable wake-up costs as much. */
+    pthread_mutex_lock(&self->mu);
+    self->job = NULL;
+    pthread_mutex_unlock(&self->mu);
+    for (int spin = 0; spin < 1024 && atomic_load_explicit(&job.active, memory_order_acquire); spin++) {
+#if KV_HAVE_STREAM
+        _mm_pause();
+#endif
+    }
+    if (atomic_load_explicit(&job.active, memory_order_acquire)) {
+        pthread_mutex_lock(&self->mu);
+        while (atomic_load_explicit(&job.active, memory_order_acquire)) {
+            pthread_cond_wait(&self->left, &self->mu);
+        }
+        pthread_mutex_unlock(&self->mu);
+    }
+    free(pieces);
+    return run_count;
+}
+
+static PyObject *Copier_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"helpers", NULL};
+    int helpers = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i", keywords, &helpers)) {
+        return NULL;
+    }
+    if (helpers < 0 || helpers > 64) {
+        PyErr_Format(PyExc_ValueError, "helpers must be in 0..64, got %d", helpers);
+        return NULL;
+    }
+    Copier *self = (Copier *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->helpers = helpers;
+    if (copier_init_sync(self) < 0) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static void Copier_dealloc(Copier *self) {
+    copier_after_fork(self);
+    Py_BEGIN_ALLOW_THREADS
+    copier_stop(self);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(self->threads);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Copier_copy_rows(Copier *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "Copier.copy_rows takes 9 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t split_min = PyLong_AsSsize_t(args[8]);
+    if (split_min == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (split_min < 0) {
+        PyErr_SetString(PyExc_ValueError, "split_min must be >= 0");
+        return NULL;
+    }
+    Batch batch;
+    if (batch_parse(args, &batch) < 0) {
+        return NULL;
+    }
+    size_t total = (size_t)batch.n * (size_t)batch.row;
+    /* Buffers that overlap are copied in order, here: pieces copied at once have no order. */
+    size_t dst_bytes = (size_t)batch.dst_count * (size_t)batch.row;
+    size_t src_bytes = (size_t)batch.src_count * (size_t)batch.row;
+    int disjoint = batch.dst + dst_bytes <= batch.src || batch.src + src_bytes <= batch.dst;
+    int share = self->helpers > 0 && disjoint && total >= (size_t)split_min && batch.n > 1;
+    Py_ssize_t runs = -1;
+    copier_after_fork(self);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->calls);
+    if (share && copier_start(self) > 0) {
+        runs = copier_share(self, &batch);
+    }
+    if (runs < 0) {
+        runs = batch_copy_here(&batch);
+    }
+    pthread_mutex_unlock(&self->calls);
+    Py_END_ALLOW_THREADS
+    batch_free(&batch);
+    return PyLong_FromSsize_t(runs);
+}
+
+static PyObject *Copier_close(Copier *self, PyObject *unused) {
+    (void)unused;
+    copier_after_fork(self);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->calls);
+    copier_stop(self);
+    pthread_mutex_unlock(&self->calls);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Copier_get_started(Copier *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->owner == getpid() ? self->started : 0);
+}
+
+static PyObject *Copier_get_helpers(Copier *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->helpers);
+}
+
+static PyMethodDef Copier_methods[] = {
+    {"copy_rows", (PyCFunction)(void (*)(void))Copier_copy_rows, METH_FASTCALL,
+     "copy_rows(dst, dst_count, src, src_count, row_bytes, src_rows, dst_rows, stream_min, split_min) -> runs"},
+    {"close", (PyCFunction)Copier_close, METH_NOARGS,
+     "Stop the helper threads (a later shared copy starts them again). Idempotent."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Copier_getset[] = {
+    {"helpers", (getter)Copier_get_helpers, NULL, "helper threads asked for", NULL},
+    {"started", (getter)Copier_get_started, NULL, "helper threads running in this process", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CopierType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstore.tiers._copyrows.Copier",
+    .tp_basicsize = sizeof(Copier),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Copier(helpers): copy_rows shared with helper threads of its own (see the module source).",
+    .tp_new = Copier_new,
+    .tp_dealloc = (destructor)Copier_dealloc,
+    .tp_methods = Copier_methods,
+    .tp_getset = Copier_getset,
+};
 
 static PyMethodDef methods[] = {
     {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_FASTCALL,
@@ -180,8 +583,18 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__copyrows(void) {
+    if (PyType_Ready(&CopierType) < 0) {
+        return NULL;
+    }
     PyObject *module = PyModule_Create(&module_def);
-    if (module != NULL && PyModule_AddIntConstant(module, "STREAMING_STORES", KV_HAVE_STREAM) < 0) {
+    if (module == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&CopierType);
+    if (PyModule_AddIntConstant(module, "STREAMING_STORES", KV_HAVE_STREAM) < 0 ||
+        PyModule_AddIntConstant(module, "PIECE_BYTES", (long)PIECE_BYTES) < 0 ||
+        PyModule_AddObject(module, "Copier", (PyObject *)&CopierType) < 0) {
+        Py_DECREF(&CopierType);
         Py_DECREF(module);
         return NULL;
     }

@@ -88,6 +88,156 @@ def test_kernel_checks_every_row_before_copying() -> None:
     assert not dst.any()
 
 
+needs_kernel = pytest.mark.skipif(not copy_engine.NATIVE, reason="the compiled copy kernel is not built")
+
+
+def _copier_copy(copier: object, src: torch.Tensor, dst: torch.Tensor, pairs: tuple[list[int], list[int]]) -> int:
+    return copy_engine._copy_pairs_native(src, dst, *pairs, copy_engine.STREAM_MIN_BYTES, copier, 0)  # type: ignore[arg-type]
+
+
+@needs_kernel
+@pytest.mark.parametrize("helpers", [1, 3])
+@pytest.mark.parametrize("row_bytes", [4099, 16384, 300 * 1024])  # odd; a small block; runs cut into pieces
+def test_copier_shares_a_batch_and_copies_exactly_the_pairs(helpers: int, row_bytes: int) -> None:
+    """Shared with helper threads (split_min 0), every pair lands where asked -- runs longer than a piece
+    included -- and no other byte is written; the helpers start at the first shared copy."""
+    from kvstore.tiers._copyrows import Copier
+
+    generator = torch.Generator().manual_seed(row_bytes + helpers)
+    src = torch.randint(0, 256, (48, row_bytes), dtype=torch.uint8, generator=generator)
+    dst = torch.zeros((60, row_bytes), dtype=torch.uint8)
+    copier = Copier(helpers)
+    assert (copier.helpers, copier.started) == (helpers, 0)
+    try:
+        for attempt in range(20):  # many batches: pieces land on whichever thread takes them
+            dst.zero_()
+            order = torch.randperm(48, generator=generator)[:20].tolist()
+            targets = (20 + torch.randperm(40, generator=generator)[:20]).tolist()  # rows 20..59
+            src_rows = order[:10] + list(range(20, 30)) + order[10:20]  # a run of 10 rows in the middle
+            dst_rows = targets[:10] + list(range(attempt % 10, attempt % 10 + 10)) + targets[10:20]
+            runs = _copier_copy(copier, src, dst, (src_rows, dst_rows))
+            assert runs == len(coalesce(src_rows, dst_rows))
+            assert torch.equal(dst[dst_rows], src[src_rows])
+            untouched = [row for row in range(60) if row not in set(dst_rows)]
+            assert not dst[untouched].any()
+        assert copier.started == helpers
+    finally:
+        copier.close()
+    assert copier.started == 0
+
+
+@needs_kernel
+def test_copier_checks_rows_before_sharing_and_copies_one_buffer_in_order() -> None:
+    """A bad row raises before any byte moves; source and destination in one buffer are copied in order
+    by the caller alone (pieces copied at once have no order), exactly as the single-thread kernel does."""
+    from kvstore.tiers._copyrows import Copier
+
+    copier = Copier(2)
+    try:
+        src = torch.ones((8, 65536), dtype=torch.uint8)
+        dst = torch.zeros((8, 65536), dtype=torch.uint8)
+        with pytest.raises(InvalidBlockError, match=r"destination row 8 is outside 0\.\.7"):
+            _copier_copy(copier, src, dst, ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 8]))
+        assert not dst.any()
+        with pytest.raises(ValueError, match="split_min"):
+            copier.copy_rows(dst.data_ptr(), 8, src.data_ptr(), 8, 65536, [0], [0], 0, -1)
+        with pytest.raises(TypeError, match="9 arguments"):
+            copier.copy_rows(dst.data_ptr(), 8, src.data_ptr(), 8, 65536, [0], [0], 0)  # type: ignore[call-arg]
+        rows = torch.arange(12 * 65536, dtype=torch.int64).remainder(251).to(torch.uint8).view(12, 65536)
+        expected = rows.clone()
+        pairs = ([0, 1, 2, 3, 7, 8], [1, 2, 3, 4, 6, 7])  # each run shifted onto itself, then a chain
+        copy_engine._copy_pairs_native(expected, expected, *pairs, 0)
+        _copier_copy(copier, rows, rows, pairs)
+        assert torch.equal(rows, expected)
+    finally:
+        copier.close()
+    with pytest.raises(ValueError, match=r"0\.\.64"):
+        Copier(-1)
+
+
+@needs_kernel
+def test_copier_serves_calls_from_several_threads_and_restarts_after_close() -> None:
+    """Calls from several Python threads on one Copier queue and each copies its own batch; close() stops
+    the helpers and the next shared copy starts them again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstore.tiers._copyrows import Copier
+
+    copier = Copier(1)
+    src = torch.randint(0, 256, (64, 16384), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    outs = [torch.zeros((64, 16384), dtype=torch.uint8) for _ in range(4)]
+    perms = [torch.randperm(64, generator=torch.Generator().manual_seed(k)).tolist() for k in range(4)]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            for _ in range(10):
+                list(pool.map(lambda k: _copier_copy(copier, src, outs[k], (perms[k], list(range(64)))), range(4)))
+                for k in range(4):
+                    assert torch.equal(outs[k], src[perms[k]])
+                    outs[k].zero_()
+        copier.close()
+        copier.close()  # idempotent
+        assert copier.started == 0
+        _copier_copy(copier, src, outs[0], (perms[0], list(range(64))))
+        assert copier.started == 1 and torch.equal(outs[0], src[perms[0]])
+    finally:
+        copier.close()
+
+
+@needs_kernel
+def test_copier_in_a_forked_child_starts_helpers_of_its_own() -> None:
+    """A forked child gets the Copier's memory but not its threads: its first shared copy starts new ones
+    (and copies correctly) instead of waiting on helpers that do not exist there."""
+    import os
+    import signal
+
+    from kvstore.tiers._copyrows import Copier
+
+    copier = Copier(1)
+    src = torch.randint(0, 256, (32, 16384), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    dst = torch.zeros_like(src)
+    child_dst = torch.zeros_like(src)  # made here: torch's OpenMP pool must not be used in a forked child
+    order = list(reversed(range(32)))
+    expected = src[order].numpy().tobytes()
+    _copier_copy(copier, src, dst, (order, list(range(32))))
+    assert copier.started == 1
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if the copy worked with a helper of its own
+        code = 1
+        signal.alarm(30)  # a hang kills the child (SIGALRM's default) instead of the test run
+        try:
+            ok = copier.started == 0
+            _copier_copy(copier, src, child_dst, (order, list(range(32))))
+            ok = ok and copier.started == 1 and child_dst.numpy().tobytes() == expected
+            copier.close()
+            code = 0 if ok else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    copier.close()
+
+
+def test_engine_shares_large_batches_with_its_copier(slots: SharedSlots) -> None:
+    """On the kernel path the engine copies on the caller's thread through its Copier, which shares a
+    batch of at least SPLIT_MIN_BYTES with its num_threads - 1 helpers (no Python thread pool)."""
+    engine = CopyEngine(slots.tensor, num_threads=2, pin=False)
+    if not engine.native:
+        pytest.skip("the compiled copy kernel is not built")
+    try:
+        copier = engine._copier
+        assert copier is not None and copier.helpers == 1
+        pool = torch.randn((64, *IDENTITY.layout.block_shape)).to(IDENTITY.torch_dtype)
+        small = copy_engine.SPLIT_MIN_BYTES // IDENTITY.block_bytes - 1
+        engine.spill(pool, list(range(small)), list(range(small))).result()
+        assert copier.started == 0  # under the threshold: the caller's thread alone
+        engine.spill(pool, list(range(64)), list(reversed(range(64)))).result()
+        assert copier.started == 1
+        assert torch.equal(slots.tensor[list(reversed(range(64)))], block_rows(pool, IDENTITY.block_bytes))
+    finally:
+        engine.close()
+    assert copier.started == 0
+
+
 def test_block_rows_views_without_copying() -> None:
     pool = torch.zeros((3, *IDENTITY.layout.block_shape), dtype=IDENTITY.torch_dtype)
     rows = block_rows(pool, IDENTITY.block_bytes)
