@@ -7,6 +7,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+MAX_COPY_THREADS = 65  # the calling thread and at most 64 helpers (the copy kernel's limit)
+
 
 class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """CPU arena and disk tier of each node (owned by the tiers package).
@@ -27,9 +29,10 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """Directory of the POSIX shared-memory arena file; must be a tmpfs with room for the arena."""
     cpu_prefault: bool = True
     """Reserve and touch every arena page at start: a too-small /dev/shm fails then, not with SIGBUS later."""
-    copy_threads: Annotated[int, Meta(ge=1)] = 2
-    """Threads of the copy engine a worker's TierLink copies with (host copies; one waits on CUDA events
-    when there is a GPU). The tier actor copies nothing itself: workers move the KV."""
+    copy_threads: Annotated[int, Meta(ge=1, le=MAX_COPY_THREADS)] = 2
+    """Threads a worker's TierLink copies host blocks with: the calling thread and ``copy_threads - 1``
+    helpers (one waits on CUDA events when there is a GPU). The tier actor copies nothing itself:
+    workers move the KV."""
     disk_dir: str | None = None
     """Root of the disk tier (one subdirectory per cache identity); None turns the disk tier off."""
     disk_capacity_bytes: Annotated[int, Meta(ge=0)] = 64 * 1024**3

@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from kvstore.tiers.config import MAX_COPY_THREADS
 from kvstore.tiers.errors import InvalidBlockError, TierError
 
 if TYPE_CHECKING:
@@ -148,8 +149,8 @@ class CopyEngine:
         this long with streaming stores (0: never)."""
         if arena.dtype != torch.uint8 or arena.dim() != 2 or arena.device.type != "cpu":
             raise InvalidBlockError("the arena must be a host uint8 tensor [num_slots, block_bytes]")
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if not 1 <= num_threads <= MAX_COPY_THREADS:
+            raise ValueError(f"num_threads must be in 1..{MAX_COPY_THREADS}, got {num_threads}")
         if stream_min_bytes < 0:
             raise ValueError(f"stream_min_bytes must be >= 0, got {stream_min_bytes}")
         if native and not NATIVE:

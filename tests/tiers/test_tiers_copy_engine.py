@@ -236,6 +236,9 @@ def test_engine_shares_large_batches_with_its_copier(slots: SharedSlots) -> None
     finally:
         engine.close()
     assert copier.started == 0
+    for bad in (0, copy_engine.MAX_COPY_THREADS + 1):  # the caller and at most the kernel's 64 helpers
+        with pytest.raises(ValueError, match=r"num_threads must be in 1\.\.65"):
+            CopyEngine(slots.tensor, num_threads=bad, pin=False)
 
 
 def test_block_rows_views_without_copying() -> None:
