@@ -107,8 +107,9 @@ def _config(args: argparse.Namespace, max_tokens: int, disk_dir: str) -> Config:
 
 def _groups(worker: KVWorker) -> dict[int, str]:
     """Native thread id -> its group: the step loop, the offload thread, the copy engine, the tier's event
-    loop and disk I/O pool, the traffic driver, this benchmark's main thread (polling the step log); a
-    thread that is no Python thread (torch's intra-op pool) is "torch"."""
+    loop and disk I/O pool, the traffic driver, this benchmark's main thread (polling the step log). Of the
+    threads that are no Python threads, the copy kernel's helpers name themselves ``kv-copy`` (read from
+    /proc); the rest (torch's intra-op pool) are "torch"."""
     names = {
         "step loop": worker._thread.name,
         "offload thread": "kv-offload",
@@ -128,6 +129,24 @@ def _groups(worker: KVWorker) -> dict[int, str]:
                 break
         else:
             found[thread.native_id] = "other python"
+    for tid in _native_copy_threads():
+        found.setdefault(tid, "copy engine")
+    return found
+
+
+def _native_copy_threads() -> list[int]:
+    """Native ids of this process's threads named ``kv-copy`` (the copy kernel's helpers); [] off Linux."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    found = []
+    for tid in tasks:
+        try:
+            if Path(f"/proc/self/task/{tid}/comm").read_text().startswith("kv-copy"):
+                found.append(int(tid))
+        except OSError:
+            continue
     return found
 
 

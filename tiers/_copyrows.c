@@ -307,6 +307,9 @@ static int take_pieces(Job *job) {
 
 static void *helper_main(void *arg) {
     Copier *self = arg;
+#ifdef __linux__
+    pthread_setname_np(pthread_self(), "kv-copy"); /* as the engine's Python threads: top -H, /proc */
+#endif
     pthread_mutex_lock(&self->mu);
     unsigned long seen = self->generation;
     for (;;) {
