@@ -510,7 +510,7 @@ static PyObject *Copier_copy_rows(Copier *self, PyObject *const *args, Py_ssize_
     size_t dst_bytes = (size_t)batch.dst_count * (size_t)batch.row;
     size_t src_bytes = (size_t)batch.src_count * (size_t)batch.row;
     int disjoint = batch.dst + dst_bytes <= batch.src || batch.src + src_bytes <= batch.dst;
-    int share = self->helpers > 0 && disjoint && total >= (size_t)split_min && batch.n > 1;
+    int share = self->helpers > 0 && disjoint && total >= (size_t)split_min && batch.n > 0;
     Py_ssize_t runs = -1;
     copier_after_fork(self);
     Py_BEGIN_ALLOW_THREADS

@@ -127,6 +127,24 @@ def test_copier_shares_a_batch_and_copies_exactly_the_pairs(helpers: int, row_by
 
 
 @needs_kernel
+def test_copier_shares_one_long_run() -> None:
+    """One pair of 1 MiB rows is cut into pieces and shared too (a single large block is a batch worth
+    sharing), with an unaligned tail piece."""
+    from kvstore.tiers._copyrows import Copier
+
+    row = (1 << 20) + 3
+    src = torch.randint(0, 256, (2, row), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    dst = torch.zeros((3, row), dtype=torch.uint8)
+    copier = Copier(1)
+    try:
+        assert _copier_copy(copier, src, dst, ([1], [2])) == 1
+        assert copier.started == 1
+        assert torch.equal(dst[2], src[1]) and not dst[:2].any()
+    finally:
+        copier.close()
+
+
+@needs_kernel
 def test_copier_checks_rows_before_sharing_and_copies_one_buffer_in_order() -> None:
     """A bad row raises before any byte moves; source and destination in one buffer are copied in order
     by the caller alone (pieces copied at once have no order), exactly as the single-thread kernel does."""
