@@ -44,7 +44,7 @@ cache. ``stream_min_bytes=0`` turns them off.
 Why the kernel's own threads (same host and baseline, 128 blocks a call):
 sharing a batch through the Python thread pool cost two thread wake-ups
 and two GIL hand-offs per call, about 120 us; a 16 KiB block then copied
-at 2.94 us against the large copy's 1.46. The Copier's helpers take pieces
+at 2.94 us against the large copy's 1.55. The Copier's helpers take pieces
 without the GIL and the caller never waits for a piece nobody has started:
 1.56 against 1.35 (16 KiB), and 192 KiB blocks at 32 a call now match the
 large copy (14.9 us against 16.1). Below 256 KiB a batch stays on the
@@ -219,8 +219,9 @@ class CopyEngine:
             return self._cuda.copy(src, dst, coalesce(src_rows, dst_rows))
         count = len(src_rows)
         if self._copier is not None or count * self.block_bytes <= _INLINE_BYTES or self._threads == 1:
-            # Copied here, in one pass (the threads' hand-off would cost more than it saves); a bad row
-            # raises before any byte moves (the kernel checks the rows itself).
+            # Copied here, in one pass: the kernel's Copier shares a large batch with its own helpers, and
+            # on the memmove path a small batch's hand-off would cost more than it saves. A bad row raises
+            # before any byte moves (the kernel checks the rows itself).
             if not self.native:
                 _check_pairs(src, src_rows, dst, dst_rows)
             done: Future[None] = Future()
