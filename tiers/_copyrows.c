@@ -210,40 +210,38 @@ static void batch_free(Batch *batch) {
     batch->rows = NULL;
 }
 
+/* The run that starts at pair i (pairs that advance together by one row on both sides) into *span;
+ * returns the pair after it. No GIL needed. */
+static Py_ssize_t batch_run_at(const Batch *batch, Py_ssize_t i, Span *span) {
+    const Py_ssize_t *s_rows = batch->rows, *d_rows = batch->rows + batch->n;
+    Py_ssize_t s = s_rows[i], d = d_rows[i], len = 1;
+    while (i + len < batch->n && s_rows[i + len] == s + len && d_rows[i + len] == d + len) {
+        len++;
+    }
+    size_t row = (size_t)batch->row;
+    span->to = batch->dst + (size_t)d * row;
+    span->from = batch->src + (size_t)s * row;
+    span->bytes = (size_t)len * row;
+    return i + len;
+}
+
 /* The runs of a batch into spans[] (at most n of them); returns how many. No GIL needed. */
 static Py_ssize_t batch_runs(const Batch *batch, Span *spans) {
-    const Py_ssize_t *s_rows = batch->rows, *d_rows = batch->rows + batch->n;
-    size_t row = (size_t)batch->row;
     Py_ssize_t runs = 0;
-    for (Py_ssize_t i = 0; i < batch->n;) {
-        Py_ssize_t s = s_rows[i], d = d_rows[i], len = 1;
-        while (i + len < batch->n && s_rows[i + len] == s + len && d_rows[i + len] == d + len) {
-            len++;
-        }
-        spans[runs].to = batch->dst + (size_t)d * row;
-        spans[runs].from = batch->src + (size_t)s * row;
-        spans[runs].bytes = (size_t)len * row;
-        runs++;
-        i += len;
+    for (Py_ssize_t i = 0; i < batch->n; runs++) {
+        i = batch_run_at(batch, i, &spans[runs]);
     }
     return runs;
 }
 
 /* Copies a batch on this thread alone, run by run in order; returns the number of runs. No GIL needed. */
 static Py_ssize_t batch_copy_here(const Batch *batch) {
-    const Py_ssize_t *s_rows = batch->rows, *d_rows = batch->rows + batch->n;
-    size_t row = (size_t)batch->row;
     Py_ssize_t runs = 0;
     int streamed = 0;
-    for (Py_ssize_t i = 0; i < batch->n;) {
-        Py_ssize_t s = s_rows[i], d = d_rows[i], len = 1;
-        while (i + len < batch->n && s_rows[i + len] == s + len && d_rows[i + len] == d + len) {
-            len++;
-        }
-        Span span = {batch->dst + (size_t)d * row, batch->src + (size_t)s * row, (size_t)len * row};
+    for (Py_ssize_t i = 0; i < batch->n; runs++) {
+        Span span;
+        i = batch_run_at(batch, i, &span);
         streamed |= copy_span(&span, batch->stream_min);
-        runs++;
-        i += len;
     }
     fence(streamed);
     return runs;
