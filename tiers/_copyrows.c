@@ -1,7 +1,8 @@
 /*
  * kvstore.tiers._copyrows: the copy engine's host-to-host block copy, in C.
  *
- * copy_rows(dst, dst_count, src, src_count, row_bytes, src_rows, dst_rows, stream_min) -> runs
+ * Copier(helpers).copy_rows(dst, dst_count, src, src_count, row_bytes, src_rows, dst_rows,
+ *                           stream_min, split_min) -> runs
  *
  *   dst, src       addresses of two contiguous row-major buffers of row_bytes-byte rows
  *                  (dst_count and src_count rows; the caller keeps both alive)
@@ -9,23 +10,22 @@
  *   dst_rows       dst_rows[i] of dst
  *   stream_min     a run of at least this many bytes is written with non-temporal
  *                  (streaming) stores; 0 turns them off
+ *   split_min      a batch of at least this many bytes is shared with the helpers
  *
  * Returns the number of runs copied: pairs that advance together by one row on both
  * sides are coalesced into one copy, in the order given.
  *
- * Copier(helpers).copy_rows(<the same eight>, split_min) -> runs
- *
- *   The same copy, shared with `helpers` threads of the Copier's own (started at its
- *   first shared copy, stopped by close() or when it is freed) once the batch is at
- *   least split_min bytes. The runs are cut into pieces of at most PIECE_BYTES; the
- *   caller posts the batch, wakes the helpers and copies pieces itself, each thread
- *   taking the next piece from one atomic counter (work stealing). So a helper that
- *   wakes late, or is descheduled by other work on the machine, costs the caller at
- *   most the piece it holds: the caller never waits for work nobody has started.
- *   Helpers block on a condition variable between batches, taking no CPU.
- *   Buffers that overlap each other are copied by the caller alone, in order (a
- *   shared copy has no order between pieces). One call at a time per Copier; calls
- *   from several threads queue.
+ *   A batch is shared with the Copier's `helpers` threads (started at its first shared
+ *   copy, stopped by close() or when it is freed; Copier(0) copies on the caller's
+ *   thread alone) once it is at least split_min bytes. The runs are cut into pieces of
+ *   at most PIECE_BYTES; the caller posts the batch, wakes the helpers and copies
+ *   pieces itself, each thread taking the next piece from one atomic counter (work
+ *   stealing). So a helper that wakes late, or is descheduled by other work on the
+ *   machine, costs the caller at most the piece it holds: the caller never waits for
+ *   work nobody has started. Helpers block on a condition variable between batches,
+ *   taking no CPU. Smaller batches, and buffers that overlap each other (a shared copy
+ *   has no order between pieces), are copied by the caller alone, run by run in order.
+ *   One call at a time per Copier; calls from several threads queue.
  *
  * Why C: at 16 KiB - 2 MiB a block, the Python loop around libc memmove cost a large
  * share of the copy, and glibc's memmove uses non-temporal stores only above a
@@ -245,24 +245,6 @@ static Py_ssize_t batch_copy_here(const Batch *batch) {
     }
     fence(streamed);
     return runs;
-}
-
-static PyObject *copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "copy_rows takes 8 arguments, got %zd", nargs);
-        return NULL;
-    }
-    Batch batch;
-    if (batch_parse(args, &batch) < 0) {
-        return NULL;
-    }
-    Py_ssize_t runs;
-    Py_BEGIN_ALLOW_THREADS
-    runs = batch_copy_here(&batch);
-    Py_END_ALLOW_THREADS
-    batch_free(&batch);
-    return PyLong_FromSsize_t(runs);
 }
 
 /* ------------------------------------------------------------------------ Copier */
@@ -572,14 +554,8 @@ static PyTypeObject CopierType = {
     .tp_getset = Copier_getset,
 };
 
-static PyMethodDef methods[] = {
-    {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_FASTCALL,
-     "copy_rows(dst, dst_count, src, src_count, row_bytes, src_rows, dst_rows, stream_min) -> runs"},
-    {NULL, NULL, 0, NULL},
-};
-
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_copyrows", "Host block copies for the copy engine (see copy_rows).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_copyrows", "Host block copies for the copy engine (see Copier).", -1, NULL,
     NULL, NULL, NULL, NULL,
 };
 

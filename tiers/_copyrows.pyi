@@ -4,18 +4,6 @@ from collections.abc import Sequence
 STREAMING_STORES: int
 PIECE_BYTES: int
 
-def copy_rows(
-    dst: int,
-    dst_count: int,
-    src: int,
-    src_count: int,
-    row_bytes: int,
-    src_rows: Sequence[int],
-    dst_rows: Sequence[int],
-    stream_min: int,
-    /,
-) -> int: ...
-
 class Copier:
     """copy_rows shared with helper threads of its own (tiers/_copyrows.c)."""
 

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple
@@ -157,14 +157,15 @@ class CopyEngine:
             raise TierError("the compiled copy kernel (kvstore.tiers._copyrows) is not built in this install")
         self._arena = arena
         self.block_bytes = int(arena.shape[1])
-        self.native = NATIVE if native is None else native
         self._stream_min = stream_min_bytes
         self._threads = num_threads
-        # The kernel's copier shares batches with threads of its own; the memmove path uses a Python pool.
+        # The kernel's Copier shares batches with threads of its own; the memmove path uses a Python pool.
         self._copier: Copier | None = None
-        if self.native and _native is not None:
+        self._pool: ThreadPoolExecutor | None = None
+        if (NATIVE if native is None else native) and _native is not None:
             self._copier = _native.Copier(num_threads - 1)
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-copy")
+        else:
+            self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-copy")
         use_cuda = torch.cuda.is_available() if pin is None else pin
         self._cuda = _CudaCopier(arena) if use_cuda else None
         self._rows_cache: tuple[torch.Tensor, int, torch.Size, torch.dtype, torch.Tensor] | None = None
@@ -172,6 +173,11 @@ class CopyEngine:
     @property
     def pinned(self) -> bool:
         return self._cuda is not None
+
+    @property
+    def native(self) -> bool:
+        """Whether host rows are copied by the compiled kernel (else the ``ctypes.memmove`` loop)."""
+        return self._copier is not None
 
     def spill(self, src: torch.Tensor, src_blocks: Sequence[int], dst_slots: Sequence[int]) -> Future[None]:
         """Copy pool rows ``src_blocks`` of ``src`` into arena slots ``dst_slots`` (pairwise)."""
@@ -200,7 +206,8 @@ class CopyEngine:
 
     def close(self) -> None:
         """Finish queued copies, stop the threads and unpin the arena. Idempotent."""
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         if self._copier is not None:
             self._copier.close()
         if self._cuda is not None:
@@ -217,47 +224,39 @@ class CopyEngine:
             if self._cuda is None:
                 raise TierError("a CUDA tensor was given but this copy engine was built without pinning (pin=False)")
             return self._cuda.copy(src, dst, coalesce(src_rows, dst_rows))
-        count = len(src_rows)
-        if self._copier is not None or count * self.block_bytes <= _INLINE_BYTES or self._threads == 1:
-            # Copied here, in one pass: the kernel's Copier shares a large batch with its own helpers, and
-            # on the memmove path a small batch's hand-off would cost more than it saves. A bad row raises
-            # before any byte moves (the kernel checks the rows itself).
-            if not self.native:
-                _check_pairs(src, src_rows, dst, dst_rows)
-            done: Future[None] = Future()
-            try:
-                self._copy(src, dst, src_rows, dst_rows)
-            except InvalidBlockError:
-                raise  # the caller's mistake, raised here as every other bad batch is
-            except BaseException as exc:
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
-            return done
-        # Split: every row is checked before any share starts, then the caller's thread copies the
-        # first share itself (it would only wait otherwise) and the pool the others.
+        if self._copier is not None:
+            # The kernel checks every row before any byte moves, and shares a large batch with its helpers.
+            return _copied_here(_copy_pairs_native, src, dst, src_rows, dst_rows, self._stream_min, self._copier)
         _check_pairs(src, src_rows, dst, dst_rows)
+        count = len(src_rows)
+        if count * self.block_bytes <= _INLINE_BYTES or self._threads == 1:
+            return _copied_here(_copy_pairs, src, dst, src_rows, dst_rows)  # a hand-off would cost more
+        # Split by pairs (every row checked above): the caller's thread copies the first share itself (it would
+        # only wait otherwise) and the pool the others.
+        pool = self._pool
+        assert pool is not None, "the memmove path has a thread pool"
         share = -(-count // self._threads)
         cuts = range(share, count, share)
         handed = [
-            self._pool.submit(self._copy, src, dst, src_rows[cut : cut + share], dst_rows[cut : cut + share])
-            for cut in cuts
+            pool.submit(_copy_pairs, src, dst, src_rows[cut : cut + share], dst_rows[cut : cut + share]) for cut in cuts
         ]
-        mine: Future[None] = Future()
-        try:
-            self._copy(src, dst, src_rows[:share], dst_rows[:share])
-        except BaseException as exc:
-            mine.set_exception(exc)
-        else:
-            mine.set_result(None)
+        mine = _copied_here(_copy_pairs, src, dst, src_rows[:share], dst_rows[:share])
         return _gather([mine, *handed])
 
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
-        """Host rows, already checked (the kernel checks them again, before any byte moves)."""
-        if self.native:
-            _copy_pairs_native(src, dst, src_rows, dst_rows, self._stream_min, self._copier)
-        else:
-            _copy_pairs(src, dst, src_rows, dst_rows)
+
+def _copied_here(copy: Callable[..., object], *args: object) -> Future[None]:
+    """Run ``copy(*args)`` on this thread, as a done Future: a copy's failure is its exception, but a bad
+    batch (InvalidBlockError, the caller's mistake) is raised here, as every other bad batch is."""
+    done: Future[None] = Future()
+    try:
+        copy(*args)
+    except InvalidBlockError:
+        raise
+    except BaseException as exc:
+        done.set_exception(exc)
+    else:
+        done.set_result(None)
+    return done
 
 
 def _copy_pairs_native(
@@ -266,20 +265,18 @@ def _copy_pairs_native(
     src_rows: Sequence[int],
     dst_rows: Sequence[int],
     stream_min: int,
-    copier: Copier | None = None,
+    copier: Copier,
     split_min: int = SPLIT_MIN_BYTES,
 ) -> int:
-    """:func:`_copy_pairs` in one call of the compiled kernel (rows checked there, before any byte moves;
-    streaming stores for runs of at least ``stream_min`` bytes). With a ``copier`` (a
-    ``_copyrows.Copier``) a batch of at least ``split_min`` bytes is shared with its helper threads.
-    Returns the number of runs copied."""
+    """:func:`_copy_pairs` in one call of the compiled kernel's ``copier`` (rows checked there, before any
+    byte moves; streaming stores for runs of at least ``stream_min`` bytes; a batch of at least
+    ``split_min`` bytes shared with its helper threads). Returns the number of runs copied."""
     row = src.shape[1]
-    assert _native is not None and dst.shape[1] == row and src.is_contiguous() and dst.is_contiguous()
-    args = (dst.data_ptr(), dst.shape[0], src.data_ptr(), src.shape[0], row, src_rows, dst_rows, stream_min)
+    assert dst.shape[1] == row and src.is_contiguous() and dst.is_contiguous(), "host rows must be contiguous"
     try:
-        if copier is None:
-            return int(_native.copy_rows(*args))
-        return int(copier.copy_rows(*args, split_min))
+        return copier.copy_rows(
+            dst.data_ptr(), dst.shape[0], src.data_ptr(), src.shape[0], row, src_rows, dst_rows, stream_min, split_min
+        )
     except IndexError as exc:
         raise InvalidBlockError(str(exc)) from None
 

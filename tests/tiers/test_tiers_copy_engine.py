@@ -3,7 +3,7 @@ compiled kernel and through the ctypes.memmove loop), the kernel's own checks, C
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -27,6 +27,15 @@ def slots() -> Iterator[SharedSlots]:
 PATHS = [pytest.param(True, id="native"), pytest.param(False, id="memmove")]
 
 
+def _kernel(
+    src: torch.Tensor, dst: torch.Tensor, src_rows: Sequence[int], dst_rows: Sequence[int], stream_min: int
+) -> int:
+    """The compiled kernel on the caller's thread alone: a Copier without helpers."""
+    from kvstore.tiers._copyrows import Copier
+
+    return copy_engine._copy_pairs_native(src, dst, src_rows, dst_rows, stream_min, Copier(0))
+
+
 def test_coalesce() -> None:
     assert coalesce([3, 4, 5, 9, 1, 2], [0, 1, 2, 3, 7, 8]) == [Run(3, 0, 3), Run(9, 3, 1), Run(1, 7, 2)]
     assert coalesce([], []) == []
@@ -48,7 +57,7 @@ def test_kernel_copies_exactly_the_pairs_it_is_given(row_bytes: int, stream_min:
     dst = torch.zeros((50, row_bytes), dtype=torch.uint8)
     src_rows = [3, 4, 5, 9, 0, 1, 39, 20, 21]
     dst_rows = [10, 11, 12, 0, 30, 31, 49, 40, 41]
-    runs = copy_engine._copy_pairs_native(src, dst, src_rows, dst_rows, stream_min)
+    runs = _kernel(src, dst, src_rows, dst_rows, stream_min)
     assert runs == len(coalesce(src_rows, dst_rows)) == 5
     assert torch.equal(dst[dst_rows], src[src_rows])
     untouched = [row for row in range(50) if row not in set(dst_rows)]
@@ -61,10 +70,10 @@ def test_kernel_copies_overlapping_runs_within_one_buffer_as_memmove_does(stream
     (streaming stores copy forward only, so an overlapping run goes to memmove)."""
     rows = torch.arange(6 * 4096, dtype=torch.int64).remainder(251).to(torch.uint8).view(6, 4096)
     before = rows.clone()
-    assert copy_engine._copy_pairs_native(rows, rows, [0, 1, 2], [1, 2, 3], stream_min) == 1
+    assert _kernel(rows, rows, [0, 1, 2], [1, 2, 3], stream_min) == 1
     assert torch.equal(rows[1:4], before[0:3]) and torch.equal(rows[0], before[0])
     shifted = rows.clone()  # rows 0..5 now hold before's 0, 0, 1, 2, 4, 5
-    assert copy_engine._copy_pairs_native(rows, rows, [3, 4], [2, 3], stream_min) == 1  # and backwards
+    assert _kernel(rows, rows, [3, 4], [2, 3], stream_min) == 1  # and backwards
     assert torch.equal(rows[2:4], shifted[3:5]) and torch.equal(rows[2:4], torch.stack([before[2], before[4]]))
 
 
@@ -72,19 +81,19 @@ def test_kernel_checks_every_row_before_copying() -> None:
     src = torch.ones((4, 100), dtype=torch.uint8)
     dst = torch.zeros((4, 100), dtype=torch.uint8)
     with pytest.raises(InvalidBlockError, match=r"destination row 4 is outside 0\.\.3"):
-        copy_engine._copy_pairs_native(src, dst, [0, 1], [0, 4], 0)
+        _kernel(src, dst, [0, 1], [0, 4], 0)
     with pytest.raises(InvalidBlockError, match=r"source row -1 is outside 0\.\.3"):
-        copy_engine._copy_pairs_native(src, dst, [0, -1], [0, 1], 0)
+        _kernel(src, dst, [0, -1], [0, 1], 0)
     assert not dst.any()  # the good first pair was not copied either
     with pytest.raises(ValueError, match="2 source rows but 1 destination rows"):
-        copy_engine._copy_pairs_native(src, dst, [0, 1], [0], 0)
+        _kernel(src, dst, [0, 1], [0], 0)
     with pytest.raises(TypeError):
-        copy_engine._copy_pairs_native(src, dst, [0, "1"], [0, 1], 0)  # type: ignore[list-item]
+        _kernel(src, dst, [0, "1"], [0, 1], 0)  # type: ignore[list-item]
     with pytest.raises(OverflowError):
-        copy_engine._copy_pairs_native(src, dst, [2**80], [0], 0)
+        _kernel(src, dst, [2**80], [0], 0)
     with pytest.raises(TypeError, match="sequence"):
-        copy_engine._copy_pairs_native(src, dst, 5, [0], 0)  # type: ignore[arg-type]
-    assert copy_engine._copy_pairs_native(src, dst, [], [], 0) == 0
+        _kernel(src, dst, 5, [0], 0)  # type: ignore[arg-type]
+    assert _kernel(src, dst, [], [], 0) == 0
     assert not dst.any()
 
 
@@ -164,7 +173,7 @@ def test_copier_checks_rows_before_sharing_and_copies_one_buffer_in_order() -> N
         rows = torch.arange(12 * 65536, dtype=torch.int64).remainder(251).to(torch.uint8).view(12, 65536)
         expected = rows.clone()
         pairs = ([0, 1, 2, 3, 7, 8], [1, 2, 3, 4, 6, 7])  # each run shifted onto itself, then a chain
-        copy_engine._copy_pairs_native(expected, expected, *pairs, 0)
+        _kernel(expected, expected, *pairs, 0)
         _copier_copy(copier, rows, rows, pairs)
         assert torch.equal(rows, expected)
     finally:
