@@ -80,7 +80,7 @@ from kvstore.errors import ConfigError
 from kvstore.kv_layout import KVLayout
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.client import LocalTierClient
-from kvstore.tiers.config import TierConfig
+from kvstore.tiers.config import MAX_COPY_THREADS, TierConfig
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_files import direct_io_refusal
 from kvstore.tiers.disk_format import header_len
@@ -675,6 +675,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("batch_blocks", "copy_threads", "io", "repeat"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.copy_threads > MAX_COPY_THREADS:
+        raise ConfigError(f"--copy-threads must be <= {MAX_COPY_THREADS} (the caller and the copy kernel's helpers)")
     for name in ("total_mib", "disk_total_mib"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (0 skips that part)")

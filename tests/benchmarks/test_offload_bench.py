@@ -101,6 +101,8 @@ def test_breakdown_parts_add_up_within_each_direction(tmp_path: Path, capsys: py
         ("--total-mib", "-1", "--total-mib"),
         ("--ttft-lengths", "1k", "--ttft-lengths"),
         ("--settle-s", "-1", "--settle-s"),
+        ("--copy-threads", "0", "--copy-threads"),
+        ("--copy-threads", "66", r"--copy-threads must be <= 65"),
         ("--ttft-lengths", "128", "--ttft-lengths"),
     ],
 )
