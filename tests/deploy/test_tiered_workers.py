@@ -30,7 +30,9 @@ def tiered_config(tmp_path: Path, *, cpu_slots: int) -> Config:
         {
             "cache": {"block_size": BLOCK},
             "pool": {"num_blocks": 48},
-            "worker": {"device": "cpu"},
+            # The test is about what a promotion brings, not how fast: an admission that gives up on a slow
+            # tier (the default 2 s, which a busy virtual disk has exceeded here) would recompute instead.
+            "worker": {"device": "cpu", "offload_wait_s": 30.0},
             "tiers": {
                 "cpu_capacity_bytes": cpu_slots * block_bytes,
                 "disk_dir": str(tmp_path / "disk"),
@@ -70,7 +72,12 @@ def test_spilled_prefix_is_promoted_into_another_worker_exactly(
         result = run(second, prompts[0], 6)
         assert result.output_token_ids == expected[0]
         assert result.cached_tokens_by_medium["GPU"] == 0
-        assert result.cached_tokens_by_medium[medium] > 0, result.cached_tokens_by_medium
+        offload = [
+            line
+            for line in ray.get(second.metrics_text.remote()).decode().splitlines()
+            if line.startswith(("kvstore_worker_offload_", "kvstore_tier_")) and not line.startswith("#")
+        ]
+        assert result.cached_tokens_by_medium[medium] > 0, (result.cached_tokens_by_medium, offload)
         assert result.cached_tokens == sum(result.cached_tokens_by_medium.values())
         for w in workers:
             ray.get(w.handle.check_invariants.remote())
