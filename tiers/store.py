@@ -52,6 +52,7 @@ from kvstore.tiers.config import TierConfig
 from kvstore.tiers.cpu_arena import CpuArena, Lease, LeaseKind
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_runner import Settled
+from kvstore.tiers.errors import TierUnavailableError
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.leases import LeaseBook
 from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
@@ -145,6 +146,7 @@ class TierStore:
         A hint, not a lease: blocks may go before :meth:`acquire`, which
         also checks tokens (a hash collision is a miss there).
         """
+        self._check_open()
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
         disk = self._disk
@@ -183,6 +185,7 @@ class TierStore:
         gets None beyond them: split large batches (``TierLink.spill``
         does). Commit or release every grant.
         """
+        self._check_open()
         self._leases.check_arena(arena)
         check_blocks(blocks, self.identity.block_size)
         cpu, counters = self._cpu, self._counters
@@ -201,6 +204,7 @@ class TierStore:
                 else:
                     wanted.append(index)
         await self._make_cpu_room(len(wanted))
+        self._check_open()  # closed while the disk drained: grant nothing in an arena that is gone
         grants: list[SlotGrant | None] = [None] * len(blocks)
         now = time.perf_counter()
         # Held or being written by now (a duplicate within the batch, or one that arrived while the
@@ -231,6 +235,7 @@ class TierStore:
         With ``write_through`` also writes them to disk before returning.
         Raises LeaseError (changing nothing) if any id is not a live write lease.
         """
+        self._check_open()
         leases = self._leases.commit(lease_ids)
         if self.config.write_through and self._disk is not None:
             pinned = [self._cpu.acquire(lease.meta) for lease in leases]
@@ -251,6 +256,7 @@ class TierStore:
         a shorter answer may mean "no room now": call again with the blocks
         after the prefix until it comes back empty (``TierLink.promote`` does).
         """
+        self._check_open()
         self._leases.check_arena(arena)
         block_size = self.identity.block_size
         check_blocks(blocks, block_size, tokens=False)
@@ -274,6 +280,7 @@ class TierStore:
             else:
                 break
         promoted = await self._promote_from_disk(from_disk) if from_disk else {}
+        self._check_open()  # closed while the disk read: its leases went with the arena
         now = time.perf_counter()
         if not from_disk:  # all from CPU: granted as a batch
             cpu_grants = self._leases.grant_many(cpu_leases, Medium.CPU, now)  # found is cpu_leases
@@ -308,6 +315,7 @@ class TierStore:
 
         Raises LeaseError (changing nothing) if any id is unknown or released.
         """
+        self._check_open()
         self._leases.release(lease_ids)
         self._publish()
 
@@ -336,6 +344,15 @@ class TierStore:
         self._leases.check_invariants()
 
     # ---------------------------------------------------------------- internal
+
+    def _check_open(self) -> None:
+        """Refuse a call once :meth:`aclose` has begun: the tier is gone, not the caller mistaken.
+
+        Without it a call that races the close (a commit queued behind it) would find its leases
+        dropped with the arena and raise LeaseError, which says the caller misused a lease.
+        """
+        if self._closed:
+            raise TierUnavailableError("the tier store is closed")
 
     async def _make_cpu_room(self, count: int) -> None:
         """Free slots until ``count`` are free, writing evicted blocks to disk first."""

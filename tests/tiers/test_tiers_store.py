@@ -39,7 +39,7 @@ from kvstore.events import BlockRemoved, BlockStored
 from kvstore.metrics import render
 from kvstore.tiers.blocks import BlockMeta, check_blocks, check_tokens
 from kvstore.tiers.copy_engine import CopyEngine
-from kvstore.tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError
+from kvstore.tiers.errors import ArenaMovedError, InvalidBlockError, LeaseError, TierUnavailableError
 from kvstore.tiers.metrics import TierCollector
 from kvstore.tiers.shared_memory import SharedSlots
 from kvstore.tiers.store import TierStore
@@ -389,6 +389,33 @@ def test_close_unlinks_the_arena(tmp_path: Path) -> None:
         return path
 
     assert not os.path.exists(asyncio.run(scenario()))
+
+
+def test_calls_racing_or_after_close_find_the_tier_unavailable_not_a_lease_error(tmp_path: Path) -> None:
+    """A commit queued behind the close (its leases dropped with the arena) says the tier is gone."""
+
+    async def scenario() -> None:
+        store = new_store(tier_config(tmp_path, cpu_blocks=4, disk_blocks=16))
+        metas, _ = make_blocks(3)
+        grants = await store.reserve(metas[:2], store.arena_info.incarnation)
+        held = await store.reserve(metas[2:], store.arena_info.incarnation)
+        ids = [grant.lease_id for grant in grants if grant is not None]
+        assert len(ids) == 2
+        closing = asyncio.ensure_future(store.aclose())
+        await asyncio.sleep(0)  # the close has begun (it waits for the disk) when the commit runs
+        with pytest.raises(TierUnavailableError, match="closed"):
+            await store.commit(ids)
+        await closing
+        with pytest.raises(TierUnavailableError, match="closed"):
+            store.release([grant.lease_id for grant in held if grant is not None])
+        with pytest.raises(TierUnavailableError, match="closed"):
+            store.lookup(hashes(metas))
+        with pytest.raises(TierUnavailableError, match="closed"):
+            await store.reserve(metas, store.arena_info.incarnation)
+        with pytest.raises(TierUnavailableError, match="closed"):
+            await store.acquire(metas, store.arena_info.incarnation)
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("token", [-1, -(1 << 63), 1 << 63, (1 << 64) - 1, 1 << 70])
