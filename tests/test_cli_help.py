@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
-from kvstore.cli import build_parser
+import pytest
+
+from kvstore.cli import BENCHMARKS, COMMANDS, build_parser, chosen_command
 
 
 def _parsers(parser: argparse.ArgumentParser, path: str = "kvstore") -> list[tuple[str, argparse.ArgumentParser]]:
@@ -26,3 +30,50 @@ def test_every_option_with_a_default_shows_it() -> None:
             shown = parser.formatter_class(path)._get_help_string(action)  # type: ignore[attr-defined]
             assert "default" in shown, f"{path} {action.option_strings[0]} does not show its default"
     assert "(default: 32768)" in dict(parsers)["kvstore bench pool"].format_help()
+
+
+def test_each_command_module_registers_the_name_it_is_listed_under() -> None:
+    full = dict(_parsers(build_parser()))
+    top = {path.split()[1] for path in full if len(path.split()) == 2}
+    assert top == {*COMMANDS, "bench"}
+    assert {path.split()[2] for path in full if path.startswith("kvstore bench ")} == set(BENCHMARKS)
+    for name in COMMANDS:
+        assert {path for path in dict(_parsers(build_parser([name]))) if len(path.split()) == 2} == {f"kvstore {name}"}
+    for name in BENCHMARKS:
+        paths = dict(_parsers(build_parser(["bench", name])))
+        assert {path for path in paths if path.startswith("kvstore bench ")} == {f"kvstore bench {name}"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "chosen"),
+    [
+        (["router", "--config", "x.toml"], ["router"]),
+        (["--log-level", "INFO", "serve"], ["serve"]),
+        (["--log-level=INFO", "events", "tail"], ["events"]),
+        (["bench", "offload", "--json", "x"], ["bench", "offload"]),
+        (["bench", "nosuch"], None),  # the whole parser, to list the benchmarks there are
+        (["bench"], None),
+        (["nosuch"], None),
+        (["--help"], None),
+        ([], None),
+    ],
+)
+def test_the_command_line_picks_the_one_command_to_import(argv: list[str], chosen: list[str] | None) -> None:
+    assert chosen_command(argv) == chosen
+
+
+def test_the_router_and_the_event_tools_start_without_torch_or_ray() -> None:
+    """Only workers, serve and the benchmarks need torch and Ray; the router process is spared them."""
+    probe = (
+        "import sys\n"
+        "from kvstore.cli import main\n"
+        "for argv in (['router', '--help'], ['events', 'tail', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "import kvstore.router.service, kvstore.router.app, kvstore.deploy.config\n"
+        "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

@@ -31,14 +31,34 @@ module                        what it holds
 Imports point one way: tiers uses kvstore, never workers, router or deploy.
 """
 
-from kvstore.publisher import EventEndpoints
-from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit
-from kvstore.tiers.identity import CacheIdentity
-from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
-from kvstore.tiers.stats import TierStats
-from kvstore.tiers.store import TierStore
+from __future__ import annotations
 
-__all__ = [
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.publisher import EventEndpoints
+    from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit
+    from kvstore.tiers.identity import CacheIdentity
+    from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
+    from kvstore.tiers.stats import TierStats
+    from kvstore.tiers.store import TierStore
+
+# The names below load on first use (PEP 562), so a process that needs only ``tiers.config`` -- the
+# router reading its config file -- does not import torch (the store, the copy engine) to get it.
+_EXPORTS = {
+    "ArenaInfo": "kvstore.tiers.shared_memory",
+    "BlockMeta": "kvstore.tiers.blocks",
+    "CacheIdentity": "kvstore.tiers.identity",
+    "EventEndpoints": "kvstore.publisher",
+    "SharedSlots": "kvstore.tiers.shared_memory",
+    "SlotGrant": "kvstore.tiers.blocks",
+    "TierHit": "kvstore.tiers.blocks",
+    "TierStats": "kvstore.tiers.stats",
+    "TierStore": "kvstore.tiers.store",
+}
+
+__all__ = [  # (each loaded by __getattr__ below)
     "ArenaInfo",
     "BlockMeta",
     "CacheIdentity",
@@ -49,3 +69,12 @@ __all__ = [
     "TierStats",
     "TierStore",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from kvstore.config import CacheConfig, HashAlgo
 from kvstore.kv_layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
 
 _DIGEST_DOMAIN = "kvstore-cache-identity-v1"
 
@@ -56,6 +59,8 @@ class CacheIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch  # here, not at the top: a router reads identities from its config without torch
+
         dtype: torch.dtype = getattr(torch, self.layout.dtype)
         return dtype
 

@@ -22,20 +22,37 @@ Modules, one concern each:
 - ``actor`` -- the thin Ray wrapper (imports Ray; not imported here).
 """
 
-from kvstore.publisher import EventEndpoints
-from kvstore.worker_api import (
-    GenerateRequest,
-    GenerateResult,
-    ModelInfo,
-    WorkerLoad,
-    WorkerShutdownError,
-)
-from kvstore.workers.kv_tensor_pool import KVTensorPool
-from kvstore.workers.offload import Offloader
-from kvstore.workers.offload_backend import NoOffload, OffloadBackend, Promotion
-from kvstore.workers.worker import KVWorker
+from __future__ import annotations
 
-__all__ = [
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.publisher import EventEndpoints
+    from kvstore.worker_api import GenerateRequest, GenerateResult, ModelInfo, WorkerLoad, WorkerShutdownError
+    from kvstore.workers.kv_tensor_pool import KVTensorPool
+    from kvstore.workers.offload import Offloader
+    from kvstore.workers.offload_backend import NoOffload, OffloadBackend, Promotion
+    from kvstore.workers.worker import KVWorker
+
+# The names below load on first use (PEP 562): a process that needs only ``workers.config`` -- the
+# router reading its config file -- does not import the model runner and torch to get it.
+_EXPORTS = {
+    "EventEndpoints": "kvstore.publisher",
+    "GenerateRequest": "kvstore.worker_api",
+    "GenerateResult": "kvstore.worker_api",
+    "KVTensorPool": "kvstore.workers.kv_tensor_pool",
+    "KVWorker": "kvstore.workers.worker",
+    "ModelInfo": "kvstore.worker_api",
+    "NoOffload": "kvstore.workers.offload_backend",
+    "OffloadBackend": "kvstore.workers.offload_backend",
+    "Offloader": "kvstore.workers.offload",
+    "Promotion": "kvstore.workers.offload_backend",
+    "WorkerLoad": "kvstore.worker_api",
+    "WorkerShutdownError": "kvstore.worker_api",
+}
+
+__all__ = [  # (each loaded by __getattr__ below)
     "EventEndpoints",
     "GenerateRequest",
     "GenerateResult",
@@ -49,3 +66,12 @@ __all__ = [
     "WorkerLoad",
     "WorkerShutdownError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

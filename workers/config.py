@@ -9,8 +9,7 @@ import msgspec
 from kvstore.config import CacheConfig, EventsConfig, NonNegativeInt, PoolConfig, PositiveInt
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.identity import CacheIdentity
-from kvstore.workers.device import DeviceChoice, DtypeChoice, resolve_device
-from kvstore.workers.model_source import describe_model
+from kvstore.workers.device import DeviceChoice, DtypeChoice
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -102,6 +101,10 @@ def cache_identity(config: WorkerSettings, *, model: str | None = None) -> Cache
     is the one a worker on this process's device would use. ``model``
     overrides the name of the weights.
     """
+    # Imported here: the model code needs torch, and a router reads this module's settings without it.
+    from kvstore.workers.device import resolve_device
+    from kvstore.workers.model_source import describe_model
+
     served = describe_model(config.worker, resolve_device(config.worker.device))
     layout = served.kv_layout(config.cache.block_size)
     return CacheIdentity.from_layout(layout, config.cache, model=model or served.weights_id)

@@ -15,12 +15,13 @@ checkpoint reader take ``device`` and do the rest the same way.
 
 from __future__ import annotations
 
-from typing import Literal, cast
-
-import torch
+from typing import TYPE_CHECKING, Literal, cast
 
 from kvstore.errors import ConfigError
 from kvstore.kv_layout import DTYPE_BYTES, KVDtype
+
+if TYPE_CHECKING:
+    import torch
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 DtypeChoice = Literal["auto", "float32", "float16", "bfloat16"]
@@ -28,6 +29,8 @@ DtypeChoice = Literal["auto", "float32", "float16", "bfloat16"]
 
 def resolve_device(choice: DeviceChoice) -> torch.device:
     """``auto`` is CUDA when this process sees a GPU, else CPU; ``cuda`` without one is a ConfigError."""
+    import torch  # in the functions: the choices above are read by processes without torch (the router)
+
     if choice == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available():
@@ -51,4 +54,6 @@ def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a :data:`~kvstore.kv_layout.KVDtype` name; ConfigError for any other name."""
     if name not in DTYPE_BYTES:
         raise ConfigError(f"worker.dtype {name!r} is not one of {sorted(DTYPE_BYTES)}")
+    import torch
+
     return cast(torch.dtype, getattr(torch, name))
