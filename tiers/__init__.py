@@ -33,8 +33,9 @@ Imports point one way: tiers uses kvstore, never workers, router or deploy.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvstore.lazy_exports import lazy_getattr
 
 if TYPE_CHECKING:
     from kvstore.publisher import EventEndpoints
@@ -71,10 +72,4 @@ __all__ = [  # (each loaded by __getattr__ below)
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

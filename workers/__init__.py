@@ -24,8 +24,9 @@ Modules, one concern each:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvstore.lazy_exports import lazy_getattr
 
 if TYPE_CHECKING:
     from kvstore.publisher import EventEndpoints
@@ -68,10 +69,4 @@ __all__ = [  # (each loaded by __getattr__ below)
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
