@@ -9,7 +9,7 @@ import msgspec
 from kvstore.config import CacheConfig, EventsConfig, NonNegativeInt, PoolConfig, PositiveInt
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.identity import CacheIdentity
-from kvstore.workers.device import DeviceChoice, DtypeChoice
+from kvstore.workers.device import DeviceChoice, DtypeChoice, resolve_device
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -102,7 +102,6 @@ def cache_identity(config: WorkerSettings, *, model: str | None = None) -> Cache
     overrides the name of the weights.
     """
     # Imported here: the model code needs torch, and a router reads this module's settings without it.
-    from kvstore.workers.device import resolve_device
     from kvstore.workers.model_source import describe_model
 
     served = describe_model(config.worker, resolve_device(config.worker.device))
