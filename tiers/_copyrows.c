@@ -110,6 +110,9 @@ typedef struct {
  * others waiting briefly, large enough that taking one (an atomic add) costs nothing beside it. */
 #define PIECE_BYTES ((size_t)256 * 1024)
 
+/* The most helper threads a Copier runs (tiers.config.MAX_COPY_THREADS is this plus the caller). */
+#define MAX_HELPERS 64
+
 /* Copies one span; returns whether it streamed (so the thread fences before it reports). */
 static int copy_span(const Span *span, size_t stream_min) {
 #if KV_HAVE_STREAM
@@ -443,8 +446,8 @@ static PyObject *Copier_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i", keywords, &helpers)) {
         return NULL;
     }
-    if (helpers < 0 || helpers > 64) {
-        PyErr_Format(PyExc_ValueError, "helpers must be in 0..64, got %d", helpers);
+    if (helpers < 0 || helpers > MAX_HELPERS) {
+        PyErr_Format(PyExc_ValueError, "helpers must be in 0..%d, got %d", MAX_HELPERS, helpers);
         return NULL;
     }
     Copier *self = (Copier *)type->tp_alloc(type, 0);
@@ -570,6 +573,7 @@ PyMODINIT_FUNC PyInit__copyrows(void) {
     Py_INCREF(&CopierType);
     if (PyModule_AddIntConstant(module, "STREAMING_STORES", KV_HAVE_STREAM) < 0 ||
         PyModule_AddIntConstant(module, "PIECE_BYTES", (long)PIECE_BYTES) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_HELPERS", MAX_HELPERS) < 0 ||
         PyModule_AddObject(module, "Copier", (PyObject *)&CopierType) < 0) {
         Py_DECREF(&CopierType);
         Py_DECREF(module);

@@ -3,6 +3,7 @@ from collections.abc import Sequence
 
 STREAMING_STORES: int
 PIECE_BYTES: int
+MAX_HELPERS: int
 
 class Copier:
     """copy_rows shared with helper threads of its own (tiers/_copyrows.c)."""

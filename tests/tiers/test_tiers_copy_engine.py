@@ -157,7 +157,9 @@ def test_copier_shares_one_long_run() -> None:
 def test_copier_checks_rows_before_sharing_and_copies_one_buffer_in_order() -> None:
     """A bad row raises before any byte moves; source and destination in one buffer are copied in order
     by the caller alone (pieces copied at once have no order), exactly as the single-thread kernel does."""
+    from kvstore.tiers import _copyrows
     from kvstore.tiers._copyrows import Copier
+    from kvstore.tiers.config import MAX_COPY_THREADS
 
     copier = Copier(2)
     try:
@@ -180,6 +182,9 @@ def test_copier_checks_rows_before_sharing_and_copies_one_buffer_in_order() -> N
         copier.close()
     with pytest.raises(ValueError, match=r"0\.\.64"):
         Copier(-1)
+    with pytest.raises(ValueError, match=r"0\.\.64, got 65"):
+        Copier(65)
+    assert _copyrows.MAX_HELPERS == MAX_COPY_THREADS - 1  # the config's bound is the kernel's, plus the caller
 
 
 @needs_kernel
