@@ -1,5 +1,6 @@
 /*
- * kvstore.tiers._copyrows: the copy engine's host-to-host block copy, in C.
+ * kvstore.tiers._copyrows: the copy engine's host-to-host block copy, in C (and, at the end
+ * of this file, metas_ok: the batch check of the block metas every spill and promotion names).
  *
  * Copier(helpers).copy_rows(dst, dst_count, src, src_count, row_bytes, src_rows, dst_rows,
  *                           stream_min, split_min) -> runs
@@ -557,13 +558,128 @@ static PyTypeObject CopierType = {
     .tp_getset = Copier_getset,
 };
 
+/* ------------------------------------------------------------------ block metas
+ *
+ * metas_ok(blocks, meta_type, block_size, tokens) -> bool
+ *
+ *   True when every item of the sequence `blocks` is exactly of type `meta_type` (the tiers'
+ *   BlockMeta: fields block_hash, parent_hash, token_ids), its hashes are ints in 0..2**64-1
+ *   (parent_hash may be None), its token_ids a tuple of `block_size` ints and, with `tokens`
+ *   true, every token id an int in 0..2**63-1. False otherwise: the caller then checks block
+ *   by block in Python, for the message (so this may be stricter than that check, never
+ *   looser). It reads and never changes anything.
+ *
+ * Why C: it runs for every block spilled or promoted; in Python the token pass alone cost
+ * about 0.6 us per 16-token block, about half a 16 KiB block's copy.
+ */
+static PyObject *str_block_hash, *str_parent_hash, *str_token_ids;
+
+/* 1 when `value` is an int in 0..2**64-1, else 0 (never raises). */
+static int u64_ok(PyObject *value) {
+    if (!PyLong_Check(value)) {
+        return 0;
+    }
+    unsigned long long unused = PyLong_AsUnsignedLongLong(value);
+    (void)unused;
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+/* 1 when `meta` passes (see metas_ok), 0 when not, -1 with an exception set on a failure. */
+static int meta_ok(PyObject *meta, Py_ssize_t block_size, int tokens) {
+    PyObject *field = PyObject_GetAttr(meta, str_block_hash);
+    if (field == NULL) {
+        return -1;
+    }
+    int ok = u64_ok(field);
+    Py_DECREF(field);
+    if (!ok) {
+        return 0;
+    }
+    field = PyObject_GetAttr(meta, str_parent_hash);
+    if (field == NULL) {
+        return -1;
+    }
+    ok = field == Py_None || u64_ok(field);
+    Py_DECREF(field);
+    if (!ok) {
+        return 0;
+    }
+    field = PyObject_GetAttr(meta, str_token_ids);
+    if (field == NULL) {
+        return -1;
+    }
+    ok = PyTuple_Check(field) && PyTuple_GET_SIZE(field) == block_size;
+    for (Py_ssize_t i = 0; ok && tokens && i < block_size; i++) {
+        PyObject *token = PyTuple_GET_ITEM(field, i);
+        int overflow = 0;
+        long long id = PyLong_Check(token) ? PyLong_AsLongLongAndOverflow(token, &overflow) : -1;
+        if (id == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+        }
+        ok = overflow == 0 && id >= 0;
+    }
+    Py_DECREF(field);
+    return ok;
+}
+
+static PyObject *metas_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "metas_ok takes 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    if (!PyType_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "metas_ok: meta_type must be a type");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[2]);
+    if (block_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int tokens = PyObject_IsTrue(args[3]);
+    if (tokens < 0) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "metas_ok: blocks must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int ok = 1;
+    for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
+        ok = Py_TYPE(items[i]) == (PyTypeObject *)args[1] ? meta_ok(items[i], block_size, tokens) : 0;
+    }
+    Py_DECREF(seq);
+    if (ok < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef module_methods[] = {
+    {"metas_ok", (PyCFunction)(void (*)(void))metas_ok, METH_FASTCALL,
+     "metas_ok(blocks, meta_type, block_size, tokens) -> bool: whether every block meta is well formed"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_copyrows", "Host block copies for the copy engine (see Copier).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_copyrows", "Host block copies for the copy engine (see Copier), and the batch check of block metas (metas_ok).", -1, module_methods,
     NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__copyrows(void) {
     if (PyType_Ready(&CopierType) < 0) {
+        return NULL;
+    }
+    str_block_hash = PyUnicode_InternFromString("block_hash");
+    str_parent_hash = PyUnicode_InternFromString("parent_hash");
+    str_token_ids = PyUnicode_InternFromString("token_ids");
+    if (str_block_hash == NULL || str_parent_hash == NULL || str_token_ids == NULL) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);

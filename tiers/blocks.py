@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import NamedTuple
 
@@ -20,6 +20,12 @@ from kvstore.block_pool import KVCacheBlock
 from kvstore.events import Medium
 from kvstore.hashing import BlockHash, ExternalBlockHash, to_external
 from kvstore.tiers.errors import InvalidBlockError
+
+_metas_ok: Callable[[Sequence[BlockMeta], type, int, bool], bool] | None
+try:  # the compiled check (tiers/_copyrows.c); without a C compiler the builtin passes below do the same
+    from kvstore.tiers._copyrows import metas_ok as _metas_ok
+except ImportError:
+    _metas_ok = None
 
 
 class BlockMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -59,32 +65,44 @@ def check_blocks(blocks: Sequence[BlockMeta], block_size: int, *, tokens: bool =
     """Raise InvalidBlockError unless every block is a full BlockMeta with 64-bit hashes and token ids
     in 0..2**63-1 (``tokens=False``: all but the token ids' range, which :func:`check_tokens` checks).
 
-    Runs for every block spilled or promoted, so the common case is checked per batch (a few
-    builtin passes over all blocks); a batch that fails is checked block by block for the message.
-    The token range is most of the cost (a pass over every token id): a promotion checks it only
-    for the blocks its prefix did not match, since a block equal to a stored one was checked when
-    it was stored.
+    Runs for every block spilled or promoted, so the common case is checked per batch: by the compiled
+    ``metas_ok`` where it is built, else by a few builtin passes over all blocks. A batch that fails is
+    checked block by block for the message. The token range is most of the Python check's cost (a pass
+    over every token id): a promotion checks it only for the blocks its prefix did not match, since a
+    block equal to a stored one was checked when it was stored.
     """
     if not blocks:
         return
-    try:
-        if set(map(type, blocks)) == {BlockMeta} and set(map(len, [meta.token_ids for meta in blocks])) == {block_size}:
-            hashes = [meta.block_hash for meta in blocks]
-            hashes += [meta.parent_hash for meta in blocks if meta.parent_hash is not None]
-            if min(hashes) >= 0 and max(hashes) <= _MAX_HASH and (not tokens or _tokens_in_range(blocks)):
-                return
-    except TypeError:
-        pass  # a field of the wrong type: the loop below names the block
+    if _metas_ok is not None:
+        if _metas_ok(blocks, BlockMeta, block_size, tokens):
+            return
+    else:
+        try:
+            token_lists = [meta.token_ids for meta in blocks] if set(map(type, blocks)) == {BlockMeta} else []
+            if token_lists and set(map(type, token_lists)) == {tuple} and set(map(len, token_lists)) == {block_size}:
+                hashes = [meta.block_hash for meta in blocks]
+                hashes += [meta.parent_hash for meta in blocks if meta.parent_hash is not None]
+                in_range = set(map(type, hashes)) == {int} and min(hashes) >= 0 and max(hashes) <= _MAX_HASH
+                if in_range and (not tokens or _tokens_in_range(blocks)):
+                    return
+        except TypeError:
+            pass  # a field of the wrong type: the loop below names the block
     _check_each(blocks, block_size)
 
 
 def check_tokens(blocks: Sequence[BlockMeta], block_size: int) -> None:
     """The token-id range part of :func:`check_blocks`, for blocks that passed the rest of it."""
-    try:
-        if not blocks or _tokens_in_range(blocks):
+    if not blocks:
+        return
+    if _metas_ok is not None:
+        if _metas_ok(blocks, BlockMeta, block_size, True):
             return
-    except TypeError:
-        pass
+    else:
+        try:
+            if _tokens_in_range(blocks):
+                return
+        except TypeError:
+            pass
     _check_each(blocks, block_size)
 
 
@@ -103,16 +121,22 @@ def _tokens_in_range(blocks: Sequence[BlockMeta]) -> bool:
 
 
 def _check_each(blocks: Sequence[BlockMeta], block_size: int) -> None:
+    """Block by block, raising InvalidBlockError for the first fault: the authority the batch checks defer to."""
     for meta in blocks:
         if not isinstance(meta, BlockMeta):
             raise InvalidBlockError(f"expected BlockMeta, got {type(meta).__name__}")
-        if len(meta.token_ids) != block_size:
-            raise InvalidBlockError(f"block {meta.block_hash:#x} has {len(meta.token_ids)} tokens, not {block_size}")
-        parent = meta.parent_hash
-        if not 0 <= meta.block_hash <= _MAX_HASH or not (parent is None or 0 <= parent <= _MAX_HASH):
-            raise InvalidBlockError(f"block hashes are unsigned 64-bit ints, got {meta.block_hash} / {parent}")
-        if min(meta.token_ids) < 0 or max(meta.token_ids) > _MAX_TOKEN:  # builtins: this runs for every block spilled
-            raise InvalidBlockError(f"block {meta.block_hash:#x} has a token id outside 0..2**63-1")
+        block_hash, parent, tokens = meta.block_hash, meta.parent_hash, meta.token_ids
+        if not _is_u64(block_hash) or not (parent is None or _is_u64(parent)):
+            raise InvalidBlockError(f"block hashes are unsigned 64-bit ints, got {block_hash!r} / {parent!r}")
+        if not isinstance(tokens, tuple) or len(tokens) != block_size:
+            count = len(tokens) if isinstance(tokens, tuple) else type(tokens).__name__
+            raise InvalidBlockError(f"block {block_hash:#x} has {count} tokens, not a tuple of {block_size}")
+        if not all(isinstance(token, int) and 0 <= token <= _MAX_TOKEN for token in tokens):
+            raise InvalidBlockError(f"block {block_hash:#x} has a token id outside 0..2**63-1")
+
+
+def _is_u64(value: object) -> bool:
+    return isinstance(value, int) and 0 <= value <= _MAX_HASH
 
 
 class TierHit(NamedTuple):
