@@ -1,9 +1,15 @@
 """The disk tier's start-up scan: which slots of an earlier life hold blocks, so a restart keeps the cache.
 
 - Slabs are taken in order while each earlier one is full (slots are handed
-  out in order, so a gap means damage): a slab after a short one, a file
-  that is not a slab, and whatever lies beyond the capacity in force are
-  removed or cut off, counted by reason.
+  out in order, so a gap means damage): a slab after a short one and a file
+  that is not a slab are removed, counted by reason.
+- A capacity smaller than the slots found (the tier was restarted with less
+  room) keeps the newest blocks, not the lowest slots: those beyond the cut
+  are copied, header and payload as written, over the slots of the oldest
+  blocks (``dropped_to_fit``) or free ones, then whatever lies beyond the
+  capacity is cut off or removed. A copy that fails drops its block
+  (``move_failed``). Each source stays until its copy is done, so a crash
+  part way loses no block that was kept (see :func:`_fit`).
 - Each slot's header is read (one ``pread`` per slot, not the payload:
   reading every payload would make a start take as long as reading the
   whole tier; checksums are verified on every read instead). On a cold
@@ -51,7 +57,7 @@ class ScanResult(NamedTuple):
 
 
 def scan(directory: Path, layout: FileLayout, max_slots: int) -> ScanResult:
-    """Check every slab in ``directory``; keep at most ``max_slots`` slots of slabs, and the blocks in them."""
+    """Check every slab in ``directory``; keep at most ``max_slots`` slots of slabs, and the newest blocks in them."""
     removed: Counter[str] = Counter()
     io_errors: Counter[str] = Counter()
     _remove_old_format(directory, removed)
@@ -62,26 +68,54 @@ def scan(directory: Path, layout: FileLayout, max_slots: int) -> ScanResult:
             number = slab_number(item.name)
             if number is not None and item.is_file(follow_symlinks=False):
                 slabs[number] = item.stat().st_size
-    slots = 0
-    kept_slabs: list[tuple[Path, int, int]] = []  # (slab, its first slot, slots kept), in slab order
+    slots = 0  # slots of the slabs in order from the first, each earlier one full
+    present: list[_Slab] = []  # in slab order
     for number in sorted(slabs):
         path = directory / slab_name(number)
         whole = min(slabs[number] // layout.file_bytes, per_slab)
-        keep = min(whole, max_slots - slots) if number * per_slab == slots else 0
-        if keep <= 0:
-            removed["slab_beyond_capacity" if number * per_slab == slots else "slab_after_a_gap"] += 1
+        if number * per_slab != slots or whole == 0:
+            removed["slab_after_a_gap" if number * per_slab != slots else "slab_beyond_capacity"] += 1
             remove(path)
             continue
-        if keep * layout.file_bytes != slabs[number]:
-            _cut(path, keep * layout.file_bytes, removed)
-        kept_slabs.append((path, number * per_slab, keep))
-        slots += keep
-    found: dict[int, tuple[int, BlockMeta, int]] = {}  # hash -> (sequence, meta, slot)
-    if kept_slabs:
-        _prefetch(kept_slabs[0][0], kept_slabs[0][2], layout)
-    for position, (path, first_slot, count) in enumerate(kept_slabs):
-        if position + 1 < len(kept_slabs):  # the next slab's headers come in while this one's are read
-            _prefetch(kept_slabs[position + 1][0], kept_slabs[position + 1][2], layout)
+        present.append(_Slab(path, slots, whole, slabs[number]))
+        slots += whole
+    found = _read_headers(present, layout, removed, io_errors)
+    if slots > max_slots:  # a smaller capacity than the last life's: the newest blocks move into the slots kept
+        found = _fit(found, present, max_slots, layout, removed)
+    for slab in present:
+        keep = max(0, min(slab.whole, max_slots - slab.first_slot))
+        if keep == 0:
+            removed["slab_beyond_capacity"] += 1
+            remove(slab.path)
+        elif keep * layout.file_bytes != slab.size:
+            _cut(slab.path, keep * layout.file_bytes, removed)  # a torn growth, or a smaller capacity
+    slots = min(slots, max_slots)
+    ordered = sorted(found.values(), key=lambda item: item[0])
+    kept = [(meta, slot) for _, meta, slot in ordered]
+    next_sequence = ordered[-1][0] + 1 if ordered else 0
+    if kept or removed:
+        logger.info("disk tier %s: %d slots, %d blocks kept, removed %s", directory, slots, len(kept), dict(removed))
+    return ScanResult(slots, kept, removed, io_errors, next_sequence)
+
+
+class _Slab(NamedTuple):
+    path: Path
+    first_slot: int
+    whole: int  # whole slots in the file
+    size: int  # bytes
+
+
+Found = dict[int, tuple[int, BlockMeta, int]]  # hash -> (write sequence, meta, slot)
+
+
+def _read_headers(present: list[_Slab], layout: FileLayout, removed: Counter[str], io_errors: Counter[str]) -> Found:
+    """The blocks in the slots of ``present``: each hash once, its latest write (an earlier copy is a duplicate)."""
+    found: Found = {}
+    if present:
+        _prefetch(present[0][0], present[0][2], layout)
+    for position, (path, first_slot, count, _) in enumerate(present):
+        if position + 1 < len(present):  # the next slab's headers come in while this one's are read
+            _prefetch(present[position + 1][0], present[position + 1][2], layout)
         read = _read_slab(path, count, layout)
         if isinstance(read, OSError):
             io_errors[errno_name(read)] += 1
@@ -95,12 +129,61 @@ def scan(directory: Path, layout: FileLayout, max_slots: int) -> ScanResult:
                 if earlier[0] > sequence:
                     continue
             found[meta.block_hash] = (sequence, meta, first_slot + index)
-    ordered = sorted(found.values(), key=lambda item: item[0])
-    kept = [(meta, slot) for _, meta, slot in ordered]
-    next_sequence = ordered[-1][0] + 1 if ordered else 0
-    if kept or removed:
-        logger.info("disk tier %s: %d slots, %d blocks kept, removed %s", directory, slots, len(kept), dict(removed))
-    return ScanResult(slots, kept, removed, io_errors, next_sequence)
+    return found
+
+
+def _fit(found: Found, present: list[_Slab], max_slots: int, layout: FileLayout, removed: Counter[str]) -> Found:
+    """The newest ``max_slots`` blocks of ``found``, each in a slot below ``max_slots``: those beyond it are copied
+    (header and payload, as written) into the slots of older blocks or free ones; the older blocks are dropped
+    (``dropped_to_fit``). A copy that fails drops its block (``move_failed``).
+
+    Crash-safe without a sync: the copy's source stays until the caller cuts its slab off, so a scan after a
+    crash finds the block there again (a copy torn on its way in has the same write sequence, loses to the
+    source as a duplicate, and is overwritten or fails its checksum if ever read).
+    """
+    oldest_first = sorted(found.values(), key=lambda item: item[0])
+    cut = max(0, len(oldest_first) - max_slots)
+    dropped, chosen = oldest_first[:cut], oldest_first[cut:]  # chosen oldest first: moved blocks keep their order
+    removed["dropped_to_fit"] += len(dropped)
+    staying = {slot for _, _, slot in chosen if slot < max_slots}
+    targets = iter(slot for slot in range(max_slots) if slot not in staying)
+    slab_of = {slab.first_slot + index: (slab.path, index) for slab in present for index in range(slab.whole)}
+    fitted: Found = {}
+    moved = 0
+    for sequence, meta, slot in chosen:
+        if slot < max_slots:
+            fitted[meta.block_hash] = (sequence, meta, slot)
+            continue
+        target = next(targets)
+        try:
+            _copy_slot(slab_of[slot], slab_of[target], layout.file_bytes)
+        except OSError as exc:
+            logger.warning("could not move block %#x from slot %d to %d: %s", meta.block_hash, slot, target, exc)
+            removed["move_failed"] += 1
+            continue
+        fitted[meta.block_hash] = (sequence, meta, target)
+        moved += 1
+    logger.info(
+        "disk tier: capacity down to %d slots: %d blocks moved into them, %d dropped", max_slots, moved, len(dropped)
+    )
+    return fitted
+
+
+def _copy_slot(source: tuple[Path, int], target: tuple[Path, int], file_bytes: int) -> None:
+    """Copy one slot (header and payload) to another, in the same or another slab. Raises OSError."""
+    src = os.open(source[0], os.O_RDONLY)
+    try:
+        data = os.pread(src, file_bytes, source[1] * file_bytes)
+    finally:
+        os.close(src)
+    if len(data) != file_bytes:
+        raise OSError(errno.EIO, f"slot read back {len(data)} of {file_bytes} bytes")
+    dst = os.open(target[0], os.O_WRONLY)
+    try:
+        if os.pwrite(dst, data, target[1] * file_bytes) != file_bytes:
+            raise OSError(errno.EIO, "short write")
+    finally:
+        os.close(dst)
 
 
 def _prefetch(path: Path, count: int, layout: FileLayout) -> None:

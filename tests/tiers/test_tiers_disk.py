@@ -20,6 +20,7 @@ from tiers_helpers import IDENTITY, ODD_IDENTITY, make_blocks
 
 import kvstore.tiers.disk_capacity as capacity_module
 import kvstore.tiers.disk_files as files_module
+import kvstore.tiers.disk_format as disk_format
 from kvstore.events import BlockRemoved, BlockStored
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.disk import DiskTier
@@ -427,15 +428,91 @@ def test_restart_scan_reads_headers_ahead_and_a_refused_hint_changes_nothing(
     asyncio.run(again.aclose())
 
 
-def test_restart_with_a_smaller_capacity_cuts_the_slab(tmp_path: Path) -> None:
-    """Slots are places: a smaller capacity keeps the slots that still fit (and the blocks in them)."""
-    metas, _ = written_then_closed(tmp_path, 4)
+def test_restart_with_a_smaller_capacity_keeps_the_newest_blocks(tmp_path: Path) -> None:
+    """A smaller capacity keeps the slots that still fit, filled with the newest blocks: those beyond the cut are
+    copied over older ones (which a cut would keep otherwise), LRU order and contents intact."""
+    metas, contents = written_then_closed(tmp_path, 4)  # slots 0..3, oldest first
+    slab = tmp_path / IDENTITY.digest() / slab_name(0)
     smaller = new_tier(tmp_path, files=2)
-    assert smaller.lru_hashes() == [metas[0].block_hash, metas[1].block_hash]
-    assert smaller.counters.scan_removed["slab_cut"] == 1 and smaller.disk_bytes == 2 * FILE_BYTES
-    assert (tmp_path / IDENTITY.digest() / slab_name(0)).stat().st_size == 2 * FILE_BYTES
-    smaller.check_invariants()
-    asyncio.run(smaller.aclose())
+    assert smaller.lru_hashes() == [metas[2].block_hash, metas[3].block_hash]
+    assert [smaller.location_of(m.block_hash)[1] // FILE_BYTES for m in metas[2:]] == [0, 1]
+    assert dict(smaller.counters.scan_removed) == {"dropped_to_fit": 2, "slab_cut": 1}
+    assert smaller.disk_bytes == 2 * FILE_BYTES and slab.stat().st_size == 2 * FILE_BYTES
+
+    async def served() -> None:
+        for meta, content in zip(metas[2:], contents[2:], strict=True):
+            out = out_buffer()
+            assert await smaller.read_into(meta, out) and bytes(out) == content
+        assert not smaller.counters.integrity_failures
+        smaller.check_invariants()
+        await smaller.aclose()
+
+    asyncio.run(served())
+    again = new_tier(tmp_path, files=2)  # the same capacity again: nothing moves, nothing is dropped
+    assert again.lru_hashes() == [metas[2].block_hash, metas[3].block_hash] and not again.counters.scan_removed
+    asyncio.run(again.aclose())
+
+
+@pytest.mark.parametrize(
+    ("files", "kept", "removed"),
+    [(3, [3, 4, 5], {"slab_cut": 1, "slab_beyond_capacity": 1}), (4, [2, 3, 4, 5], {"slab_beyond_capacity": 1})],
+)
+def test_a_smaller_capacity_moves_blocks_across_slabs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: int, kept: list[int], removed: dict[str, int]
+) -> None:
+    """Two slots a slab, six blocks in three slabs: the newest that no longer fit move into the earlier slabs'
+    slots of the oldest (those still in place stay there), and the slabs beyond the capacity go."""
+    monkeypatch.setattr(disk_format, "SLAB_TARGET_BYTES", 2 * FILE_BYTES)
+    metas, contents = written_then_closed(tmp_path, 6)
+    directory = tmp_path / IDENTITY.digest()
+    assert sorted(path.name for path in directory.iterdir()) == [slab_name(n) for n in range(3)]
+    smaller = new_tier(tmp_path, files=files)
+    assert smaller.lru_hashes() == [metas[i].block_hash for i in kept]
+
+    def place(slot: int) -> tuple[str, int]:
+        return slab_name(slot // 2), slot % 2 * FILE_BYTES
+
+    found = {i: (path.name, offset) for i in kept for path, offset in [smaller.location_of(metas[i].block_hash)]}
+    assert all(found[i] == place(i) for i in kept if i < files)  # still in place: not moved
+    assert sorted(found.values()) == sorted(place(slot) for slot in range(files))  # the rest moved into the slots kept
+    assert dict(smaller.counters.scan_removed) == {"dropped_to_fit": 6 - files, **removed}
+    assert smaller.disk_bytes == files * FILE_BYTES
+
+    async def served() -> None:
+        for i in kept:
+            out = out_buffer()
+            assert await smaller.read_into(metas[i], out) and bytes(out) == contents[i]
+        smaller.check_invariants()
+        await smaller.aclose()
+
+    asyncio.run(served())
+
+
+def test_a_block_that_cannot_be_moved_to_fit_is_dropped_not_served_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metas, contents = written_then_closed(tmp_path, 4)
+
+    def refused(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "pwrite", refused)
+    smaller = new_tier(tmp_path, files=3)  # block 3 (slot 3) must move into block 0's slot, and cannot
+    assert smaller.lru_hashes() == [metas[1].block_hash, metas[2].block_hash]
+    assert dict(smaller.counters.scan_removed) == {"dropped_to_fit": 1, "move_failed": 1, "slab_cut": 1}
+    monkeypatch.undo()
+
+    async def served() -> None:
+        out = out_buffer()
+        assert await smaller.read_into(metas[2], out) and bytes(out) == contents[2]
+        assert metas[0].block_hash not in smaller and metas[3].block_hash not in smaller
+        more, views = payloads(1, seed=3)
+        assert await smaller.write(more[0], views[0])  # slot 0, free now, is taken first
+        assert smaller.location_of(more[0].block_hash)[1] == 0
+        smaller.check_invariants()
+        await smaller.aclose()
+
+    asyncio.run(served())
 
 
 def test_lru_eviction_beyond_capacity(tmp_path: Path) -> None:
