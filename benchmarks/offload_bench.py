@@ -62,10 +62,10 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack
 from functools import partial
-from itertools import islice
+from itertools import islice, repeat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -77,16 +77,18 @@ from kvstore.benchmarks.offload_ttft import TTFTRow, measure_ttft
 from kvstore.deploy.config import load_config
 from kvstore.deploy.model_args import add_model_arguments, model_overrides
 from kvstore.errors import ConfigError
+from kvstore.events import Medium
 from kvstore.kv_layout import KVLayout
-from kvstore.tiers.blocks import BlockMeta
-from kvstore.tiers.client import LocalTierClient
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit, check_blocks
+from kvstore.tiers.client import LocalTierClient, Pending, TierClient
 from kvstore.tiers.config import MAX_COPY_THREADS, TierConfig
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_files import direct_io_refusal
 from kvstore.tiers.disk_format import header_len
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.link import TierLink
-from kvstore.tiers.shared_memory import SharedSlots
+from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
+from kvstore.tiers.stats import TierStats
 from kvstore.workers.model_source import describe_model
 
 HEADLINE_SHAPE = "llama-3-8b"
@@ -255,7 +257,74 @@ def _time_parts(link: TierLink, spent: dict[str, float]) -> None:
         setattr(target, name, timed)
 
 
-def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, progress: tqdm) -> CpuRow:
+class _Answered:
+    """A commit or release the floor client answered at once (the Pending a link collects)."""
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> None:
+        return None
+
+
+class _FloorClient:
+    """``--floor``: a stand-in for the tier that keeps no books, for the bench alone.
+
+    It checks each spill's metas (as the real tier must) and hands out the arena's slots in order, wrapping
+    round, as grants with fresh lease ids; commits and releases are answered at once. No index, leases,
+    eviction, admission or events. The link, its copy engine and the arena are the real ones, so a row
+    measured through it is the most this path allows whatever the tier's bookkeeping costs. It is right only
+    for the bench's pattern: every block spilled once in order, then promoted in the same order (the
+    promotions find the blocks in the slots the spills filled, which the bench checks byte for byte).
+    """
+
+    def __init__(self, inner: LocalTierClient, identity: CacheIdentity) -> None:
+        self._inner = inner
+        self._block_size = identity.block_size
+        self._slots = inner.arena_info().num_slots
+        self._next_slot = 0
+        self._next_lease = 1
+
+    def _grants(self, blocks: Sequence[BlockMeta]) -> list[SlotGrant]:
+        first, count = self._next_slot, min(len(blocks), self._slots)
+        slots = [(first + index) % self._slots for index in range(count)]
+        ids = range(self._next_lease, self._next_lease + count)
+        self._next_slot, self._next_lease = (first + count) % self._slots, ids.stop
+        hashes = [meta.block_hash for meta in blocks[:count]]
+        return list(map(tuple.__new__, repeat(SlotGrant), zip(ids, slots, hashes, repeat(Medium.CPU))))
+
+    def arena_info(self) -> ArenaInfo:
+        return self._inner.arena_info()
+
+    def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit:
+        return self._inner.lookup(block_hashes, start)
+
+    def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
+        check_blocks(blocks, self._block_size)
+        return list(self._grants(blocks))
+
+    def commit(self, lease_ids: Sequence[int]) -> int:
+        return len(lease_ids)
+
+    def commit_later(self, lease_ids: Sequence[int]) -> Pending:
+        return _Answered()
+
+    def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
+        return self._grants(blocks)
+
+    def release(self, lease_ids: Sequence[int]) -> None:
+        return None
+
+    def release_later(self, lease_ids: Sequence[int]) -> Pending:
+        return _Answered()
+
+    def stats(self) -> TierStats:
+        return self._inner.stats()
+
+
+def measure_cpu(
+    name: str, identity: CacheIdentity, args: argparse.Namespace, progress: tqdm, *, floor: bool = False
+) -> CpuRow:
     block_bytes = identity.block_bytes
     count = max(1, args.total_mib * 1024 * 1024 // block_bytes)
     pool = torch.empty((count, *identity.layout.block_shape), dtype=identity.torch_dtype)
@@ -270,7 +339,8 @@ def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, pr
         config = TierConfig(cpu_capacity_bytes=count * block_bytes)
         client = LocalTierClient(config, identity, arena_name=f"kvstore-bench-{uuid.uuid4().hex[:12]}")
         stack.callback(client.close)
-        link = TierLink(client, identity, copy_threads=args.copy_threads)
+        tier: TierClient = _FloorClient(client, identity) if floor else client
+        link = TierLink(tier, identity, copy_threads=args.copy_threads)
         stack.callback(link.close)
         arena = link.slots.tensor  # this process's mapping of the tier's arena, as a worker has it
         # The baselines copy between the same kinds of memory -- pool -> shared arena, shared arena -> pool --
@@ -310,7 +380,7 @@ def measure_cpu(name: str, identity: CacheIdentity, args: argparse.Namespace, pr
         breakdown["promote_total"] = round(sum(promotes) / moved * 1e6, 2)
         breakdown["memcpy"] = round((sum(base_spill) + sum(base_promote)) / 2 / moved * 1e6, 2)
     return CpuRow(
-        name,
+        f"{name} floor" if floor else name,
         block_bytes,
         count,
         _gbps(total, spills),
@@ -705,7 +775,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--ttft-lengths: each prompt length must be in 256..65536 tokens")
     cpu_shapes = shapes if args.total_mib else []
     disk_shapes = disk_shapes if args.disk_total_mib else []
-    steps = len(cpu_shapes) * 3 * (args.repeat + 1) + len(disk_shapes) * 3 * args.repeat + len(ttft_lengths)
+    steps = (
+        len(cpu_shapes) * (2 if args.floor else 1) * 3 * (args.repeat + 1)
+        + len(disk_shapes) * 3 * args.repeat
+        + len(ttft_lengths)
+    )
     cpu_rows: list[CpuRow] = []
     disk_rows: list[DiskRow] = []
     ttft_rows: list[TTFTRow] = []
@@ -714,6 +788,8 @@ def run(args: argparse.Namespace) -> int:
             for name in cpu_shapes:
                 progress.set_postfix_str(f"cpu {name}")
                 cpu_rows.append(measure_cpu(name, SHAPES[name], args, progress))
+                if args.floor:
+                    cpu_rows.append(measure_cpu(name, SHAPES[name], args, progress, floor=True))
             for name in disk_shapes:
                 progress.set_postfix_str(f"disk {name}")
                 disk_rows.append(measure_disk(name, SHAPES[name], args, disk_dir, progress))
@@ -769,6 +845,12 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--breakdown",
         action="store_true",
         help="also time each part of a spill and a promotion (tier calls, copies): us per block",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure each CPU shape with the tier's bookkeeping taken away (a stand-in that only checks "
+        "the metas and hands out slots in order): the most the link and its copies allow",
     )
     p.add_argument("--io", type=int, default=16, help="disk I/Os in flight")
     p.add_argument("--deadline-s", type=float, default=30.0, help="per-I/O deadline of the disk tier")

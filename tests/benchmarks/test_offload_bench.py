@@ -93,6 +93,32 @@ def test_breakdown_parts_add_up_within_each_direction(tmp_path: Path, capsys: py
     assert json.loads(out.read_text())["cpu"]["rows"][0]["breakdown_us"] == {}
 
 
+def test_floor_rows_take_the_tiers_books_away_and_still_move_every_byte(tmp_path: Path) -> None:
+    """--floor adds a row per CPU shape measured through a stand-in tier that only checks metas and hands out
+    slots in order: the same link and copies, so its promotions must bring back the spilled bytes (the bench
+    checks them)."""
+    out = tmp_path / "offload.json"
+    argv = "bench offload --shapes tiny --total-mib 2 --disk-total-mib 0 --repeat 2 --ttft-lengths= --no-progress"
+    args = build_parser().parse_args(
+        [
+            *argv.split(),
+            "--batch-blocks",
+            "48",
+            "--floor",
+            "--breakdown",
+            "--json",
+            str(out),
+            "--disk-dir",
+            str(tmp_path),
+        ]
+    )
+    assert args.func(args) == 0
+    real, floor = json.loads(out.read_text())["cpu"]["rows"]
+    assert (real["shape"], floor["shape"]) == ("tiny", "tiny floor") and real["blocks"] == floor["blocks"] == 128
+    assert floor["spill_ratio"] > 0 and floor["promote_ratio"] > 0
+    assert set(floor["breakdown_us"]) == set(real["breakdown_us"])  # timed the same way (no timing is asserted)
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
