@@ -580,13 +580,13 @@ def print_tables(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespac
             f"batches of {args.batch_blocks} blocks) vs one large torch copy of the same size"
         )
         print(
-            f"{'shape':<17}{'block':>9}{'blocks':>8}{'spill GB/s':>12}{'promote GB/s':>14}"
+            f"{'shape':<22}{'block':>9}{'blocks':>8}{'spill GB/s':>12}{'promote GB/s':>14}"
             f"{'memcpy GB/s':>13}{'spill/memcpy':>14}{'promote/memcpy':>16}{'target':>8}"
         )
         for row in cpu:
             memcpy = (row.memcpy_spill_gbps + row.memcpy_promote_gbps) / 2
             print(
-                f"{row.shape:<17}{_mib(row.block_bytes):>9}{row.blocks:>8}{row.spill_gbps:>12.2f}"
+                f"{row.shape:<22}{_mib(row.block_bytes):>9}{row.blocks:>8}{row.spill_gbps:>12.2f}"
                 f"{row.promote_gbps:>14.2f}{memcpy:>13.2f}{row.spill_ratio:>14.2f}{row.promote_ratio:>16.2f}"
                 f"{_target(CPU_TARGETS, row.shape, row.spill_ratio, row.promote_ratio):>8}"
             )
@@ -596,9 +596,9 @@ def print_tables(cpu: list[CpuRow], disk: list[DiskRow], args: argparse.Namespac
                 "includes allocating its pool rows)"
             )
             parts = [*_SPILL_PARTS, "spill_total", *_PROMOTE_PARTS, "promote_total", "memcpy"]
-            print(f"{'shape':<17}" + "".join(f"{part:>14}" for part in parts))
+            print(f"{'shape':<22}" + "".join(f"{part:>14}" for part in parts))
             for row in cpu:
-                print(f"{row.shape:<17}" + "".join(f"{row.breakdown_us.get(part, 0.0):>14.2f}" for part in parts))
+                print(f"{row.shape:<22}" + "".join(f"{row.breakdown_us.get(part, 0.0):>14.2f}" for part in parts))
     if disk:
         fill = "an empty tier each run" if args.disk_fresh else "a full tier (every write evicts a block)"
         print(
