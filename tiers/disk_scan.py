@@ -8,8 +8,8 @@
   are copied, header and payload as written, over the slots of the oldest
   blocks (``dropped_to_fit``) or free ones, then whatever lies beyond the
   capacity is cut off or removed. A copy that fails drops its block
-  (``move_failed``). Each source stays until its copy is done, so a crash
-  part way loses no block that was kept (see :func:`_fit`).
+  (``move_failed``). Each source stays until its copy is done, so a
+  process crash part way loses no block that was kept (see :func:`_fit`).
 - Each slot's header is read (one ``pread`` per slot, not the payload:
   reading every payload would make a start take as long as reading the
   whole tier; checksums are verified on every read instead). On a cold
@@ -112,10 +112,10 @@ def _read_headers(present: list[_Slab], layout: FileLayout, removed: Counter[str
     """The blocks in the slots of ``present``: each hash once, its latest write (an earlier copy is a duplicate)."""
     found: Found = {}
     if present:
-        _prefetch(present[0][0], present[0][2], layout)
+        _prefetch(present[0].path, present[0].whole, layout)
     for position, (path, first_slot, count, _) in enumerate(present):
         if position + 1 < len(present):  # the next slab's headers come in while this one's are read
-            _prefetch(present[position + 1][0], present[position + 1][2], layout)
+            _prefetch(present[position + 1].path, present[position + 1].whole, layout)
         read = _read_slab(path, count, layout)
         if isinstance(read, OSError):
             io_errors[errno_name(read)] += 1
@@ -137,9 +137,11 @@ def _fit(found: Found, present: list[_Slab], max_slots: int, layout: FileLayout,
     (header and payload, as written) into the slots of older blocks or free ones; the older blocks are dropped
     (``dropped_to_fit``). A copy that fails drops its block (``move_failed``).
 
-    Crash-safe without a sync: the copy's source stays until the caller cuts its slab off, so a scan after a
-    crash finds the block there again (a copy torn on its way in has the same write sequence, loses to the
-    source as a duplicate, and is overwritten or fails its checksum if ever read).
+    Safe against a process crash without a sync: the copy's source stays until the caller cuts its slab off,
+    so a scan after a crash finds the block there again (a copy torn on its way in has the same write
+    sequence, loses to the source as a duplicate, and is overwritten or fails its checksum if ever read). A
+    power cut may lose moved blocks whose copies were not yet on the device; their checksums keep them from
+    ever being served wrong.
     """
     oldest_first = sorted(found.values(), key=lambda item: item[0])
     cut = max(0, len(oldest_first) - max_slots)
