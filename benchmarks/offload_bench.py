@@ -322,8 +322,34 @@ class _FloorClient:
         return self._inner.stats()
 
 
+# The tiers a CPU row can be measured through: the store in process (what the headline ratios use), the
+# bookless stand-in (--floor) and the store as a deployment runs it, a Ray actor (--ray). Row name suffixes.
+VIAS = {"local": "", "floor": " floor", "ray": " ray"}
+
+
+def _ray_tier(stack: ExitStack, config: TierConfig, identity: CacheIdentity) -> TierClient:
+    """``--ray``: the tier as a deployment runs it -- a TierActor (its own process, on the Ray cluster this
+    process is connected to) reached by RayTierClient, so each reserve / acquire is an actor round trip."""
+    import ray
+
+    from kvstore.tiers.actor import TierActor
+    from kvstore.tiers.client import RayTierClient
+
+    arena_name = f"kvstore-bench-{uuid.uuid4().hex[:12]}"
+    handle = TierActor.options(num_cpus=0).remote(config, identity, None, arena_name)  # type: ignore[attr-defined]
+
+    def stop() -> None:
+        try:
+            ray.get(handle.shutdown.remote(), timeout=60)  # unlinks the arena
+        finally:
+            ray.kill(handle)
+
+    stack.callback(stop)
+    return RayTierClient(handle, timeout_s=60.0)
+
+
 def measure_cpu(
-    name: str, identity: CacheIdentity, args: argparse.Namespace, progress: tqdm, *, floor: bool = False
+    name: str, identity: CacheIdentity, args: argparse.Namespace, progress: tqdm, *, via: str = "local"
 ) -> CpuRow:
     block_bytes = identity.block_bytes
     count = max(1, args.total_mib * 1024 * 1024 // block_bytes)
@@ -337,9 +363,13 @@ def measure_cpu(
     spills, promotes, base_spill, base_promote = [], [], [], []
     with ExitStack() as stack:
         config = TierConfig(cpu_capacity_bytes=count * block_bytes)
-        client = LocalTierClient(config, identity, arena_name=f"kvstore-bench-{uuid.uuid4().hex[:12]}")
-        stack.callback(client.close)
-        tier: TierClient = _FloorClient(client, identity) if floor else client
+        tier: TierClient
+        if via == "ray":
+            tier = _ray_tier(stack, config, identity)
+        else:
+            client = LocalTierClient(config, identity, arena_name=f"kvstore-bench-{uuid.uuid4().hex[:12]}")
+            stack.callback(client.close)
+            tier = _FloorClient(client, identity) if via == "floor" else client
         link = TierLink(tier, identity, copy_threads=args.copy_threads)
         stack.callback(link.close)
         arena = link.slots.tensor  # this process's mapping of the tier's arena, as a worker has it
@@ -380,7 +410,7 @@ def measure_cpu(
         breakdown["promote_total"] = round(sum(promotes) / moved * 1e6, 2)
         breakdown["memcpy"] = round((sum(base_spill) + sum(base_promote)) / 2 / moved * 1e6, 2)
     return CpuRow(
-        f"{name} floor" if floor else name,
+        name + VIAS[via],
         block_bytes,
         count,
         _gbps(total, spills),
@@ -774,22 +804,23 @@ def run(args: argparse.Namespace) -> int:
     if any(length < 256 or length > 65536 for length in ttft_lengths):  # shorter ones stay in the pool
         raise ConfigError("--ttft-lengths: each prompt length must be in 256..65536 tokens")
     cpu_shapes = shapes if args.total_mib else []
+    vias = ["local", *(["floor"] if args.floor else []), *(["ray"] if args.ray else [])]
     disk_shapes = disk_shapes if args.disk_total_mib else []
-    steps = (
-        len(cpu_shapes) * (2 if args.floor else 1) * 3 * (args.repeat + 1)
-        + len(disk_shapes) * 3 * args.repeat
-        + len(ttft_lengths)
-    )
+    steps = len(cpu_shapes) * len(vias) * 3 * (args.repeat + 1) + len(disk_shapes) * 3 * args.repeat + len(ttft_lengths)
     cpu_rows: list[CpuRow] = []
     disk_rows: list[DiskRow] = []
     ttft_rows: list[TTFTRow] = []
+    owns_ray = False
     try:
+        if "ray" in vias and cpu_shapes:
+            from kvstore.deploy.launcher import start_ray
+
+            owns_ray = start_ray(None)  # an embedded one on loopback, unless this process is connected already
         with tqdm(total=steps, desc="offload bench", unit="step", disable=args.no_progress) as progress:
             for name in cpu_shapes:
-                progress.set_postfix_str(f"cpu {name}")
-                cpu_rows.append(measure_cpu(name, SHAPES[name], args, progress))
-                if args.floor:
-                    cpu_rows.append(measure_cpu(name, SHAPES[name], args, progress, floor=True))
+                for via in vias:
+                    progress.set_postfix_str(f"cpu {name}{VIAS[via]}")
+                    cpu_rows.append(measure_cpu(name, SHAPES[name], args, progress, via=via))
             for name in disk_shapes:
                 progress.set_postfix_str(f"disk {name}")
                 disk_rows.append(measure_disk(name, SHAPES[name], args, disk_dir, progress))
@@ -799,6 +830,10 @@ def run(args: argparse.Namespace) -> int:
                 progress.update(1)
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
     print_tables(cpu_rows, disk_rows, args, disk_root)
     print_ttft(ttft_rows, ttft_model(args))
     result = report(cpu_rows, disk_rows, ttft_rows, args)
@@ -851,6 +886,12 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         action="store_true",
         help="also measure each CPU shape with the tier's bookkeeping taken away (a stand-in that only checks "
         "the metas and hands out slots in order): the most the link and its copies allow",
+    )
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="also measure each CPU shape through the tier as a deployment runs it: a TierActor on an embedded "
+        "local Ray, each reserve / acquire an actor round trip",
     )
     p.add_argument("--io", type=int, default=16, help="disk I/Os in flight")
     p.add_argument("--deadline-s", type=float, default=30.0, help="per-I/O deadline of the disk tier")

@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvstore.config import EventsConfig
 from kvstore.metrics import render
 from kvstore.publisher import EventEndpoints
-from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit, decode_metas, encode_grants
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.metrics import TierCollector
@@ -52,6 +52,9 @@ class TierActor:
 
     Only block metas and lease ids cross Ray: the KV itself moves between a
     worker's pool and the shared arena, copied by the worker (``TierLink``).
+    Reserves and acquires travel packed (``reserve_packed`` / ``acquire_packed``,
+    one msgpack buffer each way: see :mod:`~kvstore.tiers.blocks`); ``reserve`` /
+    ``acquire`` take and give Python objects, for callers other than the client.
     """
 
     def __init__(
@@ -65,11 +68,20 @@ class TierActor:
     async def reserve(self, blocks: list[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
         return await self._store.reserve(blocks, arena)
 
+    async def reserve_packed(self, packed: bytes, arena: int | None = None) -> bytes:
+        """:meth:`reserve` in the wire form (:func:`~kvstore.tiers.blocks.encode_metas` in,
+        :func:`~kvstore.tiers.blocks.encode_grants` out): what RayTierClient calls."""
+        return encode_grants(await self._store.reserve(decode_metas(packed), arena))
+
     async def commit(self, lease_ids: list[int]) -> int:
         return await self._store.commit(lease_ids)
 
     async def acquire(self, blocks: list[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
         return await self._store.acquire(blocks, arena)
+
+    async def acquire_packed(self, packed: bytes, arena: int | None = None) -> bytes:
+        """:meth:`acquire` in the wire form, as :meth:`reserve_packed`."""
+        return encode_grants(await self._store.acquire(decode_metas(packed), arena))
 
     async def release(self, lease_ids: list[int]) -> None:
         self._store.release(lease_ids)

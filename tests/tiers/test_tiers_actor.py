@@ -14,6 +14,7 @@ from kvstore.config import EventsConfig
 from kvstore.events import BlockStored
 from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
 from kvstore.tiers.client import RayTierClient
+from kvstore.tiers.errors import InvalidBlockError
 from kvstore.tiers.link import TierLink
 
 pytestmark = pytest.mark.ray
@@ -46,6 +47,12 @@ def test_tier_actor_on_the_local_node(ray_session: Any, tmp_path: Path) -> None:
         promoted = link.promote(more, pool, lambda n: [2, 1, 0][:n])
         assert promoted.block_ids == (2, 1, 0) and torch.equal(pool[[2, 1, 0]], more_data)
         link.close()
+
+        # Reserves and acquires travel packed: a damaged buffer is the caller's error, named, and changes nothing.
+        for method in (handle.reserve_packed, handle.acquire_packed):
+            with pytest.raises(ray.exceptions.RayTaskError) as caught:
+                ray.get(method.remote(b"\xc1 not msgpack", None), timeout=30)
+            assert isinstance(caught.value.cause, InvalidBlockError) and "malformed" in str(caught.value.cause)
 
         stats = ray.get(handle.stats.remote(), timeout=30)
         assert stats.offload_bytes["spill"] == 9 * IDENTITY.block_bytes and stats.blocks["CPU"] == 4

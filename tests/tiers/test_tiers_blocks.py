@@ -2,18 +2,30 @@
 
 Both must accept exactly the well-formed batches and leave every refusal to the block-by-block check, which
 names the fault; a Hypothesis test checks that the compiled verdict agrees with that check on batches of
-ints drawn around every edge of the ranges.
+ints drawn around every edge of the ranges. Then the wire form a worker's reserves and acquires travel in.
 """
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.events import Medium
 from kvstore.tiers import blocks
-from kvstore.tiers.blocks import BlockMeta, _check_each, check_blocks, check_tokens
-from kvstore.tiers.errors import InvalidBlockError
+from kvstore.tiers.blocks import (
+    BlockMeta,
+    SlotGrant,
+    _check_each,
+    check_blocks,
+    check_tokens,
+    decode_grants,
+    decode_metas,
+    encode_grants,
+    encode_metas,
+)
+from kvstore.tiers.errors import InvalidBlockError, TierError
 
 SIZE = 4
 NATIVE = blocks._metas_ok
@@ -124,3 +136,51 @@ def test_the_compiled_verdict_agrees_with_the_block_by_block_check(metas: list[B
     else:
         expected = True
     assert NATIVE(metas, BlockMeta, SIZE, tokens) is expected
+
+
+# ------------------------------------------------------------------------------------- the wire form
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.builds(
+            BlockMeta,
+            st.integers(min_value=0, max_value=(1 << 64) - 1),
+            st.one_of(st.none(), st.integers(min_value=0, max_value=(1 << 64) - 1)),
+            st.lists(st.integers(min_value=0, max_value=(1 << 63) - 1), min_size=SIZE, max_size=SIZE).map(tuple),
+        ),
+        max_size=8,
+    )
+)
+def test_metas_and_grants_come_back_from_the_wire_form_as_they_went(metas: list[BlockMeta]) -> None:
+    back = decode_metas(encode_metas(metas))
+    assert back == metas and all(type(meta) is BlockMeta and type(meta.token_ids) is tuple for meta in back)
+    grants: list[SlotGrant | None] = [
+        None
+        if index % 3 == 1
+        else SlotGrant(index + 7, index, meta.block_hash, (Medium.CPU, Medium.STORAGE)[index % 2])
+        for index, meta in enumerate(metas)
+    ]
+    answer = decode_grants(encode_grants(grants))
+    assert answer == grants
+    assert all(grant is None or (type(grant) is SlotGrant and type(grant.medium) is Medium) for grant in answer)
+
+
+def test_the_wire_form_refuses_what_is_not_block_metas_by_name() -> None:
+    with pytest.raises(InvalidBlockError, match="expected BlockMeta, got tuple"):
+        encode_metas([*chain(2), (7, None, (0, 1, 2, 3))])  # type: ignore[list-item]
+    with pytest.raises(InvalidBlockError, match="cannot be packed"):
+        encode_metas([BlockMeta(1 << 70, None, (0, 1, 2, 3))])  # type: ignore[arg-type]
+    with pytest.raises(InvalidBlockError, match="malformed"):
+        decode_metas(b"\x93\xff garbage")
+    with pytest.raises(InvalidBlockError, match=r"malformed: Expected `int`, got `float` - at `\$\[0\]\[2\]\[1\]`"):
+        decode_metas(msgspec.msgpack.encode([[1, None, [0, 1.5, 2, 3]]]))
+    with pytest.raises(InvalidBlockError, match="must be bytes"):
+        decode_metas("not bytes")  # type: ignore[arg-type]
+    # Types pass the wire, ranges are check_blocks' (as for metas that arrive unpacked).
+    (negative,) = decode_metas(msgspec.msgpack.encode([[-1, None, [0, 1, 2, 3]]]))
+    with pytest.raises(InvalidBlockError, match="unsigned 64-bit"):
+        check_blocks([negative], SIZE)
+    with pytest.raises(TierError, match="packed grants are malformed"):
+        decode_grants(msgspec.msgpack.encode([[1, 2, 3, "TAPE"]]))
