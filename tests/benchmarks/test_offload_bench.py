@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,23 @@ def test_floor_rows_take_the_tiers_books_away_and_still_move_every_byte(tmp_path
     assert (real["shape"], floor["shape"]) == ("tiny", "tiny floor") and real["blocks"] == floor["blocks"] == 128
     assert floor["spill_ratio"] > 0 and floor["promote_ratio"] > 0
     assert set(floor["breakdown_us"]) == set(real["breakdown_us"])  # timed the same way (no timing is asserted)
+
+
+@pytest.mark.ray
+def test_ray_rows_go_through_a_tier_actor_and_leave_nothing_behind(ray_session: Any, tmp_path: Path) -> None:
+    """--ray measures each CPU shape again through a TierActor (a process of its own, reached by RayTierClient,
+    its calls packed): the promotions must bring back the spilled bytes, and the actor is gone afterwards,
+    its arena unlinked; the Ray cluster this process was connected to is left running."""
+    out = tmp_path / "offload.json"
+    argv = "bench offload --shapes tiny --total-mib 2 --disk-total-mib 0 --repeat 2 --ttft-lengths= --no-progress"
+    shm_before = set(os.listdir("/dev/shm"))
+    args = build_parser().parse_args([*argv.split(), "--ray", "--json", str(out), "--disk-dir", str(tmp_path)])
+    assert args.func(args) == 0
+    local, through_ray = json.loads(out.read_text())["cpu"]["rows"]
+    assert (local["shape"], through_ray["shape"]) == ("tiny", "tiny ray") and through_ray["blocks"] == 128
+    assert through_ray["spill_ratio"] > 0 and through_ray["promote_ratio"] > 0
+    assert ray_session.is_initialized()  # not this benchmark's to stop
+    assert set(os.listdir("/dev/shm")) <= shm_before  # the actor's arena and the scratch buffers are unlinked
 
 
 @pytest.mark.parametrize(
