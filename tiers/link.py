@@ -19,26 +19,16 @@ for one per chunk (``acquire``). The ``commit`` after a spill's copy and the
 ``release`` after a promotion's are sent without waiting
 (``commit_later`` / ``release_later``), so the caller need not sit through
 a second round trip per call (on small blocks that round trip costs more
-than the copy). Their answers are collected later, so none is lost and
-an error one of them raised is raised by the call that collects it:
-
-- a lookup and a promotion wait for every answer first (:meth:`TierLink.settle`),
-  so they see those calls done whatever order an async tier actor runs
-  calls in; a promotion in several chunks also waits for each chunk's
-  release before it asks for the next (its slots are what the next chunk
-  needs);
-- a spill collects only the answers already in (:meth:`TierLink.collect`),
-  never waiting: its reserve depends on no earlier commit (a block whose
-  commit is still out counts as one being written, a duplicate), so a
-  worker's store jobs do not each sit through the previous commit's round
-  trip;
-- :meth:`TierLink.close` waits for the rest.
-
-A caller that must know which call failed collects them itself with
-:meth:`TierLink.settle` (the worker's offload thread does at the end of
-each load; at the end of a store it only collects, so a commit's error
-may be counted on a later store). A spill counts its granted blocks as
-stored: a commit of live write leases always publishes them all.
+than the copy). Their answers
+are collected by the link's next call (and by :meth:`TierLink.close`), so
+that call sees them done whatever order an async tier actor runs calls in;
+a promotion in several chunks waits for each chunk's release before it
+asks for the next (its slots are what the next chunk needs); an
+error one of them raised is raised there, so none is lost. A caller that
+must know which call failed collects them itself with :meth:`TierLink.settle`
+(the worker's offload thread does, at the end of each store and load). A
+spill counts its granted blocks as stored: a commit of live write leases
+always publishes them all.
 """
 
 from __future__ import annotations
@@ -88,19 +78,14 @@ class TierLink:
     def settle(self) -> None:
         """Collect the answers of the commits and releases sent without waiting; raises the first error."""
         pending, self._pending = self._pending, []
-        _answers(pending)
-
-    def collect(self) -> None:
-        """Collect the answers already in, without waiting; raises the first error among them. The calls
-        still out stay pending, for a later call or :meth:`settle`."""
-        if not self._pending:
-            return
-        arrived: list[Pending] = []
-        out: list[Pending] = []
-        for call in self._pending:  # one pass: a call that arrives meanwhile is in exactly one of the two
-            (arrived if call.done() else out).append(call)
-        self._pending = out
-        _answers(arrived)
+        error: BaseException | None = None
+        for call in pending:
+            try:
+                call.result()
+            except BaseException as exc:  # every answer is collected before one error is raised
+                error = error or exc
+        if error is not None:
+            raise error
 
     def spill(self, blocks: Sequence[BlockMeta], pool: torch.Tensor, block_ids: Sequence[int]) -> int:
         """Copy pool rows ``block_ids`` out as ``blocks``; returns how many the tier newly stored.
@@ -112,7 +97,7 @@ class TierLink:
         """
         if len(blocks) != len(block_ids):
             raise ValueError(f"{len(blocks)} blocks but {len(block_ids)} block ids")
-        self.collect()  # earlier commits need not be answered: a reserve never depends on them
+        self.settle()
         stored = 0
         chunk = self.slots.num_slots
         for first in range(0, len(blocks), chunk):
@@ -178,15 +163,3 @@ class TierLink:
         finally:
             self.engine.close()
             self.slots.close()
-
-
-def _answers(calls: list[Pending]) -> None:
-    """Read every answer of ``calls``, then raise the first error among them (so none is left unread)."""
-    error: BaseException | None = None
-    for call in calls:
-        try:
-            call.result()
-        except BaseException as exc:
-            error = error or exc
-    if error is not None:
-        raise error

@@ -115,10 +115,9 @@ class TierOffload:
             return 0
         try:
             stored = link.spill(blocks, kv, block_ids)
-            # The link sends the commit without waiting. Its answer is collected here if it is in, else by a
-            # later call (a commit's error is then counted there): waiting for it would hold this store's pool
-            # blocks, and the offload thread, for a round trip to the tier actor after the copy is done.
-            link.collect()
+            # The link sends the commit without waiting; collect its answer here, on the offload thread,
+            # so that a commit's error is this store's (counted below), not the next call's.
+            link.settle()
             return stored
         except TierUnavailableError as exc:
             self.counters.spill_skipped_blocks += len(blocks)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -129,63 +128,5 @@ def test_an_error_of_a_commit_sent_without_waiting_is_raised_by_the_next_call(
         assert link.lookup(hashes(metas[2:])) == (1, ("CPU",))
         client.check_invariants()
     finally:
-        link.close()
-        client.close()
-
-
-class _HeldAnswer:
-    """A commit's answer that arrives only when the test lets it (its error, if any, set first)."""
-
-    def __init__(self) -> None:
-        self.arrived = threading.Event()
-        self.error: Exception | None = None
-
-    def done(self) -> bool:
-        return self.arrived.is_set()
-
-    def result(self) -> int:
-        if not self.arrived.wait(2):
-            raise AssertionError("a caller waited for an answer that had not arrived")
-        if self.error is not None:
-            raise self.error
-        return 0
-
-
-class _SlowAnswers:
-    """A real LocalTierClient whose commits are done at once but answered only when the test says."""
-
-    def __init__(self, inner: LocalTierClient) -> None:
-        self.inner = inner
-        self.held: list[_HeldAnswer] = []
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    def commit_later(self, lease_ids: Sequence[int]) -> _HeldAnswer:
-        self.inner.commit(lease_ids)
-        self.held.append(_HeldAnswer())
-        return self.held[-1]
-
-
-def test_a_spill_never_waits_for_earlier_commits_and_their_errors_still_surface(tmp_path: Path) -> None:
-    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=8), IDENTITY, arena_name=arena_name())
-    slow = _SlowAnswers(client)
-    link = TierLink(slow, IDENTITY)  # type: ignore[arg-type]
-    try:
-        metas, data = make_blocks(4)
-        assert link.spill(metas[:2], data, [0, 1]) == 2
-        assert link.spill(metas[2:3], data, [2]) == 1  # the first commit's answer is still out: not waited for
-        slow.held[0].error = LeaseError("injected: refused")
-        slow.held[0].arrived.set()
-        with pytest.raises(LeaseError, match="injected"):  # in now: the next spill collects it
-            link.spill(metas[3:], data, [3])
-        assert len(slow.held) == 2  # that spill raised before it reserved anything
-        slow.held[1].arrived.set()
-        assert link.lookup(hashes(metas)) == (3, ("CPU",) * 3)  # a lookup waits for every answer, then asks
-        assert link._pending == []
-        client.check_invariants()
-    finally:
-        for answer in slow.held:
-            answer.arrived.set()
         link.close()
         client.close()
