@@ -13,14 +13,25 @@ layouts are equal (the tiers' cache identity includes it).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import msgspec
+
+if TYPE_CHECKING:
+    import torch
 
 KVDtype = Literal["float32", "float16", "bfloat16"]
 """Names of the KV dtypes; each is also the name of the ``torch`` dtype (``getattr(torch, name)``)."""
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def torch_dtype_of(dtype: KVDtype) -> torch.dtype:
+    """The ``torch`` dtype named ``dtype`` (torch is imported here, not at the top: a router reads layouts
+    from its config without it)."""
+    import torch
+
+    return cast("torch.dtype", getattr(torch, dtype))
 
 
 class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvstore.config import CacheConfig, HashAlgo
-from kvstore.kv_layout import KVLayout
+from kvstore.kv_layout import KVLayout, torch_dtype_of
 
 if TYPE_CHECKING:
     import torch
@@ -59,10 +59,7 @@ class CacheIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        import torch  # here, not at the top: a router reads identities from its config without torch
-
-        dtype: torch.dtype = getattr(torch, self.layout.dtype)
-        return dtype
+        return torch_dtype_of(self.layout.dtype)
 
     def digest(self) -> str:
         """32 hex chars (128 bits of sha256) over every field, the layout's flattened, in canonical JSON."""

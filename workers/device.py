@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal, cast
 
 from kvstore.errors import ConfigError
-from kvstore.kv_layout import DTYPE_BYTES, KVDtype
+from kvstore.kv_layout import DTYPE_BYTES, KVDtype, torch_dtype_of
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +54,4 @@ def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a :data:`~kvstore.kv_layout.KVDtype` name; ConfigError for any other name."""
     if name not in DTYPE_BYTES:
         raise ConfigError(f"worker.dtype {name!r} is not one of {sorted(DTYPE_BYTES)}")
-    import torch
-
-    return cast(torch.dtype, getattr(torch, name))
+    return torch_dtype_of(cast(KVDtype, name))
