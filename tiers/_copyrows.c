@@ -588,27 +588,28 @@ static int u64_ok(PyObject *value) {
     return 1;
 }
 
+/* 1 when `meta`'s field `name` is an int in 0..2**64-1 (or None, with `or_none`), 0 when not,
+ * -1 with an exception set when it cannot be read. */
+static int hash_field_ok(PyObject *meta, PyObject *name, int or_none) {
+    PyObject *field = PyObject_GetAttr(meta, name);
+    if (field == NULL) {
+        return -1;
+    }
+    int ok = (or_none && field == Py_None) || u64_ok(field);
+    Py_DECREF(field);
+    return ok;
+}
+
 /* 1 when `meta` passes (see metas_ok), 0 when not, -1 with an exception set on a failure. */
 static int meta_ok(PyObject *meta, Py_ssize_t block_size, int tokens) {
-    PyObject *field = PyObject_GetAttr(meta, str_block_hash);
-    if (field == NULL) {
-        return -1;
+    int ok = hash_field_ok(meta, str_block_hash, 0);
+    if (ok == 1) {
+        ok = hash_field_ok(meta, str_parent_hash, 1);
     }
-    int ok = u64_ok(field);
-    Py_DECREF(field);
-    if (!ok) {
-        return 0;
+    if (ok != 1) {
+        return ok;
     }
-    field = PyObject_GetAttr(meta, str_parent_hash);
-    if (field == NULL) {
-        return -1;
-    }
-    ok = field == Py_None || u64_ok(field);
-    Py_DECREF(field);
-    if (!ok) {
-        return 0;
-    }
-    field = PyObject_GetAttr(meta, str_token_ids);
+    PyObject *field = PyObject_GetAttr(meta, str_token_ids);
     if (field == NULL) {
         return -1;
     }
