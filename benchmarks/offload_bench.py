@@ -65,7 +65,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack
 from functools import partial
-from itertools import islice, repeat
+from itertools import islice
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -79,7 +79,7 @@ from kvstore.deploy.model_args import add_model_arguments, model_overrides
 from kvstore.errors import ConfigError
 from kvstore.events import Medium
 from kvstore.kv_layout import KVLayout
-from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit, check_blocks
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit, check_blocks, make_grants
 from kvstore.tiers.client import LocalTierClient, Pending, TierClient
 from kvstore.tiers.config import MAX_COPY_THREADS, TierConfig
 from kvstore.tiers.disk import DiskTier
@@ -291,7 +291,7 @@ class _FloorClient:
         ids = range(self._next_lease, self._next_lease + count)
         self._next_slot, self._next_lease = (first + count) % self._slots, ids.stop
         hashes = [meta.block_hash for meta in blocks[:count]]
-        return list(map(tuple.__new__, repeat(SlotGrant), zip(ids, slots, hashes, repeat(Medium.CPU))))
+        return make_grants(ids, slots, hashes, Medium.CPU)
 
     def arena_info(self) -> ArenaInfo:
         return self._inner.arena_info()

@@ -34,10 +34,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from itertools import repeat
 
 from kvstore.events import Medium
-from kvstore.tiers.blocks import SlotGrant
+from kvstore.tiers.blocks import SlotGrant, make_grants
 from kvstore.tiers.cpu_arena import CpuArena, Lease, LeaseKind
 from kvstore.tiers.errors import ArenaMovedError
 from kvstore.tiers.stats import PROMOTE, SPILL, StoreCounters
@@ -75,9 +74,7 @@ class LeaseBook:
         self._started.update(dict.fromkeys(ids, now))
         slots = [lease.slot for lease in leases]
         hashes = [lease.meta.block_hash for lease in leases]
-        # tuple.__new__ builds each grant in C: SlotGrant(...) and SlotGrant._make are Python calls, a tenth of a
-        # 16 KiB block's copy each.
-        return list(map(tuple.__new__, repeat(SlotGrant), zip(ids, slots, hashes, repeat(medium))))
+        return make_grants(ids, slots, hashes, medium)
 
     def commit(self, lease_ids: Sequence[int]) -> list[Lease]:
         """Publish written slots as cached blocks; returns their leases (now ended).
