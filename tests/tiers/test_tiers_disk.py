@@ -428,6 +428,19 @@ def test_restart_scan_reads_headers_ahead_and_a_refused_hint_changes_nothing(
     asyncio.run(again.aclose())
 
 
+def serves_then_closes(tier: DiskTier, metas: list[BlockMeta], contents: list[bytes]) -> None:
+    """Each of ``metas`` reads back as its ``contents``; then the tier's invariants hold, and it is closed."""
+
+    async def served() -> None:
+        for meta, content in zip(metas, contents, strict=True):
+            out = out_buffer()
+            assert await tier.read_into(meta, out) and bytes(out) == content
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(served())
+
+
 def test_restart_with_a_smaller_capacity_keeps_the_newest_blocks(tmp_path: Path) -> None:
     """A smaller capacity keeps the slots that still fit, filled with the newest blocks: those beyond the cut are
     copied over older ones (which a cut would keep otherwise), LRU order and contents intact."""
@@ -439,15 +452,8 @@ def test_restart_with_a_smaller_capacity_keeps_the_newest_blocks(tmp_path: Path)
     assert dict(smaller.counters.scan_removed) == {"dropped_to_fit": 2, "slab_cut": 1}
     assert smaller.disk_bytes == 2 * FILE_BYTES and slab.stat().st_size == 2 * FILE_BYTES
 
-    async def served() -> None:
-        for meta, content in zip(metas[2:], contents[2:], strict=True):
-            out = out_buffer()
-            assert await smaller.read_into(meta, out) and bytes(out) == content
-        assert not smaller.counters.integrity_failures
-        smaller.check_invariants()
-        await smaller.aclose()
-
-    asyncio.run(served())
+    serves_then_closes(smaller, metas[2:], contents[2:])
+    assert not smaller.counters.integrity_failures
     again = new_tier(tmp_path, files=2)  # the same capacity again: nothing moves, nothing is dropped
     assert again.lru_hashes() == [metas[2].block_hash, metas[3].block_hash] and not again.counters.scan_removed
     asyncio.run(again.aclose())
@@ -478,14 +484,7 @@ def test_a_smaller_capacity_moves_blocks_across_slabs(
     assert dict(smaller.counters.scan_removed) == {"dropped_to_fit": 6 - files, **removed}
     assert smaller.disk_bytes == files * FILE_BYTES
 
-    async def served() -> None:
-        for i in kept:
-            out = out_buffer()
-            assert await smaller.read_into(metas[i], out) and bytes(out) == contents[i]
-        smaller.check_invariants()
-        await smaller.aclose()
-
-    asyncio.run(served())
+    serves_then_closes(smaller, [metas[i] for i in kept], [contents[i] for i in kept])
 
 
 def test_a_block_that_cannot_be_moved_to_fit_is_dropped_not_served_wrong(
