@@ -3,9 +3,10 @@
 vLLM itself cannot run here (no GPU, no weights), but a router in front of
 a vLLM fleet only depends on what crosses the wire, so this server answers
 exactly that: ``POST /v1/completions`` and ``/v1/chat/completions`` (plain
-bodies with ``usage``; ``stream: true`` as SSE chunks in vLLM's shape,
-``stream_options.include_usage`` adding a usage chunk, ``data: [DONE]``
-last), ``GET /v1/models`` and ``GET /metrics`` with vLLM's load gauges
+bodies with ``usage``; ``stream: true`` as SSE chunks in vLLM's shape --
+a role chunk per choice on chat, ``stream_options.include_usage`` adding a
+usage chunk (and ``continuous_usage_stats`` the usage so far to every
+chunk), ``data: [DONE]`` last), ``GET /v1/models`` and ``GET /metrics`` with vLLM's load gauges
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc``). It records every request's path, headers and
 exact body bytes, so a test can prove a router forwarded what the client
@@ -79,7 +80,8 @@ def create_standin_app(state: StandinState) -> FastAPI:
         if body.get("stream"):
             options = body.get("stream_options")
             with_usage = options is not None and options.get("include_usage", True)
-            stream = _stream(state, ident, chat, tokens, n, usage if with_usage else None)
+            running = with_usage and bool(options.get("continuous_usage_stats"))  # as vLLM: only with include_usage
+            stream = _stream(state, ident, chat, tokens, n, usage if with_usage else None, running)
             return StreamingResponse(stream, media_type="text/event-stream")
         await asyncio.sleep(state.ttft_s + state.itl_s * (tokens - 1))
         text = "".join(f"t{i} " for i in range(tokens))
@@ -123,7 +125,7 @@ def create_standin_app(state: StandinState) -> FastAPI:
 
 
 async def _stream(
-    state: StandinState, ident: str, chat: bool, tokens: int, n: int, usage: dict[str, int] | None
+    state: StandinState, ident: str, chat: bool, tokens: int, n: int, usage: dict[str, int] | None, running: bool
 ) -> AsyncIterator[bytes]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
@@ -132,12 +134,19 @@ async def _stream(
         payload = {"id": ident, "object": kind, "created": created, "model": state.model, "choices": choices, **extra}
         return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
+    def so_far(generated: int) -> dict[str, Any]:  # continuous_usage_stats: the usage up to this chunk
+        if not running or usage is None:
+            return {}
+        prompt = usage["prompt_tokens"]
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}}
+
     finished = False
     try:
         await asyncio.sleep(state.ttft_s)
         if chat:
-            yield event([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for c in range(n)])  # fmt: skip
+            for c in range(n):
+                yield event([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], **so_far(0))  # fmt: skip
         for i in range(tokens):
             if i:
                 await asyncio.sleep(state.itl_s)
@@ -145,7 +154,7 @@ async def _stream(
             for c in range(n):
                 choice: dict[str, Any] = {"index": c, "logprobs": None, "finish_reason": reason}
                 choice.update({"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} ", "stop_reason": None})
-                yield event([choice])
+                yield event([choice], **so_far(i + 1))
         if usage is not None:
             yield event([], usage=usage)
         yield b"data: [DONE]\n\n"

@@ -52,6 +52,16 @@ def completions_plain_and_streamed(base_url: str, model: str) -> None:
     assert text == choice.text, "greedy streamed text equals the plain text"
     assert events[-1].choices == [] and events[-1].usage is not None and events[-1].usage.completion_tokens == tokens
     assert [e.choices[0].finish_reason for e in events if e.choices][-1] == choice.finish_reason
+    running = list(
+        c.completions.create(
+            model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+    )  # fmt: skip
+    so_far = [e.usage.completion_tokens for e in running if e.choices and e.usage is not None]
+    assert len(so_far) == sum(1 for e in running if e.choices), "continuous usage: every chunk carries the usage"
+    assert so_far == sorted(so_far) and so_far[-1] == tokens and running[-1].usage is not None
+    assert (running[-1].usage.prompt_tokens, running[-1].usage.completion_tokens) == (plain.usage.prompt_tokens, tokens)
 
 
 def chat_plain_and_streamed_and_cached(base_url: str, model: str) -> None:

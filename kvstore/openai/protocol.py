@@ -178,7 +178,7 @@ class ParsedRequest(NamedTuple):
     lora_name: str | None
     stream: bool
     include_usage: bool  # a final chunk with the usage (stream only)
-    continuous_usage: bool  # usage in every chunk (stream only)
+    continuous_usage: bool  # usage in every chunk (stream only, with include_usage)
     echo_text: str | None  # text to put before each choice's output (completions' or chat's echo)
     logprobs: int | None  # top alternatives per token, when logprobs are asked for
 
@@ -491,7 +491,10 @@ def _parsed(
         lora_name=req.lora_name,
         stream=req.stream,
         include_usage=bool(req.stream and options is not None and options.include_usage),
-        continuous_usage=bool(req.stream and options is not None and options.continuous_usage_stats),
+        # As vLLM: usage in every chunk only when the stream carries usage at all.
+        continuous_usage=bool(
+            req.stream and options is not None and options.include_usage and options.continuous_usage_stats
+        ),
         echo_text=echo,
         logprobs=logprobs,
     )

@@ -10,7 +10,9 @@ server sends for ``/v1/completions`` and ``/v1/chat/completions``:
 - streamed: one ``data: {json}`` event per choice per step that produced
   text or ended, a chat stream opening each choice with its
   ``{"role": "assistant"}`` delta, an optional usage chunk (``choices``
-  empty) when ``stream_options.include_usage``, then ``data: [DONE]``.
+  empty) when ``stream_options.include_usage``, then ``data: [DONE]``;
+  with ``continuous_usage_stats`` too, every chunk carries the usage so far
+  (the prompt, and the tokens its choice has generated).
 
 Beyond vLLM, choices carry ``token_ids`` and the body (or the stream's
 last chunk) a ``kvstore`` object the caller supplies: which replica served
@@ -70,6 +72,7 @@ class ResponseBuilder:
         self._extras = extras
         self._started: set[int] = set()  # choices whose first chunk went out
         self._offsets: dict[int, int] = {}  # completions' logprobs text_offset, per choice
+        self._generated: dict[int, int] = {}  # tokens each choice has generated so far (continuous usage)
 
     # ------------------------------------------------------------------ plain
 
@@ -106,9 +109,6 @@ class ResponseBuilder:
         payloads = []
         for delta in chunk.deltas:
             payloads.extend(self._delta_payloads(delta))
-        if self.parsed.continuous_usage and chunk.stats is not None:
-            for payload in payloads:
-                payload["usage"] = usage(chunk.stats)
         if chunk.stats is not None:
             if self.parsed.include_usage:
                 payloads.append(self._envelope([], usage=usage(chunk.stats)))
@@ -120,13 +120,15 @@ class ResponseBuilder:
         out = []
         text = delta.text
         first = delta.index not in self._started
+        generated = self._generated.get(delta.index, 0) + len(delta.token_ids)  # counted, sent or held back
+        self._generated[delta.index] = generated
         if first:
             self._started.add(delta.index)
             text = (self.parsed.echo_text or "") + text
             if self.chat:
                 role = {"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}  # fmt: skip
-                out.append(self._envelope([role]))
+                out.append(self._envelope([role], usage=self._running_usage(0)))
         logprobs = self._logprobs(delta.index, delta.logprobs)
         if not text and delta.finish_reason is None and logprobs is None:
             return out
@@ -139,8 +141,20 @@ class ResponseBuilder:
         choice["finish_reason"] = None if delta.finish_reason is None else str(delta.finish_reason)
         choice["stop_reason"] = delta.stop_reason
         choice["token_ids"] = delta.token_ids
-        out.append(self._envelope([choice]))
+        out.append(self._envelope([choice], usage=self._running_usage(generated)))
         return out
+
+    def _running_usage(self, completion_tokens: int) -> dict[str, Any] | None:
+        """``continuous_usage_stats``: a chunk's usage, as vLLM counts it -- the prompt, and the tokens its choice
+        has generated so far (none yet on a chat stream's opening role chunk); None without the option."""
+        if not self.parsed.continuous_usage:
+            return None
+        prompt = len(self.parsed.token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+        }
 
     def _envelope(self, choices: list[dict[str, Any]], *, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         payload: dict[str, Any] = {

@@ -83,6 +83,35 @@ def test_chat_stream_opens_with_the_role_and_ends_with_usage() -> None:
     assert len(plain) == 3 and "usage" not in plain[-1]
 
 
+def test_continuous_usage_puts_the_usage_so_far_in_every_chunk() -> None:
+    """vLLM's ``continuous_usage_stats``: each chunk carries the prompt and the tokens its own choice has generated
+    so far (a chat stream's role chunk: none yet), a token held back (no text yet) counted when the next chunk goes
+    out; the closing usage chunk has the totals. With ``include_usage`` false the option does nothing, as in vLLM."""
+    chunks = [
+        StreamChunk("r", [ChoiceDelta(0, [ord("a")], "a"), ChoiceDelta(1, [ord("b")], "")]),  # choice 1 holds back
+        StreamChunk("r", [ChoiceDelta(1, [ord("b"), ord("c")], "bbc")]),
+        StreamChunk("r", [ChoiceDelta(0, [ord("d")], "d", None, FinishReason.LENGTH),
+                          ChoiceDelta(1, [ord("e")], "e", None, FinishReason.LENGTH)], STATS),
+    ]  # fmt: skip
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    builder = chat(stream=True, n=2, stream_options=options)
+    prompt = len(builder.parsed.token_ids)
+    out = events(builder, chunks)
+    seen = [(e["choices"][0]["index"] if e["choices"] else None, e["usage"]) for e in out]  # type: ignore[index]
+    running = [(i, u["completion_tokens"]) for i, u in seen[:-1]]  # type: ignore[index]
+    assert running == [(0, 0), (0, 1), (1, 0), (1, 3), (0, 2), (1, 4)]
+    assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + c  # type: ignore[index]
+               for (_, u), (_, c) in zip(seen, running, strict=False))  # fmt: skip
+    assert seen[-1] == (None, {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                               "prompt_tokens_details": {"cached_tokens": 4}})  # fmt: skip
+    plain = events(completion(stream=True, stream_options=options), CHUNKS)
+    assert [e["usage"]["completion_tokens"] for e in plain] == [1, 2, 3]  # type: ignore[index]
+    alone = events(completion(stream=True, stream_options={"continuous_usage_stats": True}), CHUNKS)
+    assert [e["usage"]["completion_tokens"] for e in alone] == [1, 2, 3]  # include_usage defaults to true, as vLLM's
+    quiet = {"include_usage": False, "continuous_usage_stats": True}
+    assert not any("usage" in e for e in events(completion(stream=True, stream_options=quiet), CHUNKS))
+
+
 def test_parse_rejects_by_field_and_fills_vllm_defaults() -> None:
     parsed = parse_chat(decode_chat(b'{"messages": [{"role": "user", "content": "hi"}]}'), TOK, LIMITS)
     assert parsed.max_tokens == 2048 - len(parsed.token_ids)  # chat: the rest of the context, as vLLM
