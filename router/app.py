@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain or
 ``stream: true``), ``GET /v1/models[/{id}]``, ``POST /route`` (the decision
-only, with per-replica scores), ``GET /workers``, ``GET /healthz``,
+only, with per-replica scores), ``GET /workers``, ``GET /healthz`` (or vLLM's ``/health``),
 ``GET /metrics``.
 
 Two ways to serve a completion, by the kind of fleet:
@@ -72,7 +72,7 @@ from kvstore.router.routing import Prompt
 from kvstore.router.service import RouterService
 from kvstore.worker_api import GenerateRequest
 
-_OPEN_PATHS = frozenset({"/healthz"})
+_OPEN_PATHS = frozenset({"/healthz", "/health"})
 
 
 def create_app(
@@ -164,6 +164,7 @@ def create_app(
         return JSONResponse({"workers": service.workers()})
 
     @app.get("/healthz")
+    @app.get("/health")  # vLLM's name for it: a probe written for a vLLM server works here too
     async def healthz() -> JSONResponse:
         healthy = service.healthy_count()
         status = 200 if healthy else 503

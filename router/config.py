@@ -90,7 +90,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_context: NonNegativeInt = 0
     """Prompt + max_tokens limit; 0 = ask the replicas (Ray workers)."""
     api_key: str = ""
-    """When set, every route but /healthz needs ``Authorization: Bearer <api_key>``."""
+    """When set, every route but /healthz (and /health) needs ``Authorization: Bearer <api_key>``."""
     max_body_bytes: PositiveInt = 4 << 20
     """Larger request bodies get 413."""
     max_json_values: PositiveInt = 262_144

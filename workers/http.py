@@ -2,7 +2,7 @@
 
 This is a replica exactly as a vLLM server is one: ``POST /v1/completions``
 and ``POST /v1/chat/completions`` (plain or ``stream: true``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (503 once the worker
+``GET /v1/models``, ``GET /health`` (also ``/healthz``), ``GET /metrics`` (503 once the worker
 can no longer serve: the router's health poll reads this page), and KV
 events on ZeroMQ. A fleet of these behind ``kvstore router`` is the same
 deployment as a vLLM fleet behind it, so the plain-HTTP path is tested end
@@ -112,6 +112,7 @@ def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None) -> 
         return JSONResponse(model_card(info.model_name, info.max_context))
 
     @app.get("/health")
+    @app.get("/healthz")  # the router's name for it: either answers, so one probe fits both fronts
     async def health() -> JSONResponse:
         state = worker.health()
         return JSONResponse(state, status_code=200 if state["alive"] else 503)

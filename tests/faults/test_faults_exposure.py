@@ -156,7 +156,9 @@ def test_bearer_token_is_required_when_configured() -> None:
                 assert response.status_code == 401, (headers, path, response.text)
                 error = response.json()["error"]
                 assert error["type"] == "AuthenticationError" and error["message"]
-        assert fleet.client.get("/healthz").status_code == 200  # the liveness probe stays open
+        for probe in ("/healthz", "/health"):  # the liveness probe stays open, under vLLM's name too
+            answer = fleet.client.get(probe)
+            assert answer.status_code == 200 and answer.json()["healthy_replicas"] >= 1, (probe, answer.text)
         auth = {"Authorization": "Bearer s3cret-token"}
         response = fleet.client.post("/v1/completions", json=body, headers=auth)
         assert response.status_code == 200, response.text

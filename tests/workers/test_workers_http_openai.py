@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from workers_testlib import make_config
 
@@ -73,3 +74,21 @@ def _aborted(worker: KVWorker) -> float:
         if line.startswith("kvstore_requests_total") and 'outcome="aborted"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_the_health_check_answers_under_vllms_name_and_the_routers() -> None:
+    """``/health`` (vLLM's) and ``/healthz`` (the router's) are one check: 200 with the worker's state while it
+    serves, 503 once it is shut down (a probe written for either front fits a worker)."""
+    worker = KVWorker("http-health", make_config(num_blocks=64))
+    server = ServerThread(create_worker_app(worker)).start()
+    try:
+        for path in ("/health", "/healthz"):
+            answer = httpx.get(server.url + path, timeout=10)
+            assert answer.status_code == 200 and answer.json()["alive"] is True, (path, answer.text)
+        worker.shutdown()
+        for path in ("/health", "/healthz"):
+            answer = httpx.get(server.url + path, timeout=10)
+            assert answer.status_code == 503 and answer.json()["alive"] is False, (path, answer.text)
+    finally:
+        server.stop()
+        worker.shutdown()
