@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     service = build_router(config)
     host = args.host or config.router.host
     port = args.port if args.port is not None else config.router.port
-    print(f"kvstore router: http://{host}:{port}  ({len(config.router.replicas)} replicas)", file=sys.stderr)
+    count = len(config.router.replicas)
+    print(f"kvstore router: http://{host}:{port}  ({count} replica{'' if count == 1 else 's'})", file=sys.stderr)
     server = uvicorn.Server(server_config(create_app(service), config.router, host=host, port=port))
     freeze_startup_heap()
     server.run()
