@@ -310,7 +310,7 @@ def start_worker(config: Config, name: str, node: str, tiers: dict[str, PlacedTi
     Ray restarts it, with the same arguments, whenever its process dies (``max_restarts=-1``): a restarted
     worker has an empty pool and new event ports, which the supervisor tells the router.
     """
-    tier = tiers[node].handle if tiers and node in tiers else None
+    tier = tier_actor_name(node) if tiers and node in tiers else None  # a name: the worker looks the tier up
     return KVWorkerActor.options(  # type: ignore[attr-defined]
         name=f"kvstore-{name}",
         namespace=NAMESPACE,

@@ -19,6 +19,7 @@ this node's IP address, so subscribers on other nodes can connect.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,13 +29,15 @@ from ray.util import get_node_ip_address
 
 from kvstore.heap import freeze_startup_heap
 from kvstore.publisher import EventEndpoints
-from kvstore.tiers.actor import TIER_NAMESPACE, tier_actor_name
+from kvstore.tiers.actor import TIER_NAMESPACE
 from kvstore.tiers.client import RayTierClient
 from kvstore.tiers.link import TierLink
 from kvstore.worker_api import GenerateRequest, GenerateResult, ModelInfo, StreamChunk, WorkerLoad
 from kvstore.workers.config import WorkerSettings, cache_identity, replace_sections
 from kvstore.workers.tier_offload import TierOffload
 from kvstore.workers.worker import KVWorker
+
+logger = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
 
@@ -71,11 +74,15 @@ def routable_endpoint(endpoint: str, node_ip: str) -> str:
 class KVWorkerActor:
     """One KV worker replica on a Ray node; the same methods as :class:`KVWorker`."""
 
-    def __init__(self, name: str, config: WorkerSettings, tier: Any | None = None) -> None:
-        """``tier``: this node's TierActor handle; when given, evicted blocks spill to it and hits promote from it.
+    def __init__(self, name: str, config: WorkerSettings, tier: str | None = None) -> None:
+        """``tier``: the name of this node's TierActor (in ``TIER_NAMESPACE``); when given, evicted blocks spill to
+        it and hits promote from it.
 
-        If the tier actor dies, the worker goes on without it (spills dropped and counted) and
-        reconnects to the actor named ``kvstore-tier-<node id>`` once one runs again.
+        The worker looks the tier up by that name, here and whenever it reconnects: a name, not a handle, is passed
+        because Ray keeps a handle among an actor's constructor arguments as an object reference, which a restart
+        of this actor (``max_restarts``) may fail to get back (ray-project/ray#53727). A tier that is not there
+        yet, or dies later, costs spills and promotions only: the worker serves without it (spills dropped and
+        counted) and reconnects once one runs again.
         """
         if config.worker.device == "auto" and not ray.get_gpu_ids():
             config = replace_sections(config, worker=msgspec.structs.replace(config.worker, device="cpu"))
@@ -85,16 +92,18 @@ class KVWorkerActor:
         if tier is not None:
             identity = cache_identity(config)
             timeout_s = 2 * config.tiers.io_deadline_s
-            tier_name = tier_actor_name(self._node_id)
-
             copy_threads = config.tiers.copy_threads
 
             def reconnect() -> TierLink:
                 """The node's tier actor as it is now (a restarted one has a new arena): looked up by name."""
-                actor = ray.get_actor(tier_name, namespace=TIER_NAMESPACE)
+                actor = ray.get_actor(tier, namespace=TIER_NAMESPACE)
                 return TierLink(RayTierClient(actor, timeout_s=timeout_s), identity, copy_threads=copy_threads)
 
-            link = TierLink(RayTierClient(tier, timeout_s=timeout_s), identity, copy_threads=copy_threads)
+            link: TierLink | None = None
+            try:
+                link = reconnect()
+            except Exception as exc:  # not up (yet): serve without it; TierOffload keeps trying in the background
+                logger.warning("worker %s: the node's tier %r is not reachable yet (%s): reconnecting", name, tier, exc)
             self._offload = TierOffload(link, reconnect=reconnect)
         self._worker = KVWorker(name, config, offload=self._offload)
         freeze_startup_heap()  # the model and the libraries: never garbage, no longer walked by each collection
