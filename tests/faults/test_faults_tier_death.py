@@ -170,3 +170,39 @@ def test_tier_actor_killed_while_serving_then_restarted_on_the_same_disk(ray_ses
         )
     finally:
         stop(workers, [tier, *restarted])
+
+
+@pytest.mark.ray
+def test_a_worker_started_before_its_tier_serves_then_connects_when_the_tier_comes(
+    ray_session: Any, tmp_path: Path
+) -> None:
+    """The worker is handed its tier by name (a handle among an actor's constructor arguments is an object
+    reference a Ray restart may not get back): a name nobody holds yet means serving without a tier, exactly, and
+    connecting once the tier actor starts under it -- then the worker spills to it."""
+    from kvstore.tiers.actor import get_or_create_tier_actor, tier_actor_name
+    from kvstore.workers.actor import KVWorkerActor, worker_actor_options
+
+    config = tier_config(tmp_path)
+    node = ray.get_runtime_context().get_node_id()
+    options = worker_actor_options(config)
+    worker = KVWorkerActor.options(**options).remote("late-tier", config, tier_actor_name(node))  # type: ignore[attr-defined]
+    tier = None
+    try:
+        rng = random.Random(7)
+        prompts = [tokens(rng, PROMPT_BLOCKS * BLOCK + 3) for _ in range(3)]
+        outputs = [ray.get(worker.generate.remote(GenerateRequest(p, MAX_TOKENS)), timeout=60) for p in prompts]
+        assert [list(o.output_token_ids) for o in outputs] == reference_outputs(prompts, MAX_TOKENS)
+        assert health(worker)["tier_connected"] is False
+        tier = get_or_create_tier_actor(config.tiers, cache_identity(config), events=config.events, node_id=node)
+        assert wait_for(lambda: health(worker)["tier_connected"] is True, timeout=20)
+        more = [tokens(rng, PROMPT_BLOCKS * BLOCK + 3) for _ in range(4)]  # evict the pool's blocks into the tier
+        outputs = [ray.get(worker.generate.remote(GenerateRequest(p, MAX_TOKENS)), timeout=60) for p in more]
+        assert [list(o.output_token_ids) for o in outputs] == reference_outputs(more, MAX_TOKENS)
+        assert wait_for(lambda: metrics(worker)["kvstore_worker_offload_stored_blocks_total"] > 0, timeout=20)
+        assert metrics(worker)["kvstore_tier_reconnects_total"] == 1.0
+    finally:
+        for actor in (worker, tier):
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.get(actor.shutdown.remote(), timeout=30)
+                ray.kill(actor, no_restart=True)
