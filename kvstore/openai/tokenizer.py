@@ -55,7 +55,9 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255; ids >= 256 decode to U+FFFD. No special tokens, no EOS."""
+    """UTF-8 bytes as token ids 0..255; ids >= 256 decode to ``?`` (not U+FFFD, which the detokenizer reads as a
+    character still coming), so the toy model's larger vocabulary shows them all as ``?``. No special tokens, no
+    EOS."""
 
     vocab_size = 256
     eos_token_ids: tuple[int, ...] = ()
