@@ -71,7 +71,10 @@ def test_publishers_sharing_a_context_each_keep_their_own_admission(ctx: zmq.Con
         a.close()
         b.close()
         assert id(ctx) not in curve_auth._contexts  # the handler went with the last list
-        assert hears(ctx, open_to_all, server_c, nobody)
+        # The handler's inproc ZAP endpoint goes with its socket, which ZeroMQ closes in the background: a
+        # handshake started in that moment asks a handler that will never answer, and stalls (that client alone,
+        # until its handshake times out). A new client after it is let through, as with no handler at all.
+        assert any(hears(ctx, open_to_all, server_c, nobody) for _ in range(3))
     finally:
         for publisher in (a, b, open_to_all):
             publisher.close()
