@@ -12,7 +12,11 @@ sockets carry a ZAP domain of their own, under which its allow-list is
 registered; a CURVE socket of the context with no list of its own (another
 publisher without one) is let through, as it would be with no handler at all.
 The handler is started by the first allow-list of a context and stopped with
-its last.
+its last. ZeroMQ closes the stopped handler's socket in the background: a
+client whose handshake starts in that moment, on a socket of the context
+with no list, waits for an answer that never comes until its handshake
+interval ends (``ZMQ_HANDSHAKE_IVL``), then reconnects; clients after it
+pass at once.
 """
 
 from __future__ import annotations
