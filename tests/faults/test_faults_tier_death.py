@@ -70,7 +70,11 @@ def submit(worker: PlacedWorker, prompt: list[int]) -> Any:
 
 
 def stop(workers: list[PlacedWorker], tiers: list[PlacedTier]) -> None:
-    for actor in [*(w.handle for w in workers), *(t.handle for t in tiers)]:
+    stop_actors([*(w.handle for w in workers), *(t.handle for t in tiers)])
+
+
+def stop_actors(handles: list[Any]) -> None:
+    for actor in handles:
         with contextlib.suppress(Exception):  # a killed actor cannot shut down; the kill below is enough
             ray.get(actor.shutdown.remote(), timeout=30)
         ray.kill(actor, no_restart=True)
@@ -201,8 +205,4 @@ def test_a_worker_started_before_its_tier_serves_then_connects_when_the_tier_com
         assert wait_for(lambda: metrics(worker)["kvstore_worker_offload_stored_blocks_total"] > 0, timeout=20)
         assert metrics(worker)["kvstore_tier_reconnects_total"] == 1.0
     finally:
-        for actor in (worker, tier):
-            if actor is not None:
-                with contextlib.suppress(Exception):
-                    ray.get(actor.shutdown.remote(), timeout=30)
-                ray.kill(actor, no_restart=True)
+        stop_actors([actor for actor in (worker, tier) if actor is not None])
