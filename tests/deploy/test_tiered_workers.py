@@ -77,7 +77,10 @@ def test_spilled_prefix_is_promoted_into_another_worker_exactly(
             for line in ray.get(second.metrics_text.remote()).decode().splitlines()
             if line.startswith(("kvstore_worker_offload_", "kvstore_tier_")) and not line.startswith("#")
         ]
-        assert result.cached_tokens_by_medium[medium] > 0, (result.cached_tokens_by_medium, offload)
+        # A miss shows, in full (a string is not shortened as a repr is), what both sides counted.
+        tier_stats = ray.get(next(iter(tiers.values())).handle.stats.remote())
+        why = f"{result.cached_tokens_by_medium}\n{tier_stats}\n" + "\n".join(offload)
+        assert result.cached_tokens_by_medium[medium] > 0, why
         assert result.cached_tokens == sum(result.cached_tokens_by_medium.values())
         for w in workers:
             ray.get(w.handle.check_invariants.remote())
