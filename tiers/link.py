@@ -22,8 +22,10 @@ a second round trip per call (on small blocks that round trip costs more
 than the copy). Their answers
 are collected by the link's next call (and by :meth:`TierLink.close`), so
 that call sees them done whatever order an async tier actor runs calls in;
-a promotion in several chunks waits for each chunk's release before it
-asks for the next (its slots are what the next chunk needs); an
+a spill or promotion in several chunks waits for each chunk's commit or
+release before it asks for the next (its slots are what the next chunk
+needs; a tier that ran the next reserve first would find no slot to give
+and the chunk's blocks would be lost); an
 error one of them raised is raised there, so none is lost. A caller that
 must know which call failed collects them itself with :meth:`TierLink.settle`
 (the worker's offload thread does, at the end of each store and load). A
@@ -97,10 +99,14 @@ class TierLink:
         """
         if len(blocks) != len(block_ids):
             raise ValueError(f"{len(blocks)} blocks but {len(block_ids)} block ids")
-        self.settle()
         stored = 0
         chunk = self.slots.num_slots
         for first in range(0, len(blocks), chunk):
+            # A later chunk needs the slots of the one before, which its commit lets the tier write back to
+            # disk. An async tier actor need not run a caller's calls in the order sent: a reserve run
+            # before that commit finds every slot under a write lease and grants nothing, and those blocks
+            # are lost. So each chunk waits for the commits before it, as promote waits for releases.
+            self.settle()
             stored += self._spill_chunk(blocks[first : first + chunk], pool, block_ids[first : first + chunk])
         return stored
 

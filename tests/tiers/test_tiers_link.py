@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from tiers_helpers import IDENTITY, arena_name, hashes, make_blocks, tier_config
 
+from kvstore.tiers.blocks import BlockMeta, SlotGrant
 from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.errors import InvalidBlockError, LeaseError
 from kvstore.tiers.link import Promoted, TierLink
@@ -39,6 +41,59 @@ def test_spill_then_promote_into_other_pool_blocks(tmp_path: Path) -> None:
         assert torch.equal(other[[9, 8, 7, 6, 5]], data)
         # Promoting 0 and 1 pushed 3 and 4 out of the 3-slot arena (written back), so they come from disk.
         assert promoted.media == ("STORAGE", "STORAGE", "CPU", "STORAGE", "STORAGE")
+        client.check_invariants()
+    finally:
+        link.close()
+        client.close()
+
+
+class LateCommits:
+    """A client whose commits sent without waiting run only when their answer is asked for.
+
+    That is what an async tier actor may do: run a caller's later call (the next chunk's reserve)
+    before an earlier one it was sent (the last chunk's commit).
+    """
+
+    def __init__(self, client: LocalTierClient) -> None:
+        self.client = client
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
+        self.calls.append("reserve")
+        return self.client.reserve(blocks, arena)
+
+    def commit_later(self, lease_ids: Sequence[int]) -> Any:
+        outer = self
+
+        class Late:
+            def done(self) -> bool:
+                return False
+
+            def result(self) -> int:
+                outer.calls.append("commit")
+                return outer.client.commit(lease_ids)
+
+        return Late()
+
+
+def test_a_spill_larger_than_the_arena_waits_for_each_chunks_commit_before_the_next_reserve(
+    tmp_path: Path,
+) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=3, disk_blocks=32), IDENTITY, arena_name=arena_name())
+    late = LateCommits(client)
+    link = TierLink(late, IDENTITY)  # type: ignore[arg-type]  # a TierClient by its methods
+    try:
+        metas, data = make_blocks(8)
+        # A reserve run before the last chunk's commit would find all 3 slots write-leased and grant
+        # nothing: the chunk's blocks would be lost. Every block is stored.
+        assert link.spill(metas, data, range(8)) == 8
+        assert late.calls == ["reserve", "commit", "reserve", "commit", "reserve"]
+        link.settle()
+        assert link.lookup(hashes(metas)) == (8, ("STORAGE",) * 5 + ("CPU",) * 3)
+        assert client.store.stats().not_stored == {"CPU": {}, "STORAGE": {}}
         client.check_invariants()
     finally:
         link.close()
