@@ -345,7 +345,9 @@ def _ray_tier(stack: ExitStack, config: TierConfig, identity: CacheIdentity) -> 
             ray.kill(handle)
 
     stack.callback(stop)
-    return RayTierClient(handle, timeout_s=60.0)
+    client = RayTierClient(handle, timeout_s=60.0)
+    stack.callback(client.close)  # the control socket, before the actor goes
+    return client
 
 
 def measure_cpu(

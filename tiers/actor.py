@@ -13,7 +13,9 @@ workers hold. Its arena is named after the identity and the node, so a
 restarted actor reclaims its predecessor's shared memory.
 
 Workers on the node map the arena named by :meth:`TierActor.arena_info`
-(see :class:`kvstore.tiers.link.TierLink`).
+(see :class:`kvstore.tiers.link.TierLink`), and make their hot calls over the
+Unix socket :meth:`TierActor.control_endpoint` names (:mod:`~kvstore.tiers.control`),
+served on the actor's event loop like its Ray methods.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvstore.metrics import render
 from kvstore.publisher import EventEndpoints
 from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit, decode_metas, encode_grants
 from kvstore.tiers.config import TierConfig
+from kvstore.tiers.control import ControlServer
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.metrics import TierCollector
 from kvstore.tiers.shared_memory import ArenaInfo
@@ -61,6 +64,8 @@ class TierActor:
         self, config: TierConfig, identity: CacheIdentity, events: EventsConfig | None, arena_name: str | None
     ) -> None:
         self._store = TierStore(config, identity, events=events, arena_name=arena_name)
+        self._control_on = config.control_socket
+        self._control: ControlServer | None = None
 
     async def lookup(self, block_hashes: list[int], start: int = 0) -> TierHit:
         return self._store.lookup(block_hashes, start)
@@ -107,8 +112,32 @@ class TierActor:
     async def check_invariants(self) -> None:
         self._store.check_invariants()
 
+    async def control_endpoint(self) -> str | None:
+        """The ``ipc://`` endpoint of the hot calls' socket (started on the first ask); None when
+        ``tiers.control_socket`` is off. Its calls run the methods above on this actor's event loop."""
+        if not self._control_on:
+            return None
+        if self._control is None:
+            info = self._store.arena_info
+            self._control = ControlServer(
+                {
+                    "lookup": self.lookup,
+                    "reserve": self.reserve_packed,
+                    "commit": self.commit,
+                    "acquire": self.acquire_packed,
+                    "release": self.release,
+                },
+                info.shm_dir,
+                info.name,
+            )
+            self._control.start()
+        return self._control.endpoint
+
     async def shutdown(self) -> None:
-        """Settle disk I/O, close the event sockets and unlink the arena; the actor can then be killed."""
+        """Close the control socket, settle disk I/O, close the event sockets and unlink the arena; the actor
+        can then be killed."""
+        if self._control is not None:
+            await self._control.aclose()
         await self._store.aclose()
 
 

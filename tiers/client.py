@@ -5,10 +5,12 @@ node's :class:`~kvstore.tiers.actor.TierActor` through Ray, the other runs a
 :class:`~kvstore.tiers.store.TierStore` in this process on its own event-loop
 thread (tests, single-process deployments). Every call blocks until the
 store answers, at most ``timeout_s`` -- except ``commit_later`` /
-``release_later``, which send the call and return a :class:`Pending` at once
-(the store runs calls from one client in the order they were sent, so a
-later call sees their effect; their answer, or error, is read from the
-Pending). A tier that cannot answer -- a
+``release_later``, which send the call and return a :class:`Pending` at once;
+their answer, or error, is read from the Pending. Whether a later call sees
+their effect depends on the path: the local store and the tier's control
+socket run one client's calls in the order sent, but Ray does not promise
+that for an async actor's calls, so a caller that needs the effect collects
+the Pending first (``TierLink`` does). A tier that cannot answer -- a
 timeout (:class:`~kvstore.tiers.errors.TierTimeoutError`, also a ``TimeoutError``),
 a dead or unreachable actor, a closed store -- raises
 :class:`~kvstore.tiers.errors.TierUnavailableError`; callers' mistakes raise the
@@ -20,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
+import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
@@ -27,9 +31,11 @@ from typing import Any, Protocol, TypeVar
 import ray
 
 from kvstore.config import EventsConfig
+from kvstore.events import Medium
 from kvstore.publisher import EventEndpoints
 from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit, decode_grants, encode_metas
 from kvstore.tiers.config import TierConfig
+from kvstore.tiers.control import ControlChannel
 from kvstore.tiers.errors import TierError, TierTimeoutError, TierUnavailableError
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.shared_memory import ArenaInfo
@@ -37,6 +43,7 @@ from kvstore.tiers.stats import TierStats
 from kvstore.tiers.store import TierStore
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class Pending(Protocol):
@@ -91,12 +98,48 @@ class _LocalPending:
             raise TierTimeoutError(f"the tier store did not answer within {self._timeout_s} s") from None
 
 
-class RayTierClient:
-    """A :class:`TierClient` over a TierActor handle."""
+class _ChannelPending:
+    def __init__(self, channel: ControlChannel, seq: int) -> None:
+        self._channel = channel
+        self._seq = seq
 
-    def __init__(self, handle: Any, *, timeout_s: float = 30.0) -> None:
+    def done(self) -> bool:
+        return self._channel.done(self._seq)
+
+    def result(self) -> Any:
+        return self._channel.wait(self._seq)
+
+
+class RayTierClient:
+    """A :class:`TierClient` over a TierActor handle.
+
+    The hot calls (``lookup``, ``reserve``, ``commit``, ``acquire``, ``release`` and their
+    ``_later`` forms) go over the actor's control socket when it offers one and this process can
+    see it (:mod:`~kvstore.tiers.control`: asked once, at the first of them); the rest, and every
+    call when there is no socket, through Ray. :meth:`close` closes the socket.
+    """
+
+    def __init__(self, handle: Any, *, timeout_s: float = 30.0, control: bool = True) -> None:
         self._handle = handle
         self._timeout_s = timeout_s
+        self._ask_control = control  # ask the actor for its socket at the first hot call
+        self._channel: ControlChannel | None = None
+
+    @property
+    def channel(self) -> ControlChannel | None:
+        """The control socket the hot calls use (None: they go through Ray)."""
+        return self._fast()
+
+    def _fast(self) -> ControlChannel | None:
+        if self._ask_control:
+            self._ask_control = False
+            endpoint = self._get(self._handle.control_endpoint.remote())
+            path = endpoint.removeprefix("ipc://") if isinstance(endpoint, str) else None
+            if path is not None and os.path.exists(path):
+                self._channel = ControlChannel(endpoint, timeout_s=self._timeout_s)
+            elif path is not None:  # another mount namespace (a container without the tier's shm_dir)
+                logger.warning("the tier's control socket %s is not visible here: calling it through Ray", path)
+        return self._channel
 
     def _get(self, ref: Any) -> Any:
         try:
@@ -114,32 +157,67 @@ class RayTierClient:
         return self._get(self._handle.arena_info.remote())  # type: ignore[no-any-return]
 
     def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit:
-        return self._get(self._handle.lookup.remote(list(block_hashes), start))  # type: ignore[no-any-return]
+        channel = self._fast()
+        if channel is None:
+            return self._get(self._handle.lookup.remote(list(block_hashes), start))  # type: ignore[no-any-return]
+        answer = channel.call("lookup", [list(block_hashes), start])
+        try:
+            return TierHit(int(answer[0]), tuple(Medium(medium) for medium in answer[1]))
+        except (TypeError, ValueError, IndexError) as exc:
+            raise TierError(f"the tier's lookup answer is malformed: {answer!r:.80}") from exc
 
     def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
         # Packed both ways: Ray's own serialization of the metas and grants cost more than the round trip.
-        return decode_grants(self._get(self._handle.reserve_packed.remote(encode_metas(blocks), arena)))
+        channel = self._fast()
+        if channel is None:
+            return decode_grants(self._get(self._handle.reserve_packed.remote(encode_metas(blocks), arena)))
+        return decode_grants(channel.call("reserve", [encode_metas(blocks), arena]))
 
     def commit(self, lease_ids: Sequence[int]) -> int:
-        return self._get(self._handle.commit.remote(list(lease_ids)))  # type: ignore[no-any-return]
+        channel = self._fast()
+        if channel is None:
+            return self._get(self._handle.commit.remote(list(lease_ids)))  # type: ignore[no-any-return]
+        return int(channel.call("commit", [list(lease_ids)]))
 
     def commit_later(self, lease_ids: Sequence[int]) -> Pending:
-        return _RayPending(self, self._handle.commit.remote(list(lease_ids)))
+        channel = self._fast()
+        if channel is None:
+            return _RayPending(self, self._handle.commit.remote(list(lease_ids)))
+        return _ChannelPending(channel, channel.send("commit", [list(lease_ids)]))
 
     def release_later(self, lease_ids: Sequence[int]) -> Pending:
-        return _RayPending(self, self._handle.release.remote(list(lease_ids)))
+        channel = self._fast()
+        if channel is None:
+            return _RayPending(self, self._handle.release.remote(list(lease_ids)))
+        return _ChannelPending(channel, channel.send("release", [list(lease_ids)]))
 
     def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
-        grants = decode_grants(self._get(self._handle.acquire_packed.remote(encode_metas(blocks), arena)))
+        channel = self._fast()
+        if channel is None:
+            packed = self._get(self._handle.acquire_packed.remote(encode_metas(blocks), arena))
+        else:
+            packed = channel.call("acquire", [encode_metas(blocks), arena])
+        grants = decode_grants(packed)
         if None in grants:
             raise TierError("the tier's acquire answered a slot-less grant")
         return grants  # type: ignore[return-value]  # no None: checked above
 
     def release(self, lease_ids: Sequence[int]) -> None:
-        self._get(self._handle.release.remote(list(lease_ids)))
+        channel = self._fast()
+        if channel is None:
+            self._get(self._handle.release.remote(list(lease_ids)))
+        else:
+            channel.call("release", [list(lease_ids)])
 
     def stats(self) -> TierStats:
         return self._get(self._handle.stats.remote())  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Close the control socket (the actor lives on); later hot calls go through Ray. Idempotent."""
+        self._ask_control = False
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
 
 
 class LocalTierClient:

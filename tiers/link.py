@@ -60,9 +60,17 @@ class TierLink:
     """Maps the node's arena by name and moves blocks between it and a pool tensor."""
 
     def __init__(
-        self, client: TierClient, identity: CacheIdentity, *, copy_threads: int = 2, pin: bool | None = None
+        self,
+        client: TierClient,
+        identity: CacheIdentity,
+        *,
+        copy_threads: int = 2,
+        pin: bool | None = None,
+        close_client: bool = False,
     ) -> None:
+        """``close_client``: :meth:`close` also closes ``client`` (a RayTierClient made for this link)."""
         self.client = client
+        self._close_client = close_client
         self.identity = identity
         info = client.arena_info()
         self.slots = SharedSlots.attach(info.name, shm_dir=info.shm_dir, expect_tag=identity.digest())
@@ -169,3 +177,6 @@ class TierLink:
         finally:
             self.engine.close()
             self.slots.close()
+            closer = getattr(self.client, "close", None)
+            if self._close_client and closer is not None:
+                closer()

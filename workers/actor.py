@@ -97,7 +97,12 @@ class KVWorkerActor:
             def reconnect() -> TierLink:
                 """The node's tier actor as it is now (a restarted one has a new arena): looked up by name."""
                 actor = ray.get_actor(tier, namespace=TIER_NAMESPACE)
-                return TierLink(RayTierClient(actor, timeout_s=timeout_s), identity, copy_threads=copy_threads)
+                client = RayTierClient(actor, timeout_s=timeout_s)
+                try:
+                    return TierLink(client, identity, copy_threads=copy_threads, close_client=True)
+                except BaseException:
+                    client.close()
+                    raise
 
             link: TierLink | None = None
             try:

@@ -35,7 +35,9 @@ def test_tier_actor_on_the_local_node(ray_session: Any, tmp_path: Path) -> None:
         # A worker's path: this process maps the actor's arena by name and copies itself; no KV crosses Ray.
         info = ray.get(handle.arena_info.remote(), timeout=30)
         assert os.path.exists(os.path.join(info.shm_dir, info.name)) and info.tag == IDENTITY.digest()
-        link = TierLink(RayTierClient(handle), IDENTITY)
+        client = RayTierClient(handle)
+        link = TierLink(client, IDENTITY, close_client=True)
+        assert client.channel is not None  # the hot calls go over the control socket
         metas, data = make_blocks(6)
         assert spill_all(link, metas, data) == 6
         assert ray.get(handle.lookup.remote(hashes(metas)), timeout=30) == (6, ("STORAGE",) * 2 + ("CPU",) * 4)
@@ -47,6 +49,7 @@ def test_tier_actor_on_the_local_node(ray_session: Any, tmp_path: Path) -> None:
         promoted = link.promote(more, pool, lambda n: [2, 1, 0][:n])
         assert promoted.block_ids == (2, 1, 0) and torch.equal(pool[[2, 1, 0]], more_data)
         link.close()
+        assert client.channel is None  # closed with the link
 
         # Reserves and acquires travel packed: a damaged buffer is the caller's error, named, and changes nothing.
         for method in (handle.reserve_packed, handle.acquire_packed):
