@@ -72,3 +72,21 @@ def test_tier_actor_on_the_local_node(ray_session: Any, tmp_path: Path) -> None:
         assert not os.path.exists(os.path.join(info.shm_dir, info.name))  # the arena is unlinked
     finally:
         ray.kill(handle, no_restart=True)
+
+
+def test_with_the_control_socket_off_every_call_goes_through_ray(ray_session: Any, tmp_path: Path) -> None:
+    ray = ray_session
+    config = tier_config(tmp_path, cpu_blocks=4, control_socket=False)
+    handle = get_or_create_tier_actor(config, IDENTITY, namespace="kvstore-test-ray-calls")  # an actor of its own
+    try:
+        client = RayTierClient(handle)
+        assert client.channel is None
+        link = TierLink(client, IDENTITY, close_client=True)
+        metas, data = make_blocks(3)
+        assert link.spill(metas, data, [0, 1, 2]) == 3
+        promoted, got = promote_all(link, metas)
+        assert len(promoted.block_ids) == 3 and torch.equal(got, data)
+        link.close()
+        ray.get(handle.shutdown.remote(), timeout=30)
+    finally:
+        ray.kill(handle, no_restart=True)
