@@ -130,11 +130,13 @@ class ResponseBuilder:
                         "finish_reason": None}  # fmt: skip
                 out.append(self._envelope([role], usage=self._running_usage(0)))
         logprobs = self._logprobs(delta.index, delta.logprobs)
-        if not text and delta.finish_reason is None and logprobs is None:
+        if not text and not delta.token_ids and delta.finish_reason is None and logprobs is None:
             return out
+        # A token whose text is held back (an unfinished UTF-8 character) still goes out, with its id and no
+        # text, as vLLM sends it: the chunks' token_ids add up to the answer's.
         choice: dict[str, Any] = {"index": delta.index}
         if self.chat:
-            choice["delta"] = {"content": text} if text else {}
+            choice["delta"] = {"content": text} if text or delta.token_ids else {}
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs

@@ -85,8 +85,8 @@ def test_chat_stream_opens_with_the_role_and_ends_with_usage() -> None:
 
 def test_continuous_usage_puts_the_usage_so_far_in_every_chunk() -> None:
     """vLLM's ``continuous_usage_stats``: each chunk carries the prompt and the tokens its own choice has generated
-    so far (a chat stream's role chunk: none yet), a token held back (no text yet) counted when the next chunk goes
-    out; the closing usage chunk has the totals. With ``include_usage`` false the option does nothing, as in vLLM."""
+    so far (a chat stream's role chunk: none yet), a token held back (no text yet) in a chunk of its own with no
+    text; the closing usage chunk has the totals. With ``include_usage`` false the option does nothing, as in vLLM."""
     chunks = [
         StreamChunk("r", [ChoiceDelta(0, [ord("a")], "a"), ChoiceDelta(1, [ord("b")], "")]),  # choice 1 holds back
         StreamChunk("r", [ChoiceDelta(1, [ord("b"), ord("c")], "bbc")]),
@@ -99,7 +99,9 @@ def test_continuous_usage_puts_the_usage_so_far_in_every_chunk() -> None:
     out = events(builder, chunks)
     seen = [(e["choices"][0]["index"] if e["choices"] else None, e["usage"]) for e in out]  # type: ignore[index]
     running = [(i, u["completion_tokens"]) for i, u in seen[:-1]]  # type: ignore[index]
-    assert running == [(0, 0), (0, 1), (1, 0), (1, 3), (0, 2), (1, 4)]
+    assert running == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 3), (0, 2), (1, 4)]
+    held = out[3]["choices"][0]  # type: ignore[index]
+    assert (held["delta"], held["token_ids"]) == ({"content": ""}, [ord("b")])
     assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + c  # type: ignore[index]
                for (_, u), (_, c) in zip(seen, running, strict=False))  # fmt: skip
     assert seen[-1] == (None, {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
@@ -130,3 +132,19 @@ def test_parse_rejects_by_field_and_fills_vllm_defaults() -> None:
         with pytest.raises(ApiError) as info:
             parse_completion(decode_completion(body), TOK, LIMITS)
         assert info.value.param == param and info.value.status == 400
+
+
+def test_streamed_token_ids_add_up_to_the_answers_when_text_is_held_back() -> None:
+    """A byte-fallback token (half a UTF-8 character) has no text yet: its chunk still carries its id."""
+    euro = "€".encode()
+    chunks = [
+        StreamChunk("r", [ChoiceDelta(0, [euro[0]], "")]),
+        StreamChunk("r", [ChoiceDelta(0, [euro[1]], "")]),
+        StreamChunk("r", [ChoiceDelta(0, [euro[2], ord("!")], "€!", None, FinishReason.LENGTH)], STATS),
+    ]
+    for builder in (completion(stream=True), chat(stream=True)):
+        out = [e for e in events(builder, chunks) if e["choices"]]
+        content = [c for e in out for c in e["choices"] if "role" not in c.get("delta", {})]  # type: ignore[union-attr, attr-defined]
+        assert [c["token_ids"] for c in content] == [[euro[0]], [euro[1]], [euro[2], ord("!")]]
+        texts = [c["delta"]["content"] if builder.chat else c["text"] for c in content]
+        assert texts == ["", "", "€!"]
