@@ -7,8 +7,10 @@ model step the worker hands every sampled token to :meth:`ChoiceRecord.accept`,
 which decides, as vLLM does, whether the choice ends:
 
 - an EOS id (unless ``ignore_eos``) or one of ``stop_token_ids`` ends it
-  with ``stop`` (the token stays in ``token_ids``; special tokens are not
-  in the text);
+  with ``stop``; the token stays in ``token_ids`` but, as vLLM's v1
+  detokenizer does, is left out of the text unless
+  ``include_stop_str_in_output`` (then it is rendered like any other,
+  specials subject to ``skip_special_tokens``);
 - a stop string ends it with ``stop``, the text cut before it (after it
   with ``include_stop_str_in_output``);
 - none of these count before ``min_tokens`` tokens exist (the sampler
@@ -57,6 +59,7 @@ class ChoiceRecord:
             context=prompt_ids,
         )
         self.want_logprobs = params.logprobs is not None
+        self.text_of_stop_token = params.include_stop_str_in_output
 
     def accept(self, state: RequestState, token: int, logprob: TokenLogprob | None) -> ChoiceDelta:
         """Record a sampled token; returns what to stream, with the finish reason once the choice is done."""
@@ -67,7 +70,10 @@ class ChoiceRecord:
             state.finish(FinishReason.STOP)
         elif counts and token in self.sampling.stop_token_ids:
             state.finish(FinishReason.STOP, token)
-        text, stop = self.detokenizer.push([token], search_stop=counts and not state.is_finished)
+        if state.is_finished and not self.text_of_stop_token:  # ended by this token: none of its text
+            text, stop = "", None
+        else:
+            text, stop = self.detokenizer.push([token], search_stop=counts and not state.is_finished)
         if stop is not None:
             state.finish(FinishReason.STOP, stop)
         elif count >= state.max_tokens:

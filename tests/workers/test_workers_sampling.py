@@ -107,6 +107,14 @@ def test_eos_stop_ids_min_tokens_and_ignore_eos(reference: Reference) -> None:
         assert run(worker, ignore_eos=True).output_token_ids == greedy  # type: ignore[attr-defined]
         by_id = run(worker, ignore_eos=True, stop_token_ids=(eos,)).choices[0]  # type: ignore[attr-defined]
         assert by_id.token_ids == greedy[: first + 1] and by_id.stop_reason == eos
+        # The token that ends a choice is in its ids, not its text (as vLLM's v1 detokenizer leaves it out),
+        # unless include_stop_str_in_output.
+        before = run(worker, first, ignore_eos=True).choices[0].text  # type: ignore[attr-defined]
+        through = run(worker, first + 1, ignore_eos=True).choices[0].text  # type: ignore[attr-defined]
+        assert before != through
+        assert ended.text == by_id.text == before
+        kept = run(worker, stop_token_ids=(eos,), include_stop_str_in_output=True).choices[0]  # type: ignore[attr-defined]
+        assert (kept.token_ids, kept.text) == (greedy[: first + 1], through)
         late = run(worker, min_tokens=first + 3).choices[0]  # type: ignore[attr-defined]
         assert len(late.token_ids) >= first + 3 and eos not in late.token_ids[: first + 2]
     finally:
