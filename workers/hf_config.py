@@ -121,6 +121,8 @@ def generation_from_hf(config: Mapping[str, Any], generation: Mapping[str, Any] 
         temperature=None if gen.get("temperature") is None else float(gen["temperature"]),
         top_p=None if gen.get("top_p") is None else float(gen["top_p"]),
         top_k=None if gen.get("top_k") is None else int(gen["top_k"]),
+        min_p=None if gen.get("min_p") is None else float(gen["min_p"]),
+        repetition_penalty=None if gen.get("repetition_penalty") is None else float(gen["repetition_penalty"]),
     )
 
 

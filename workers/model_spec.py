@@ -99,6 +99,8 @@ class GenerationDefaults(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
 
 class ServedModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -150,6 +150,8 @@ def sampling_defaults(served: ServedModel) -> SamplingDefaults:
         temperature=base.temperature if gen.temperature is None else gen.temperature,
         top_p=base.top_p if gen.top_p is None else gen.top_p,
         top_k=base.top_k if gen.top_k is None else gen.top_k,
+        min_p=base.min_p if gen.min_p is None else gen.min_p,
+        repetition_penalty=base.repetition_penalty if gen.repetition_penalty is None else gen.repetition_penalty,
     )
 
 

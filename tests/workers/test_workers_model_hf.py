@@ -18,6 +18,8 @@ from kvstore.workers.config import WorkerConfig, cache_identity
 from kvstore.workers.hf_config import UnsupportedModelError, spec_from_hf_config
 from kvstore.workers.model_runner import ModelRunner
 from kvstore.workers.model_source import describe_model
+from kvstore.workers.request_table import sampling_defaults
+from kvstore.workers.sampler import SamplingDefaults
 from tests.checkpoints import TinyCheckpoint, reference_model, write_checkpoint
 
 CPU = torch.device("cpu")
@@ -219,3 +221,18 @@ def test_a_checkpoint_loads_onto_the_gpu_in_bfloat16_close_to_transformers(llama
         got = runner.model(torch.tensor(prompt, device=cuda), meta, runner.kv_pool)[0]
     assert got.argmax() == want.argmax()
     torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+
+
+def test_every_sampling_default_vllm_reads_from_generation_config_applies(
+    llama_checkpoint: TinyCheckpoint, tmp_path: Path
+) -> None:
+    """vLLM takes temperature, top_p, top_k, min_p and repetition_penalty from generation_config.json for what a
+    request leaves unset; min_p and repetition_penalty were once dropped."""
+    copy = shutil.copytree(llama_checkpoint.path, tmp_path / "penalised")
+    path = copy / "generation_config.json"
+    generation = json.loads(path.read_text())
+    path.write_text(json.dumps({**generation, "repetition_penalty": 1.05, "min_p": 0.1, "top_k": 20}))
+    defaults = sampling_defaults(describe_model(WorkerConfig(model=str(copy)), CPU))
+    assert defaults == SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, min_p=0.1, repetition_penalty=1.05)
+    plain = sampling_defaults(describe_model(WorkerConfig(model=str(llama_checkpoint.path)), CPU))
+    assert plain == SamplingDefaults(temperature=0.6, top_p=0.9)  # the rest: vLLM's neutral defaults
