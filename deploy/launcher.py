@@ -339,7 +339,7 @@ def build_service(
 ) -> RouterService:
     """A router over the workers; each node's tier stream counts for that node's workers."""
     info = ray.get(workers[0].handle.info.remote(), timeout=60)
-    limits = ModelLimits(info.vocab_size, info.max_context)
+    limits = ModelLimits(info.vocab_size, info.max_context, info.max_new_tokens)
     # The workers' own tokenizer unless the router is given one: a checkpoint's directory, else bytes.
     tokenizer = load_tokenizer(config.router.tokenizer or config.worker.model)
     service = RouterService(config, tokenizer, limits, model_name=info.model_name)

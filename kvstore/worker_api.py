@@ -239,6 +239,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     block_size: int
     hash_algo: str
     hash_seed: str
+    max_new_tokens: int | None = None  # the checkpoint's cap on max_tokens (generation_config.json), if any
 
 
 class WorkerShutdownError(KVStoreError, RuntimeError):

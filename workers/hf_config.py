@@ -123,6 +123,7 @@ def generation_from_hf(config: Mapping[str, Any], generation: Mapping[str, Any] 
         top_k=None if gen.get("top_k") is None else int(gen["top_k"]),
         min_p=None if gen.get("min_p") is None else float(gen["min_p"]),
         repetition_penalty=None if gen.get("repetition_penalty") is None else float(gen["repetition_penalty"]),
+        max_new_tokens=None if gen.get("max_new_tokens") is None else max(1, int(gen["max_new_tokens"])),
     )
 
 

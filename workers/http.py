@@ -48,7 +48,7 @@ def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None) -> 
     """
     bounds = bounds or BodyBounds(4 << 20)
     info = worker.info()
-    limits = ModelLimits(info.vocab_size, info.max_context)
+    limits = ModelLimits(info.vocab_size, info.max_context, info.max_new_tokens)
     tokenizer = worker.tokenizer
     app = FastAPI(title=f"kvstore worker {worker.name}", docs_url=None, redoc_url=None)
 

@@ -101,6 +101,7 @@ class GenerationDefaults(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    max_new_tokens: int | None = None  # caps a request's max_tokens, as vLLM applies it
 
 
 class ServedModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -244,6 +244,7 @@ class KVWorker:
             block_size=self.config.cache.block_size,
             hash_algo=self.config.cache.hash_algo,
             hash_seed=self.config.cache.hash_seed,
+            max_new_tokens=self.served.generation.max_new_tokens,
         )
 
     def event_endpoints(self) -> EventEndpoints:

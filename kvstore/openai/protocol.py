@@ -164,6 +164,7 @@ _UNSUPPORTED: dict[str, Any] = {
 class ModelLimits(NamedTuple):
     vocab_size: int | None  # None: unknown here, the replica checks
     max_context: int | None
+    max_new_tokens: int | None = None  # a checkpoint's generation_config cap on max_tokens, as vLLM applies it
 
 
 class ParsedRequest(NamedTuple):
@@ -232,7 +233,7 @@ def parse_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Model
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported; drop one of them", param="echo")
     token_ids, text = _completion_prompt(req.prompt, tokenizer, req.add_special_tokens)
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    max_tokens = _capped(16 if req.max_tokens is None else req.max_tokens, limits)
     sampling = _sampling(req, req.logprobs, limits)
     _check_lengths(token_ids, max_tokens, sampling, limits)
     echo = None
@@ -304,13 +305,20 @@ def parse_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLi
             raise ApiError(
                 400, f"the conversation ({len(token_ids)} tokens) fills the model's context", param="messages"
             )
-    max_tokens = explicit if explicit is not None else 16
+    max_tokens = _capped(explicit if explicit is not None else 16, limits)
     _check_lengths(token_ids, max_tokens, sampling, limits, param="max_completion_tokens")
     echo = None
     last = messages[-1]
     if req.echo and last.get("role") == "assistant" and isinstance(last.get("content"), str):
         echo = last["content"]
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)
+
+
+def _capped(max_tokens: int, limits: ModelLimits) -> int:
+    """``max_tokens`` under the checkpoint's ``max_new_tokens``, as vLLM takes the least of the two (a bad value
+    is left for the checks to name)."""
+    cap = limits.max_new_tokens
+    return min(max_tokens, cap) if cap is not None and max_tokens >= 1 else max_tokens
 
 
 def _message(raw: Any, index: int) -> dict[str, Any]:

@@ -148,3 +148,16 @@ def test_streamed_token_ids_add_up_to_the_answers_when_text_is_held_back() -> No
         assert [c["token_ids"] for c in content] == [[euro[0]], [euro[1]], [euro[2], ord("!")]]
         texts = [c["delta"]["content"] if builder.chat else c["text"] for c in content]
         assert texts == ["", "", "€!"]
+
+
+def test_a_checkpoints_max_new_tokens_caps_max_tokens_as_vllm_does() -> None:
+    """vLLM takes the least of the request's max_tokens (or its default) and generation_config's max_new_tokens."""
+    capped = ModelLimits(512, 2048, 8)
+    assert parse_completion(decode_completion(b'{"prompt": [1, 2], "max_tokens": 100}'), TOK, capped).max_tokens == 8
+    assert parse_completion(decode_completion(b'{"prompt": [1, 2], "max_tokens": 3}'), TOK, capped).max_tokens == 3
+    assert parse_completion(decode_completion(b'{"prompt": [1, 2]}'), TOK, capped).max_tokens == 8  # 16 by default
+    chat_body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    assert parse_chat(decode_chat(chat_body), TOK, capped).max_tokens == 8  # the rest of the context by default
+    with pytest.raises(ApiError) as info:  # a bad value is still named, not capped into a good one
+        parse_completion(decode_completion(b'{"prompt": [1, 2], "max_tokens": 0}'), TOK, capped)
+    assert info.value.param == "max_tokens"

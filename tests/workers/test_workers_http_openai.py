@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +91,26 @@ def test_the_health_check_answers_under_vllms_name_and_the_routers() -> None:
         for path in ("/health", "/healthz"):
             answer = httpx.get(server.url + path, timeout=10)
             assert answer.status_code == 503 and answer.json()["alive"] is False, (path, answer.text)
+    finally:
+        server.stop()
+        worker.shutdown()
+
+
+def test_a_checkpoints_max_new_tokens_caps_what_the_front_generates(
+    qwen2_checkpoint: TinyCheckpoint, tmp_path: Path
+) -> None:
+    """generation_config.json's max_new_tokens reaches the HTTP front (through ModelInfo) and caps max_tokens."""
+    copy = shutil.copytree(qwen2_checkpoint.path, tmp_path / "capped")
+    path = copy / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_new_tokens": 3}))
+    worker = KVWorker("http-capped", make_config(num_blocks=64, model=str(copy)))
+    server = ServerThread(create_worker_app(worker)).start()
+    try:
+        body = {"model": "capped", "prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True}
+        answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        assert (len(choice["token_ids"]), choice["finish_reason"]) == (3, "length")
     finally:
         server.stop()
         worker.shutdown()

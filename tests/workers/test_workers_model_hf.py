@@ -227,12 +227,16 @@ def test_every_sampling_default_vllm_reads_from_generation_config_applies(
     llama_checkpoint: TinyCheckpoint, tmp_path: Path
 ) -> None:
     """vLLM takes temperature, top_p, top_k, min_p and repetition_penalty from generation_config.json for what a
-    request leaves unset; min_p and repetition_penalty were once dropped."""
+    request leaves unset, and max_new_tokens as a cap; the last three were once dropped."""
     copy = shutil.copytree(llama_checkpoint.path, tmp_path / "penalised")
     path = copy / "generation_config.json"
     generation = json.loads(path.read_text())
-    path.write_text(json.dumps({**generation, "repetition_penalty": 1.05, "min_p": 0.1, "top_k": 20}))
-    defaults = sampling_defaults(describe_model(WorkerConfig(model=str(copy)), CPU))
+    path.write_text(
+        json.dumps({**generation, "repetition_penalty": 1.05, "min_p": 0.1, "top_k": 20, "max_new_tokens": 7})
+    )
+    served = describe_model(WorkerConfig(model=str(copy)), CPU)
+    defaults = sampling_defaults(served)
     assert defaults == SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, min_p=0.1, repetition_penalty=1.05)
+    assert served.generation.max_new_tokens == 7  # what ModelInfo hands the fronts, which cap max_tokens with it
     plain = sampling_defaults(describe_model(WorkerConfig(model=str(llama_checkpoint.path)), CPU))
     assert plain == SamplingDefaults(temperature=0.6, top_p=0.9)  # the rest: vLLM's neutral defaults
