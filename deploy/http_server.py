@@ -26,14 +26,17 @@ with or without an API key.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import socket
 from typing import Any, ClassVar
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvstore.router.config import RouterConfig
+from kvstore.errors import ConfigError
+from kvstore.router.config import MAX_PORT, RouterConfig
 
 _ERROR_TYPES = {408: "RequestTimeoutError", 503: "ServiceUnavailableError"}
 _BACKSTOP_S = 5.0  # after the drain deadline closed the connections, their requests get this long to unwind
@@ -171,3 +174,31 @@ def server_config(app: Any, limits: RouterConfig, **options: Any) -> uvicorn.Con
         log_level=options.pop("log_level", "warning"),
         **options,
     )
+
+
+def port_number(text: str) -> int:
+    """argparse ``type`` of a ``--port``: 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"a port is 0 (any free one) to {MAX_PORT}, got {port}")
+    return port
+
+
+def bind_socket(host: str, port: int, what: str) -> socket.socket:
+    """A listening socket on ``host:port`` for uvicorn (``server.run(sockets=[...])``), bound before anything
+    is printed or started: a front prints the port it really has (``--port 0``), and a port it cannot have is
+    one ConfigError line, not a banner followed by uvicorn's traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot bind {what} to {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

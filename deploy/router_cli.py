@@ -14,7 +14,7 @@ import sys
 import uvicorn
 
 from kvstore.deploy.config import Config, load_config
-from kvstore.deploy.http_server import server_config
+from kvstore.deploy.http_server import bind_socket, port_number, server_config
 from kvstore.errors import ConfigError
 from kvstore.heap import freeze_startup_heap
 from kvstore.openai.protocol import ModelLimits
@@ -63,10 +63,15 @@ def run(args: argparse.Namespace) -> int:
     host = args.host or config.router.host
     port = args.port if args.port is not None else config.router.port
     count = len(config.router.replicas)
-    print(f"kvstore router: http://{host}:{port}  ({count} replica{'' if count == 1 else 's'})", file=sys.stderr)
-    server = uvicorn.Server(server_config(create_app(service), config.router, host=host, port=port))
-    freeze_startup_heap()
-    server.run()
+    sock = bind_socket(host, port, "the router")
+    try:
+        url = f"http://{host}:{sock.getsockname()[1]}"  # the real port, also with --port 0
+        print(f"kvstore router: {url}  ({count} replica{'' if count == 1 else 's'})", file=sys.stderr, flush=True)
+        server = uvicorn.Server(server_config(create_app(service), config.router))
+        freeze_startup_heap()
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 
@@ -75,5 +80,5 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--config", required=True, help="TOML config with [[router.replicas]]")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--host", default=None, help="bind address (default router.host)")
-    p.add_argument("--port", type=int, default=None, help="port (default router.port)")
+    p.add_argument("--port", type=port_number, default=None, help="port (default router.port; 0 = any free)")
     p.set_defaults(func=run)

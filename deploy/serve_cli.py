@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 
 import uvicorn
 
 from kvstore.deploy.config import Config, load_config
-from kvstore.deploy.http_server import server_config
+from kvstore.deploy.http_server import bind_socket, port_number, server_config
 from kvstore.deploy.launcher import Deployment, launch
 from kvstore.deploy.model_args import add_model_arguments, model_overrides, with_router_defaults
 from kvstore.deploy.reaper import become_subreaper, stop_children
@@ -34,20 +33,6 @@ from kvstore.deploy.supervisor import WorkerSupervisor
 from kvstore.errors import ConfigError
 from kvstore.heap import freeze_startup_heap
 from kvstore.router.app import create_app
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot bind the router to {host}:{port}: {exc.strerror}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     arena = check_arena_fits(config.tiers)
     become_subreaper()  # what Ray leaves orphaned comes back to us, to be stopped on the way out
     with stop_on_signals() as signals:
-        sock = _bind(host, port)
+        sock = bind_socket(host, port, "the router")
         try:
             deployment = launch(config, address=args.address)
         except (KeyboardInterrupt, SystemExit):  # SystemExit: Ray's own SIGTERM handler, while Ray starts
@@ -115,5 +100,7 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--workers", type=int, default=None, help="KV workers to start (default: sized to the cluster)")
     add_model_arguments(p)
     p.add_argument("--host", default=None, help="router bind address (default router.host, 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="router port (default router.port, 8000; 0 = any free)")
+    p.add_argument(
+        "--port", type=port_number, default=None, help="router port (default router.port, 8000; 0 = any free)"
+    )
     p.set_defaults(func=run)

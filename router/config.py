@@ -15,6 +15,9 @@ PolicyName = Literal["kvstore", "round_robin", "random", "least_loaded"]
 """``kvstore``: cached prefix against load (the Scorer); the others: cache-blind baselines (router/policies.py)."""
 
 
+MAX_PORT = 65535
+
+
 class ExternalReplica(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One replica the router does not manage: a vLLM server or ``kvstore worker``."""
 
@@ -51,7 +54,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """
 
     host: str = "127.0.0.1"
-    port: NonNegativeInt = 8000
+    port: Annotated[int, Meta(ge=0, le=MAX_PORT)] = 8000
     gpu_hit_credit: Fraction = 1.0
     """Share of a block's prefill saved when the replica holds it on GPU."""
     cpu_hit_credit: Fraction = 0.8

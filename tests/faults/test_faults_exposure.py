@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -117,10 +119,19 @@ def test_every_socket_binds_loopback_by_default() -> None:
          "--set", "worker.device=\"cpu\""],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True,
     )  # fmt: skip
+    lines: list[str] = []
+    assert proc.stderr is not None
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
     try:
-        # PUB + ROUTER (bound in the constructor) and the HTTP socket.
-        assert wait_for(lambda: len(listening_addresses(proc.pid)) >= 3 or proc.poll() is not None, timeout=60)
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        # PUB + ROUTER (bound in the constructor) and the HTTP socket, and the banner printed.
+        assert wait_for(
+            lambda: (
+                (len(listening_addresses(proc.pid)) >= 3 and any("at http://" in line for line in lines))
+                or proc.poll() is not None
+            ),
+            timeout=60,
+        )
+        assert proc.poll() is None, "".join(lines)
         addresses = listening_addresses(proc.pid)
         assert len(addresses) == 3, addresses
         assert {ip for ip, _ in addresses} == {"127.0.0.1"}, addresses
@@ -131,6 +142,10 @@ def test_every_socket_binds_loopback_by_default() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+    # --port 0: the banner names the port the front really listens on (it once printed ":0").
+    banner = "".join(lines)
+    printed = re.search(r"at http://127\.0\.0\.1:(\d+)", banner)
+    assert printed and int(printed.group(1)) in {port for _, port in addresses}, banner
 
     # In-process components: the publishers and the uvicorn servers.
     fleet = HttpFleet(["bound"])

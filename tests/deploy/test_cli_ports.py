@@ -1,0 +1,67 @@
+"""Ports of the three fronts' command lines: out-of-range ports are refused by name, ``--port 0`` prints the real one,
+and a port that cannot be had is one line, not a banner followed by uvicorn's traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.cli import build_parser
+from kvstore.deploy.config import load_config
+from kvstore.errors import ConfigError
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["worker"], ["router", "--config", "x.toml"]])
+def test_a_port_beyond_65535_or_below_0_is_refused_by_the_parser(argv: list[str]) -> None:
+    parser = build_parser()
+    assert parser.parse_args([*argv, "--port", "0"]).port == 0
+    assert parser.parse_args([*argv, "--port", "65535"]).port == 65535
+    for bad in ("70000", "-5", "http"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--port", bad])
+
+
+def test_router_port_in_the_config_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"router\.port"):
+        load_config(overrides=["router.port=70000"], env={})
+    assert load_config(overrides=["router.port=65535"], env={}).router.port == 65535
+
+
+def _router(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    config = tmp_path / "router.toml"
+    config.write_text('[[router.replicas]]\nname = "r0"\nurl = "http://127.0.0.1:9"\nevents = "tcp://127.0.0.1:9"\n')
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "router", "--config", str(config), *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+
+def test_router_with_port_0_prints_the_port_it_listens_on(tmp_path: Path) -> None:
+    proc = _router(tmp_path, "--port", "0")
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        printed = re.search(r"kvstore router: http://127\.0\.0\.1:(\d+)", line)
+        assert printed and int(printed.group(1)) != 0, line
+        with socket.create_connection(("127.0.0.1", int(printed.group(1))), timeout=10):
+            pass  # listening there
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        proc = _router(tmp_path, "--port", str(taken.getsockname()[1]))
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "cannot bind the router to 127.0.0.1:" in err and "Traceback" not in err, err
+    assert "kvstore router: http" not in err  # no banner for a server that never served
