@@ -205,6 +205,9 @@ class Dispatcher:
                         replica.prefill.observe(prefill, time.monotonic() - started)
                 yield data
             outcome = "ok" if upstream.status < 400 else "rejected"
+        except Exception:  # the answer broke off (not the client leaving: that closes or cancels this generator)
+            outcome = "failed"
+            raise
         finally:
             if pending:
                 replica.prefill.finished(prefill)

@@ -12,7 +12,9 @@ middleware, response classes and per-chunk send wrappers would add a good
 part of what the router costs a stream's first token. What it answers
 itself: 400 for a body no replica could serve, 413 for one beyond
 ``router``'s body bounds (:mod:`kvstore.openai.bounds`), 503 when no replica
-can take it (all as OpenAI error bodies). A client that disconnects --
+can take it, 502 when the replica's plain answer breaks off (all as OpenAI
+error bodies); a stream that breaks off after its 200 went out ends with an
+error event (502) and ``data: [DONE]``, as a worker's failed stream does. A client that disconnects --
 mid-stream, or while a plain answer is still being computed -- closes the
 upstream connection, which is how the replica learns to abort.
 """
@@ -27,12 +29,15 @@ from starlette.types import Receive, Scope, Send
 
 from kvstore.openai.errors import ApiError
 from kvstore.openai.http import ClientDisconnected, error_response, read_body, until_disconnected
+from kvstore.openai.responses import DONE, sse
 from kvstore.openai.routing import read_for_routing, read_token_ids
 from kvstore.router.response import routing_headers
 from kvstore.router.routing import Prompt, RouteResult
 from kvstore.router.service import RouterService
 
 Kind = Literal["completion", "chat"]
+# A replica's answer that breaks off: its connection reset or closed mid-body, a stalled read, a bad chunk header.
+_UPSTREAM_FAILED = (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError)
 KINDS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 _INLINE_TEXT_BYTES = 2048  # shorter text tokenises faster than a hop to a thread and back
 
@@ -86,16 +91,33 @@ class RelayApp:
         try:
             if media_type and media_type.startswith("text/event-stream"):
                 await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
-                async for data in answer.body:  # each chunk as it arrives
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                last = b"\n\n"
+                try:
+                    async for data in answer.body:  # each chunk as it arrives
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                        last = data or last
+                except _UPSTREAM_FAILED as exc:  # after the 200 went out: the stream ends with an error event
+                    failure = ApiError(502, f"replica {relayed.replica} failed mid-stream: {_describe(exc)}")
+                    ending = b"" if last.endswith(b"\n\n") else b"\n\n"  # a cut event stays apart from ours
+                    await send({"type": "http.response.body", "body": ending + sse(failure.body()) + DONE,
+                                "more_body": True})  # fmt: skip
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:
-                content = b"".join([data async for data in answer.body])
+                try:
+                    content = b"".join([data async for data in answer.body])
+                except _UPSTREAM_FAILED as exc:  # nothing sent yet: an error answer of our own
+                    raise ApiError(502, f"replica {relayed.replica} failed while answering: {_describe(exc)}") from None
                 headers["content-length"] = str(len(content))
                 await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
                 await send({"type": "http.response.body", "body": content, "more_body": False})
         finally:  # the dispatcher's generator: it settles the replica's books and the connection
             await answer.body.aclose()  # type: ignore[attr-defined]
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return "the connection closed before the answer ended"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:

@@ -14,7 +14,9 @@ import asyncio
 import json
 import math
 import random
+import re
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from pathlib import Path
@@ -490,3 +492,86 @@ def test_a_replica_that_refuses_connections_is_retried_on_the_other(replicas: di
         assert not router.workers()["dead"]["healthy"]
     finally:
         router.close()
+
+
+class BreakingReplica:
+    """A replica on a raw socket that answers health polls, then breaks every completion off part way: a stream
+    after two SSE chunks, a plain answer after 10 of the 1,000 bytes it announced (its connection aborted)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", 0), self.loop
+        ).result(10)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                body = await reader.readexactly(int(length.group(1))) if length else b""
+                if head.startswith(b"GET"):
+                    page = b"" if b" /metrics" in head else json.dumps({"data": [{"id": MODEL}]}).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(page), page))
+                    await writer.drain()
+                    continue
+                if b'"stream":true' in body:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+                    writer.write(b"transfer-encoding: chunked\r\n\r\n")
+                    for text in (b"a", b"b"):
+                        event = b'data: {"choices":[{"index":0,"text":"%s"}]}\n\n' % text
+                        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    writer.write(b'10\r\ndata: {"choic')  # half an event, half a chunk
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n")
+                    writer.write(b'{"choices":')
+                await writer.drain()
+                writer.transport.abort()
+                return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    def stop(self) -> None:
+        self.server.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_a_replica_that_breaks_off_its_answer_gives_an_error_event_or_a_502_not_a_crash() -> None:
+    """A stream whose replica fails after the 200 went out ends with an error event and [DONE] (as a worker's failed
+    stream does); a plain answer that breaks off is a 502. Each counted as failed; the router serves on."""
+    broken = BreakingReplica()
+    config = config_from_dict(
+        {"cache": {"block_size": BLOCK}, "router": {"health_interval_s": 0.1, "replicas": [
+            {"name": "broken", "url": broken.url, "events": _free_endpoint()}]}}
+    )  # fmt: skip
+    service = build_router(config)
+    server = ServerThread(create_app(service)).start()
+    try:
+        client = httpx.Client(base_url=server.url, timeout=30)
+        assert wait_for(lambda: len(client.get("/v1/models").json()["data"]) > 0, timeout=10)
+        streamed = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "stream": True})
+        assert streamed.status_code == 200
+        events = streamed.content.split(b"\n\n")
+        sent = [b'data: {"choices":[{"index":0,"text":"%s"}]}' % text for text in (b"a", b"b")]
+        assert events[:2] == sent
+        error = json.loads(events[2].removeprefix(b"data: "))["error"]  # the half chunk never went out
+        assert error["code"] == 502 and "broken failed mid-stream" in error["message"], error
+        assert events[3:] == [b"data: [DONE]", b""]
+        plain = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert plain.status_code == 502 and "broken failed while answering" in plain.json()["error"]["message"]
+        counted = {
+            (s.labels["code"], s.labels["outcome"]): s.value
+            for family in text_string_to_metric_families(client.get("/metrics").text)
+            if family.name == "kvstore_router_requests"
+            for s in family.samples
+            if s.name == "kvstore_router_requests_total"
+        }
+        assert counted.get(("2xx", "failed")) == 1 and counted.get(("5xx", "failed")) == 1, counted
+        assert client.get("/health").status_code in (200, 503)  # still answering
+    finally:
+        server.stop()
+        broken.stop()
