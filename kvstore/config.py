@@ -45,6 +45,18 @@ def is_z85_key(key: str) -> bool:
 ENV_PREFIX = "KVSTORE_"
 
 
+ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc", "pgm", "epgm", "udp", "ws", "wss", "vmci")
+
+
+def is_zmq_endpoint(text: str) -> bool:
+    """``transport://address`` with a transport ZeroMQ knows (the address itself is ZeroMQ's to judge; a TCP
+    one needs a ``:port``, ``*`` included)."""
+    transport, sep, address = text.partition("://")
+    if not sep or transport not in ZMQ_TRANSPORTS or not address:
+        return False
+    return transport != "tcp" or (":" in address and address.rpartition(":")[2] != "")
+
+
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What makes two processes agree on block identity."""
 
@@ -107,6 +119,12 @@ class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     whose events are re-keyed."""
 
     def __post_init__(self) -> None:
+        for field in ("endpoint", "replay_endpoint"):
+            if not is_zmq_endpoint(getattr(self, field)):
+                raise ValueError(
+                    f"{field} must be a ZeroMQ endpoint, transport://address (such as tcp://127.0.0.1:5557, "
+                    f"tcp://0.0.0.0:* or ipc:///run/kvstore/events), got {getattr(self, field)!r}"
+                )
         for field in ("curve_secret_key", "curve_public_key"):
             key = getattr(self, field)
             if key and not is_z85_key(key):
@@ -164,6 +182,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 

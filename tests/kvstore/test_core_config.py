@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from kvstore.config import CacheConfig, EventsConfig, PoolConfig
-from kvstore.deploy.config import Config, load_config
+from kvstore.deploy.config import Config, config_from_dict, load_config
 from kvstore.errors import ConfigError
 
 
@@ -111,6 +111,9 @@ def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
         ({"overrides": ["worker.offload_wait_s=0"]}, r"worker\.offload_wait_s.*> 0"),
         ({"env": {"KVSTORE_EVENTS__BUFFER_BYTES": "lots"}}, r"events\.buffer_bytes.*int"),
         ({"overrides": ['events.curve_allowed_client_keys=["' + "k" * 40 + '"]']}, r"needs CURVE on"),
+        ({"overrides": ["events.endpoint=garbage"]}, r"field events: endpoint must be a ZeroMQ endpoint.*'garbage'"),
+        ({"overrides": ['events.replay_endpoint="tcp://10.0.0.5"']}, r"replay_endpoint must be a ZeroMQ endpoint"),
+        ({"overrides": ['events.endpoint="htp://x:1"']}, r"endpoint must be a ZeroMQ endpoint"),
     ],
 )
 def test_errors_name_the_field(kwargs: dict, expected: str) -> None:
@@ -152,6 +155,14 @@ def test_missing_file_bad_toml_and_bad_override(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.toml", env={})
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(write(tmp_path, "[cache\nblock_size = 1\n"), env={})
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path, env={})
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b"\xff\xfe[router]\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0\)"):
+        load_config(latin, env={})
+    good = load_config(overrides=['events.endpoint="ipc:///tmp/kv-events"', 'events.replay_endpoint="tcp://*:5558"'])
+    assert good.events.endpoint == "ipc:///tmp/kv-events"
     with pytest.raises(ConfigError, match=r"section\.field=value"):
         load_config(env={}, overrides=["cache.block_size"])
     with pytest.raises(ConfigError, match=r"section\.field=value"):
@@ -164,3 +175,11 @@ def test_missing_file_bad_toml_and_bad_override(tmp_path: Path) -> None:
 def test_loaded_config_round_trips_through_msgspec() -> None:
     config = load_config(env={}, overrides=["cache.block_size=8"])
     assert msgspec.convert(msgspec.to_builtins(config), Config) == config
+
+
+def test_an_external_replicas_event_endpoints_are_checked() -> None:
+    replica = {"name": "r0", "url": "http://127.0.0.1:8000", "events": "10.0.0.5:5557"}
+    with pytest.raises(ConfigError, match=r"router\.replicas\[0\]: events must be a ZeroMQ endpoint.*10\.0\.0\.5:5557"):
+        config_from_dict({"router": {"replicas": [replica]}})
+    with pytest.raises(ConfigError, match=r"replay must be a ZeroMQ endpoint"):
+        config_from_dict({"router": {"replicas": [{**replica, "events": "tcp://10.0.0.5:5557", "replay": "x"}]}})
