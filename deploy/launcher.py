@@ -204,6 +204,11 @@ def start_ray(address: str | None) -> bool:
                 configure_logging=False,
                 log_to_driver=False,
             )
+    except ConnectionError as exc:
+        if owns:
+            ray.shutdown()
+            raise
+        raise ConfigError(cluster_connection_hint(address or "", exc)) from None
     except BaseException:
         if owns:
             ray.shutdown()
@@ -212,6 +217,18 @@ def start_ray(address: str | None) -> bool:
         if main and previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return owns
+
+
+def cluster_connection_hint(address: str, exc: BaseException) -> str:
+    """One line for a failed connection to a Ray cluster, naming the usual cause since Ray 2.59: a cluster
+    started with token authentication (``ray start`` turns it on) joined from an environment without it."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    mode = os.environ.get("RAY_AUTH_MODE", "unset")
+    return (
+        f"cannot connect to the Ray cluster at {address}: {reason}. If the cluster runs with token "
+        f"authentication (Ray 2.59+ turns it on for `ray start`), set RAY_AUTH_MODE=token here too (now {mode}); "
+        "Ray reads the token from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or its default file (`ray get-auth-token`)"
+    )
 
 
 @contextlib.contextmanager

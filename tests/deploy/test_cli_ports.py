@@ -65,3 +65,24 @@ def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2, err
     assert "cannot bind the router to 127.0.0.1:" in err and "Traceback" not in err, err
     assert "kvstore router: http" not in err  # no banner for a server that never served
+
+
+def test_a_cluster_that_refuses_the_connection_is_one_line_naming_token_authentication(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray 2.59+ clusters started with `ray start` use token authentication; joining one from an environment
+    without RAY_AUTH_MODE=token ends, after Ray's retries, in a ConnectionError: it becomes one ConfigError line
+    naming the fix (Ray itself stands in here: what it raises is the input)."""
+    from kvstore.deploy import launcher
+
+    def refused(**kwargs: object) -> None:
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379.\nTraceback details")
+
+    monkeypatch.setattr(launcher.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(launcher.ray, "init", refused)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(ConfigError) as info:
+        launcher.start_ray("10.0.0.5:6379")
+    message = str(info.value)
+    assert "\n" not in message and "cannot connect to the Ray cluster at 10.0.0.5:6379" in message
+    assert "set RAY_AUTH_MODE=token here too (now unset)" in message and "ray get-auth-token" in message
