@@ -213,7 +213,7 @@ class ControlChannel:
             try:
                 deadline = time.monotonic() + self._timeout_s
                 while seq not in self._answers:
-                    self._check()
+                    self._check(pump=False)  # not reading here: an answer taken now would wait out _pump(left)
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TierTimeoutError(f"the tier did not answer within {self._timeout_s} s")
@@ -242,10 +242,10 @@ class ControlChannel:
             self._monitor.close(0)
             self._socket.close(0)
 
-    def _check(self) -> None:
+    def _check(self, *, pump: bool = True) -> None:
         if self._closed:
             raise TierUnavailableError("the tier's control channel is closed")
-        if self._gone is None:
+        if self._gone is None and pump:
             self._pump(0)
         if self._gone is not None:
             raise TierUnavailableError(f"the tier's control socket {self._gone}")

@@ -215,3 +215,17 @@ def test_the_socket_file_is_private_replaces_a_dead_predecessors_and_goes_at_clo
         loop.close()
     with pytest.raises(ValueError, match="too long"):
         ControlServer({}, str(tmp_path / ("d" * 120)), "arena-y")
+
+
+def test_an_answer_already_in_when_its_wait_begins_is_taken_at_once(served: Served) -> None:
+    """A call sent without waiting (a commit) whose answer is in the socket before anyone waits for it: the wait
+    returns at once. (It once read the answer while checking the socket, then slept out the whole timeout.)"""
+    channel = ControlChannel(served.server.endpoint, timeout_s=10)
+    try:
+        seqs = [channel.send("note", [value, 0.0]) for value in range(3)]
+        time.sleep(0.3)  # every answer has arrived, none read
+        started = time.monotonic()
+        assert [channel.wait(seq) for seq in seqs] == [0, 1, 2]
+        assert time.monotonic() - started < 2
+    finally:
+        channel.close()
