@@ -48,7 +48,10 @@ def build_router(config: Config) -> RouterService:
     if client_keys is not None and not any(r.curve_server_key for r in replicas):
         raise ConfigError("router.curve_client_cert is set but no [[router.replicas]] has a curve_server_key")
     for r in replicas:
-        backend = HttpBackend(r.name, r.url, model=r.model, timeout_s=config.router.request_timeout_s)
+        backend = HttpBackend(
+            r.name, r.url, model=r.model, timeout_s=config.router.request_timeout_s, api_key=r.api_key,
+            keep_client_auth=not config.router.api_key,
+        )  # fmt: skip
         events = ProducerSpec(
             f"{r.name}/events", r.events, r.replay, rekey=r.rekey, curve_server_key=r.curve_server_key,
             curve_client_keys=client_keys if r.curve_server_key else None,

@@ -146,7 +146,7 @@ def create_app(
         kind: Kind = "chat" if b'"messages"' in body else "completion"
         view = read_for_routing(body, kind, service.tokenizer)
         tokens = view.token_ids or []
-        routed = service.route(Prompt(tokens, view.cache_salt))
+        routed = service.route(Prompt(tokens, view.cache_salt, model=view.model if service.forwards else None))
         d = routed.decision
         return JSONResponse(
             {

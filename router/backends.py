@@ -148,12 +148,30 @@ _HOP_BY_HOP = frozenset(
 class HttpBackend:
     """An OpenAI-compatible server (``vllm serve``, SGLang, ``kvstore worker``), reached over HTTP."""
 
-    def __init__(self, name: str, base_url: str, *, model: str | None = None, timeout_s: float = 300.0) -> None:
-        """``model``: the name this replica serves, put in each body's ``model`` (the one rewrite; None: none)."""
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        *,
+        model: str | None = None,
+        timeout_s: float = 300.0,
+        api_key: str | None = None,
+        keep_client_auth: bool = True,
+    ) -> None:
+        """``model``: the name this replica serves, put in each body's ``model`` (the one rewrite; None: none).
+
+        ``api_key``: the replica's own key (vLLM's ``--api-key``), sent as ``Authorization: Bearer`` with every
+        forwarded request and every poll. ``keep_client_auth`` False: the client's ``Authorization`` -- the
+        router's own key, when ``router.api_key`` is set -- is never passed on to the replica.
+        """
         self.name = name
         self.base_url = base_url.rstrip("/")
         self.model = model
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._drop = _HOP_BY_HOP if keep_client_auth and not api_key else _HOP_BY_HOP | {"authorization"}
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0), headers=self._auth
+        )
         self._relay = UpstreamPool(self.base_url, timeout_s=timeout_s)  # the hot path: see kvstore.router.upstream
 
     async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Forwarded:
@@ -162,7 +180,8 @@ class HttpBackend:
         ``headers`` are the client's; those about its connection are dropped. A 5xx
         (or no answer) is ReplicaUnavailable, with the upstream connection closed.
         """
-        sent = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+        sent = {k: v for k, v in headers.items() if k.lower() not in self._drop}
+        sent.update(self._auth)
         if self.model is not None:
             body = _with_model(body, self.model)
         try:

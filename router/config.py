@@ -34,6 +34,10 @@ class ExternalReplica(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """True when it hashes differently (another algorithm or seed): re-key from token ids."""
     model: str | None = None
     """``model`` to send it; None = forward the client's."""
+    api_key: str | None = None
+    """Its own API key (vLLM's ``--api-key``): sent as ``Authorization: Bearer`` with forwarded requests and
+    with the router's polls of its ``/metrics`` and ``/v1/models``. Unset, a client's ``Authorization`` is
+    passed on as sent -- unless ``router.api_key`` is set: that header is the router's key, never passed on."""
     curve_server_key: str | None = None
     """Its event publisher's CURVE public key (Z85, 40 characters) when it runs with CURVE; None = plain."""
 

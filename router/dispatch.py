@@ -250,7 +250,8 @@ class Dispatcher:
         return max(0, tokens - cached)
 
     def _retry_target(self, prompt: Prompt, tried: list[str]) -> str | None:
-        healthy = [r.spec.name for r in self._replicas.healthy() if r.spec.name not in tried]
+        untried = [r for r in self._replicas.healthy() if r.spec.name not in tried]
+        healthy = [r.spec.name for r in untried if r.serves(prompt.model)] or [r.spec.name for r in untried]
         if not healthy:
             return None
         try:

@@ -76,7 +76,7 @@ class RelayApp:
             view = await asyncio.to_thread(read_for_routing, body, kind, service.tokenizer)
         elif view is None:
             view = read_for_routing(body, kind, service.tokenizer)
-        prompt = Prompt(view.token_ids or [], view.cache_salt)
+        prompt = Prompt(view.token_ids or [], view.cache_salt, model=view.model)
         return prompt, service.route(prompt)
 
     async def _relay(

@@ -51,6 +51,13 @@ class Replica:
         self.metrics_text = ""  # its Prometheus page as of the last poll
         self.models: list[dict[str, Any]] = []  # its /v1/models cards as of the last poll
 
+    def serves(self, model: str | None) -> bool:
+        """Whether a request naming ``model`` may go here: it lists the model, or the router names the model
+        for it (a replica ``model`` is configured), or nothing is known yet (no model named, none listed)."""
+        if model is None or not self.models or getattr(self.spec.backend, "model", None) is not None:
+            return True
+        return any(card.get("id") == model for card in self.models)
+
 
 class ReplicaSet(Mapping[str, Replica]):
     """The registered replicas by name; adding one registers its producer in the index and subscribes to it."""

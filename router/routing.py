@@ -33,6 +33,7 @@ class Prompt(NamedTuple):
     token_ids: Sequence[int]
     cache_salt: str | None = None
     lora_name: str | None = None
+    model: str | None = None  # the model the client named: only replicas that serve it are candidates
 
 
 class RouteResult(NamedTuple):

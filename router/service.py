@@ -152,8 +152,13 @@ class RouterService:
     # ------------------------------------------------------- routing, dispatch
 
     def route(self, prompt: Prompt) -> RouteResult:
-        """Choose a healthy replica for the prompt under ``router.policy``; ApiError(503) when none is healthy."""
-        routed = self._router.route(prompt, self._replicas.healthy(), self.config.router.policy)
+        """Choose a healthy replica under ``router.policy`` -- one that serves the model the prompt names, when
+        any does; ApiError(503) when none is healthy."""
+        healthy = self._replicas.healthy()
+        # A mixed fleet: only the replicas that serve the model the client named. When none lists it, any
+        # replica answers (with its own 404, as it would without a router in front).
+        candidates = [replica for replica in healthy if replica.serves(prompt.model)] or healthy
+        routed = self._router.route(prompt, candidates, self.config.router.policy)
         self._metrics.routed(routed.decision.replica, routed.route_s)
         return routed
 

@@ -98,9 +98,9 @@ class Tap:
 class Replica:
     """One stand-in on a real socket: its state (what it saw), its tap (what it answered)."""
 
-    def __init__(self, name: str, *, gzip: bool = False) -> None:
+    def __init__(self, name: str, *, gzip: bool = False, model: str = MODEL) -> None:
         self.name = name
-        self.state = StandinState(MODEL)
+        self.state = StandinState(model)
         app = create_standin_app(self.state)
         if gzip:
             app.add_middleware(GZipMiddleware, minimum_size=0)
@@ -575,3 +575,56 @@ def test_a_replica_that_breaks_off_its_answer_gives_an_error_event_or_a_502_not_
     finally:
         server.stop()
         broken.stop()
+
+
+def test_in_a_mixed_fleet_a_request_goes_only_to_replicas_that_serve_its_model(replicas: dict[str, Replica]) -> None:
+    """Replicas of two models behind one router: a request naming a model goes to a replica listing it (its
+    /v1/models); one naming neither, or none, may go anywhere (an unknown model gets the replica's own 404)."""
+    other = Replica("other", model="other-model")
+    router = Router([replicas["a"], other])
+    try:
+        assert wait_for(lambda: {c["id"] for c in router.client.get("/v1/models").json()["data"]}
+                        == {MODEL, "other-model"}, timeout=10)  # fmt: skip
+        for model, want in ((MODEL, "a"), ("other-model", "other")):
+            for i in range(6):
+                raw = b'{"model":"%s","prompt":[%d,2,3],"max_tokens":1}' % (model.encode(), i)
+                response = router.post("/v1/completions", raw)
+                assert response.status_code == 200, response.text
+                assert response.headers["x-kvstore-replica"] == want
+            assert router.post("/route", b'{"model":"%s","prompt":[1,2]}' % model.encode()).json()["replica"] == want
+        unknown = router.post("/v1/completions", b'{"model":"nope","prompt":[1],"max_tokens":1}')
+        assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "The model `nope` does not exist."
+    finally:
+        router.close()
+        other.stop()
+
+
+def test_the_routers_key_never_reaches_a_replica_and_a_replicas_own_key_is_sent(replicas: dict[str, Replica]) -> None:
+    """With router.api_key the client's Authorization is the router's key: it is not passed on. A replica's own
+    key (vLLM's --api-key) goes with every forwarded request and every poll; without either, the client's
+    header is passed on as sent."""
+    replica = replicas["a"]
+    spec = {"name": "a", "url": replica.server.url, "events": _free_endpoint(), "api_key": "replica-key"}
+    router_section = {"health_interval_s": 0.1, "api_key": "router-secret", "replicas": [spec]}
+    config = config_from_dict({"cache": {"block_size": BLOCK}, "router": router_section})
+    service = build_router(config)
+    server = ServerThread(create_app(service)).start()
+    try:
+        client = httpx.Client(base_url=server.url, timeout=30, headers={"Authorization": "Bearer router-secret"})
+        assert wait_for(lambda: len(client.get("/v1/models").json()["data"]) > 0, timeout=10)
+        poller = service._replicas["a"].spec.backend._client  # type: ignore[attr-defined]
+        assert poller.headers["authorization"] == "Bearer replica-key"  # the polls' client (the stand-in logs no GETs)
+        answer = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1})
+        assert answer.status_code == 200, answer.text
+        sent = replica.state.requests[-1]
+        assert sent.path == "/v1/completions" and sent.headers.get("authorization") == "Bearer replica-key"
+        assert not any("router-secret" in value for value in sent.headers.values())
+    finally:
+        server.stop()
+    # No keys anywhere: the client's header reaches the replica as it was sent (it may be the replica's key).
+    plain = Router([replica])
+    try:
+        answer = plain.post("/v1/completions", b'{"prompt":[1,2],"max_tokens":1}', authorization="Bearer mine")
+        assert answer.status_code == 200 and replica.state.requests[-1].headers.get("authorization") == "Bearer mine"
+    finally:
+        plain.close()
