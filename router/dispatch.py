@@ -148,7 +148,7 @@ class Dispatcher:
                     return
         except ReplicaUnavailable as exc:
             outcome = "failed"
-            raise ApiError(502, f"replica {name} failed during the stream: {exc}") from None
+            raise ApiError(502, f"replica {name} failed during the stream: {public_reason(exc)}") from None
         finally:
             self._metrics.finished(outcome)  # type: ignore[arg-type]
             await rest.aclose()
@@ -239,7 +239,8 @@ class Dispatcher:
                 retry = self._retry_target(prompt, tried)
                 if retry is None or len(tried) >= MAX_ATTEMPTS:
                     self._metrics.finished("failed")
-                    raise ApiError(503, f"replica {target} failed and no other replica could serve: {exc}") from None
+                    reason = public_reason(exc)
+                    raise ApiError(503, f"replica {target} failed and no other replica could serve: {reason}") from None
                 self._metrics.retried()
                 target = retry
 
@@ -259,6 +260,14 @@ class Dispatcher:
         except ApiError:
             return None
         return decision.replica if decision.replica in healthy else healthy[0]
+
+
+def public_reason(exc: BaseException) -> str:
+    """What a client is told of a replica's failure: its first line. The rest -- Ray's actor ids, process ids
+    and node addresses -- is for the router's log (which has it whole), not for whoever sent the request."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return first if len(first) <= 300 else first[:297] + "..."
 
 
 async def _replay(chunks: list[StreamChunk]) -> AsyncGenerator[StreamChunk, None]:

@@ -83,6 +83,7 @@ class PageSources:
     def __init__(self) -> None:
         self._fetch: dict[str, Callable[[], Awaitable[str]]] = {}
         self._pages: dict[str, str] = {}
+        self._silent: set[str] = set()  # sources whose outage was logged (once), until they answer again
 
     def add(self, name: str, fetch: Callable[[], Awaitable[str]]) -> None:
         self._fetch[name] = fetch
@@ -93,10 +94,17 @@ class PageSources:
         pages = await asyncio.gather(*(fetch() for _, fetch in sources), return_exceptions=True)
         for (name, _), page in zip(sources, pages, strict=True):
             if isinstance(page, str):
+                if name in self._silent:
+                    self._silent.discard(name)
+                    logger.warning("metrics source %s answers again", name)
                 self._pages[name] = page
             else:
                 self._pages.pop(name, None)
-                logger.warning("metrics source %s did not answer: %s", name, page)
+                if name not in self._silent:  # once per outage, not once per poll
+                    self._silent.add(name)
+                    logger.warning("metrics source %s did not answer: %s (said once until it answers)", name, page)
+                else:
+                    logger.debug("metrics source %s still does not answer: %s", name, page)
 
     def pages(self) -> list[str]:
         """The last page of every source that answered."""

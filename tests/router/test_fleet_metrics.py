@@ -11,9 +11,12 @@ these pages and the merge, which this exercises exactly.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,6 +24,8 @@ from kvstore.block_pool import BlockPool
 from kvstore.hashing import BlockHasher
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.metrics import CacheCollector, render
+from kvstore.router.dispatch import public_reason
+from kvstore.router.fleet_metrics import PageSources
 from kvstore.router.metrics import RouterMetrics
 from kvstore.subscriber import EventListener
 from kvstore.tiers.client import LocalTierClient
@@ -109,3 +114,35 @@ def test_a_series_on_two_pages_is_kept_once_and_counted(tmp_path: Path) -> None:
         dict(labels)["reason"]: value for name, labels, value in merged if name.startswith("kvstore_router_merge")
     }
     assert dropped == {"duplicate_series": float(samples), "unparsable_page": 1.0}
+
+
+def test_a_silent_metrics_source_is_logged_once_per_outage(caplog: pytest.LogCaptureFixture) -> None:
+    """A tier actor gone for good was one WARNING per health poll, forever: now one when it stops answering,
+    one when it answers again."""
+    answers = iter([RuntimeError("gone"), RuntimeError("gone"), RuntimeError("gone"), "page", RuntimeError("again")])
+
+    async def fetch() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    sources = PageSources()
+    sources.add("tier-x", fetch)
+    with caplog.at_level(logging.WARNING, logger="kvstore.router.fleet_metrics"):
+        for _ in range(5):
+            asyncio.run(sources.poll())
+    said = [record.getMessage() for record in caplog.records]
+    assert said == [
+        "metrics source tier-x did not answer: gone (said once until it answers)",
+        "metrics source tier-x answers again",
+        "metrics source tier-x did not answer: again (said once until it answers)",
+    ]
+    assert sources.pages() == []
+
+
+def test_a_client_is_told_a_replicas_failure_in_one_line() -> None:
+    ray_like = RuntimeError("worker-0: ActorDiedError: The actor died.\n\tactor_id: 5f3a\n\tpid: 4242\n\tip: 10.0.0.5")
+    assert public_reason(ray_like) == "worker-0: ActorDiedError: The actor died."
+    assert public_reason(RuntimeError("x" * 400)).endswith("...") and len(public_reason(RuntimeError("x" * 400))) == 300
+    assert public_reason(RuntimeError("")) == "RuntimeError"
