@@ -110,7 +110,8 @@ def test_router_replicas_take_a_curve_key_and_reject_a_bad_one() -> None:
     with pytest.raises(ConfigError, match="curve_server_key"):
         config_from_dict({**base, "router": {**base["router"], "replicas": [{**replica, "curve_server_key": "x"}]}})
     with pytest.raises(ConfigError, match="curve_server_key"):
-        load_config(env={}, overrides=['router.replicas=[{name="a", url="u", events="tcp://h:1", curve_server_key="short"}]'])
+        bad = 'router.replicas=[{name="a", url="u", events="tcp://h:1", curve_server_key="short"}]'
+        load_config(env={}, overrides=[bad])
 
 
 def test_an_allow_list_without_the_routers_certificate_is_refused_before_anything_starts(tmp_path: Path) -> None:
