@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import hmac
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,6 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvstore.openai.batch import batch_ids, merge_streams
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.http import (
     ClientDisconnected,
@@ -61,14 +62,15 @@ from kvstore.openai.protocol import (
     decode_chat,
     decode_completion,
     parse_chat,
-    parse_completion,
+    parse_completions,
 )
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.routing import read_for_routing
+from kvstore.router.dispatch import Opened
 from kvstore.router.metrics import RequestCounting
 from kvstore.router.relay import KINDS, Kind, RelayApp
 from kvstore.router.response import kvstore_extras, medium_dict, routing_headers
-from kvstore.router.routing import Prompt
+from kvstore.router.routing import Prompt, RouteResult
 from kvstore.router.service import RouterService
 from kvstore.worker_api import GenerateRequest
 
@@ -232,41 +234,73 @@ class _Guard:
         return None
 
 
-def _parse(service: RouterService, kind: Kind, body: bytes) -> ParsedRequest:
+def _parse(service: RouterService, kind: Kind, body: bytes) -> list[ParsedRequest]:
     tokenizer = service.tokenizer
     assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
     if kind == "chat":
-        parsed = parse_chat(decode_chat(body), tokenizer, service.limits)
+        batch = [parse_chat(decode_chat(body), tokenizer, service.limits)]
     else:
-        parsed = parse_completion(decode_completion(body), tokenizer, service.limits)
-    check_served(parsed, service.model_name)
-    return parsed
+        batch = parse_completions(decode_completion(body), tokenizer, service.limits)
+    check_served(batch[0], service.model_name)
+    return batch
 
 
-async def _run(service: RouterService, request: Request, parsed: ParsedRequest) -> Response:
-    """Serve ``parsed`` on one of our workers."""
-    prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
+async def _run(service: RouterService, request: Request, batch: list[ParsedRequest]) -> Response:
+    """Serve ``batch`` (one prompt, unless a completions request sent several) on our workers: each prompt is
+    routed, run and retried on its own, and their outputs are joined (:mod:`kvstore.openai.batch`)."""
+    first = batch[0]
+    prefix = "chatcmpl" if first.kind == "chat" else "cmpl"
     request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-    prompt = Prompt(parsed.token_ids, parsed.cache_salt, parsed.lora_name)
-    routed = service.route(prompt)
-    generate = GenerateRequest(
-        parsed.token_ids, parsed.max_tokens, request_id, parsed.cache_salt, parsed.lora_name, parsed.sampling
-    )
-    if parsed.stream:
-        opened = await service.open(prompt, generate, routed)
+    prompts = [Prompt(p.token_ids, p.cache_salt, p.lora_name) for p in batch]
+    routes = [service.route(prompt) for prompt in prompts]
+    generates = [
+        GenerateRequest(p.token_ids, p.max_tokens, rid, p.cache_salt, p.lora_name, p.sampling)
+        for p, rid in zip(batch, batch_ids(request_id, len(batch)), strict=True)
+    ]
+    if first.stream:
+        opened = await _all(service.open, prompts, generates, routes)
     else:
         try:  # the whole answer is collected (retryable until then); a client that leaves cancels it
-            opened = await until_disconnected(request, service.complete(prompt, generate, routed))
+            opened = await until_disconnected(request, _all(service.complete, prompts, generates, routes))
         except ClientDisconnected:
             return Response(status_code=499)
     tokenizer = service.tokenizer
     assert tokenizer is not None
+    replica = ",".join(dict.fromkeys(o.replica for o in opened))
+    retried = any(o.retried for o in opened)
     builder = ResponseBuilder(
-        parsed,
+        first,
         tokenizer,
         model=service.model_name,
         request_id=request_id,
-        extras=lambda stats: kvstore_extras(opened.replica, opened.retried, routed, stats),
+        extras=lambda stats: kvstore_extras(replica, retried, routes[0], stats),
+        batch=batch,
     )
-    headers = routing_headers(opened.replica, opened.retried, routed)
-    return await respond(request, builder, opened.chunks, headers=headers)
+    headers = routing_headers(replica, retried, routes[0])
+    chunks = opened[0].chunks if len(opened) == 1 else merge_streams(
+        [o.chunks for o in opened], first.sampling.n, request_id
+    )  # fmt: skip
+    return await respond(request, builder, chunks, headers=headers)
+
+
+async def _all(
+    start: Callable[[Prompt, GenerateRequest, RouteResult], Awaitable[Opened]],
+    prompts: list[Prompt],
+    generates: list[GenerateRequest],
+    routes: list[RouteResult],
+) -> list[Opened]:
+    """Every prompt's request opened (or collected) at once; if one fails, the others are closed and it raises."""
+    if len(prompts) == 1:
+        return [await start(prompts[0], generates[0], routes[0])]
+    tasks = [asyncio.ensure_future(start(*args)) for args in zip(prompts, generates, routes, strict=True)]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        settled = await asyncio.gather(*tasks, return_exceptions=True)
+        for done in settled:
+            if isinstance(done, Opened):
+                await done.chunks.aclose()
+        raise
+    return [task.result() for task in tasks]

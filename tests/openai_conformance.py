@@ -153,6 +153,38 @@ def unsupported_fields_are_named(base_url: str, model: str) -> None:
         assert error["param"] == param and error["type"] == "BadRequestError", (body, error)
 
 
+def batched_prompts(base_url: str, model: str) -> None:
+    """A completions request with a list of prompts answers each as if sent alone: choice i is choice i % n of
+    prompt i // n, plain and streamed; the usage is the sum over the prompts."""
+    c = client(base_url)
+    prompts = ["The KV cache makes the second request ", "Prefix caching skips the prefill of "]
+    alone = [c.completions.create(model=model, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    texts = [a.choices[0].text for a in alone]
+    batch = c.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [ch.index for ch in batch.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in batch.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    assert batch.usage is not None and all(a.usage is not None for a in alone)
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # type: ignore[union-attr]
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)  # type: ignore[union-attr]
+    events = list(
+        c.completions.create(
+            model=model, prompt=prompts, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    streamed: dict[int, str] = {}
+    for event in events:
+        for ch in event.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+    assert streamed == {0: texts[0], 1: texts[1]}
+    assert events[-1].choices == [] and events[-1].usage is not None
+    assert events[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+    ids = c.completions.create(model=model, prompt=[[5, 6, 7, 8], [9, 10, 11]], max_tokens=3, temperature=0)
+    assert [ch.index for ch in ids.choices] == [0, 1] and ids.usage is not None and ids.usage.prompt_tokens >= 7
+    bad = httpx.post(f"{base_url}/v1/completions", json={"model": model, "prompt": ["fine", ""]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[1]", bad.text
+
+
 def every_behaviour() -> list[Behaviour]:
     """The checks every front must pass (disconnect_mid_stream needs a way to see the cancel: run it apart)."""
     return [
@@ -163,6 +195,7 @@ def every_behaviour() -> list[Behaviour]:
         async_client_streams,
         unknown_model_is_404,
         unsupported_fields_are_named,
+        batched_prompts,
     ]
 
 

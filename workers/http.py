@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvstore.errors import InvalidRequestError
+from kvstore.openai.batch import batch_ids, merge_streams
 from kvstore.openai.bounds import BodyBounds
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.http import answer_errors_openai_style, error_response, model_card, read_body, respond
@@ -34,10 +35,11 @@ from kvstore.openai.protocol import (
     decode_chat,
     decode_completion,
     parse_chat,
-    parse_completion,
+    parse_completions,
 )
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.worker_api import GenerateRequest, RequestStats, StreamChunk, WorkerShutdownError
+from kvstore.workers.stream import RequestStream
 from kvstore.workers.worker import KVWorker
 
 
@@ -54,19 +56,22 @@ def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None) -> 
 
     answer_errors_openai_style(app)
 
-    async def serve(request: Request, parsed: ParsedRequest, prefix: str) -> Response:
+    async def serve(request: Request, batch: list[ParsedRequest], prefix: str) -> Response:
+        """Run each prompt of ``batch`` (one, unless a completions request sent several) as its own request."""
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-        generate = GenerateRequest(
-            parsed.token_ids, parsed.max_tokens, request_id, parsed.cache_salt, parsed.lora_name, parsed.sampling
-        )
+        streams = []
         try:
-            stream = worker.submit(generate)
-        except InvalidRequestError as exc:
-            raise ApiError(400, str(exc)) from None
-        except WorkerShutdownError as exc:
-            raise ApiError(503, str(exc)) from None
+            for parsed, rid in zip(batch, batch_ids(request_id, len(batch)), strict=True):
+                generate = GenerateRequest(
+                    parsed.token_ids, parsed.max_tokens, rid, parsed.cache_salt, parsed.lora_name, parsed.sampling
+                )
+                streams.append(worker.submit(generate))
+        except (InvalidRequestError, WorkerShutdownError) as exc:
+            for stream in streams:  # the prompts already submitted
+                stream.cancel()
+            raise ApiError(400 if isinstance(exc, InvalidRequestError) else 503, str(exc)) from None
 
-        async def chunks() -> AsyncGenerator[StreamChunk, None]:
+        async def chunks(stream: RequestStream) -> AsyncGenerator[StreamChunk, None]:
             try:
                 async for chunk in stream:
                     yield chunk
@@ -75,16 +80,22 @@ def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None) -> 
             finally:
                 stream.cancel()  # a no-op once the request finished
 
-        builder = ResponseBuilder(parsed, tokenizer, model=info.model_name, request_id=request_id, extras=_extras)
-        return await respond(request, builder, chunks())
+        first = batch[0]
+        output = chunks(streams[0]) if len(batch) == 1 else merge_streams(
+            [chunks(s) for s in streams], first.sampling.n, request_id
+        )  # fmt: skip
+        builder = ResponseBuilder(
+            first, tokenizer, model=info.model_name, request_id=request_id, extras=_extras, batch=batch
+        )
+        return await respond(request, builder, output)
 
-    def parse(body: bytes, chat: bool) -> ParsedRequest:
+    def parse(body: bytes, chat: bool) -> list[ParsedRequest]:
         if chat:
-            parsed = parse_chat(decode_chat(body), tokenizer, limits)
+            batch = [parse_chat(decode_chat(body), tokenizer, limits)]
         else:
-            parsed = parse_completion(decode_completion(body), tokenizer, limits)
-        check_served(parsed, info.model_name)
-        return parsed
+            batch = parse_completions(decode_completion(body), tokenizer, limits)
+        check_served(batch[0], info.model_name)
+        return batch
 
     async def endpoint(request: Request, chat: bool) -> Response:
         try:

@@ -111,7 +111,7 @@ async def respond(
     if builder.parsed.stream:
         return StreamingResponse(_events(builder, chunks), media_type="text/event-stream", headers=headers)
     try:
-        result = await until_disconnected(request, _fold(chunks, builder.parsed.sampling.n))
+        result = await until_disconnected(request, _fold(chunks, builder.num_choices))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the status is for logs and metrics
     finally:

@@ -32,6 +32,7 @@ from kvstore.worker_api import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_N = 16
+MAX_BATCH_CHOICES = 256  # prompts x n in one completions request
 _INT64 = 2**63
 # Names and stop strings are bounded while decoding: a 4 MiB cache_salt is no name, and would be hashed.
 MAX_NAME_CHARS = 1024
@@ -242,6 +243,26 @@ def parse_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Model
     return _parsed("completion", req, token_ids, max_tokens, sampling, echo, req.logprobs)
 
 
+def parse_completions(req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> list[ParsedRequest]:
+    """:func:`parse_completion` for each prompt of a batch (``prompt`` a list of strings or of token-id lists,
+    as vLLM takes it), or of the one prompt; each checked alone, the error naming ``prompt[i]``."""
+    prompt = req.prompt
+    if not (isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt)):
+        return [parse_completion(req, tokenizer, limits)]
+    if len(prompt) * req.n > MAX_BATCH_CHOICES:
+        raise ApiError(
+            400, f"{len(prompt)} prompts of n={req.n} choices is more than {MAX_BATCH_CHOICES} choices", param="prompt"
+        )
+    parsed = []
+    for index, one in enumerate(prompt):
+        try:
+            parsed.append(parse_completion(msgspec.structs.replace(req, prompt=one), tokenizer, limits))
+        except ApiError as exc:
+            param = f"prompt[{index}]" if exc.param == "prompt" else exc.param
+            raise ApiError(exc.status, f"prompt[{index}]: {exc.message}", param=param, kind=exc.kind) from None
+    return parsed
+
+
 def _completion_prompt(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bool) -> tuple[list[int], str | None]:
     if isinstance(prompt, str):
         if not prompt:
@@ -252,7 +273,7 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bo
     if all(type(p) is int for p in prompt):
         return list(prompt), None
     if all(isinstance(p, str | list) for p in prompt):
-        raise ApiError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
+        raise ApiError(400, "a batch of prompts inside a batch is not a prompt", param="prompt")
     raise ApiError(400, "prompt must be a string or a list of integer token ids", param="prompt")
 
 

@@ -62,8 +62,13 @@ class ResponseBuilder:
         model: str,
         request_id: str,
         extras: Extras | None = None,
+        batch: Sequence[ParsedRequest] | None = None,
     ) -> None:
+        """``batch``: a completions request's prompts, each parsed (``parsed`` is the first); choice ``i`` is
+        choice ``i % n`` of prompt ``i // n``, as vLLM numbers them."""
         self.parsed = parsed
+        self._batch = list(batch) if batch else [parsed]
+        self.num_choices = parsed.sampling.n * len(self._batch)
         self.chat = parsed.kind == "chat"
         self._tokenizer = tokenizer
         self.model = model
@@ -79,7 +84,7 @@ class ResponseBuilder:
     def body(self, result: GenerateResult) -> dict[str, Any]:
         choices = []
         for choice in result.choices:
-            text = (self.parsed.echo_text or "") + choice.text
+            text = (self._prompt_of(choice.index).echo_text or "") + choice.text
             entry: dict[str, Any] = {"index": choice.index}
             if self.chat:
                 entry["message"] = {"role": "assistant", "content": text}
@@ -124,11 +129,11 @@ class ResponseBuilder:
         self._generated[delta.index] = generated
         if first:
             self._started.add(delta.index)
-            text = (self.parsed.echo_text or "") + text
+            text = (self._prompt_of(delta.index).echo_text or "") + text
             if self.chat:
                 role = {"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}  # fmt: skip
-                out.append(self._envelope([role], usage=self._running_usage(0)))
+                out.append(self._envelope([role], usage=self._running_usage(delta.index, 0)))
         logprobs = self._logprobs(delta.index, delta.logprobs)
         if not text and not delta.token_ids and delta.finish_reason is None and logprobs is None:
             return out
@@ -143,15 +148,18 @@ class ResponseBuilder:
         choice["finish_reason"] = None if delta.finish_reason is None else str(delta.finish_reason)
         choice["stop_reason"] = delta.stop_reason
         choice["token_ids"] = delta.token_ids
-        out.append(self._envelope([choice], usage=self._running_usage(generated)))
+        out.append(self._envelope([choice], usage=self._running_usage(delta.index, generated)))
         return out
 
-    def _running_usage(self, completion_tokens: int) -> dict[str, Any] | None:
+    def _prompt_of(self, index: int) -> ParsedRequest:
+        return self._batch[index // self.parsed.sampling.n]
+
+    def _running_usage(self, index: int, completion_tokens: int) -> dict[str, Any] | None:
         """``continuous_usage_stats``: a chunk's usage, as vLLM counts it -- the prompt, and the tokens its choice
         has generated so far (none yet on a chat stream's opening role chunk); None without the option."""
         if not self.parsed.continuous_usage:
             return None
-        prompt = len(self.parsed.token_ids)
+        prompt = len(self._prompt_of(index).token_ids)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,

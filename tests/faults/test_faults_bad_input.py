@@ -111,8 +111,9 @@ def bad_cases(rng: random.Random) -> list[Case]:
     add("non-positive max_tokens", {"prompt": t, "max_tokens": 0})
     add("empty prompt", {"prompt": rng.choice(["", []]), "max_tokens": 4})
     add("unknown field", {"prompt": t, "max_tokens": 4, rng.choice(["bogus", "functions", "Prompt"]): 1})
-    add("batch", {"prompt": [t, t[:1]], "max_tokens": 4})
-    add("batch", {"prompt": ["hello", "world"], "max_tokens": 4})
+    add("bad batch", {"prompt": [[t], t[:1]], "max_tokens": 4})  # a batch inside a batch
+    add("bad batch", {"prompt": ["hello", 5], "max_tokens": 4})  # strings and ids mixed
+    add("bad batch", {"prompt": ["hello", ""], "max_tokens": 4})  # an empty prompt in a batch
     add("unsupported", {"prompt": t, "max_tokens": 4, "use_beam_search": True})
     add("unsupported", {"prompt": t, "max_tokens": 4, "best_of": rng.randint(2, 8)})
     add("unsupported", {"prompt": t, "max_tokens": 4, "response_format": {"type": "json_object"}})

@@ -130,7 +130,7 @@ def test_text_prompts_use_the_byte_tokenizer(fleet: Fleet) -> None:
         ({"prompt": [1, 2], "max_tokens": "many"}, "max_tokens", "Expected `int"),
         ({"prompt": 42, "max_tokens": 4}, "prompt", "Expected `str | array`"),
         ({"prompt": [1, "x"], "max_tokens": 4}, "prompt", "list of integer token ids"),
-        ({"prompt": [[1, 2], [3]], "max_tokens": 4}, "prompt", "batched prompts"),
+        ({"prompt": [[1, 2], [[3]]], "max_tokens": 4}, "prompt[1]", "a batch of prompts inside a batch"),
         ({"prompt": [1, 2], "max_tokens": 4, "bogus": 1}, "bogus", "unknown field `bogus`"),
         ({"max_tokens": 4}, None, "missing required field `prompt`"),
     ],
