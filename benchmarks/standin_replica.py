@@ -107,8 +107,8 @@ def create_standin_app(state: StandinState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": state.model, "object": "model", "created": 0, "owned_by": "vllm", "root": state.model,
-                "parent": None, "max_model_len": 4096, "permission": []}  # fmt: skip
+        card = {"id": state.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                "root": state.model, "parent": None, "max_model_len": 4096, "permission": []}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/metrics")

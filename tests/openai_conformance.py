@@ -31,6 +31,7 @@ def client(base_url: str) -> openai.OpenAI:
 def models_list(base_url: str, model: str) -> None:
     listed = client(base_url).models.list()
     assert [m.id for m in listed.data] == [model]
+    assert abs(listed.data[0].created - time.time()) < 3600  # a timestamp, as vLLM's cards carry
     assert client(base_url).models.retrieve(model).id == model
 
 

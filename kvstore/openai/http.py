@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
@@ -160,6 +161,6 @@ def answer_errors_openai_style(app: FastAPI) -> None:
 
 
 def model_card(name: str, max_context: int | None, owned_by: str = "kvstore") -> dict[str, Any]:
-    """One ``/v1/models`` entry, with vLLM's fields."""
-    return {"id": name, "object": "model", "created": 0, "owned_by": owned_by, "root": name, "parent": None,
-            "max_model_len": max_context, "permission": []}  # fmt: skip
+    """One ``/v1/models`` entry, with vLLM's fields (``created``: now, as vLLM stamps each listing)."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": owned_by, "root": name,
+            "parent": None, "max_model_len": max_context, "permission": []}  # fmt: skip
