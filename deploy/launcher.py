@@ -44,6 +44,7 @@ from kvstore.router.backends import RayActorBackend
 from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
 from kvstore.subscriber import CurveKeyPair
 from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name, tier_arena_name
+from kvstore.tiers.control import remove_socket_files
 from kvstore.tiers.shared_memory import reclaim_dead_arenas
 from kvstore.workers.actor import KVWorkerActor, routable_endpoint, worker_actor_options
 from kvstore.workers.config import cache_identity
@@ -151,6 +152,10 @@ def _unlink_local_arena(config: Config, node: str, timeout_s: float = 10.0) -> N
             time.sleep(0.1)
     if arena.exists():
         logger.warning("arena %s is still held by a live process; it was left in place", arena)
+        return
+    # Its owner is gone (a tier killed before it shut down, e.g. by a signal to the process group): so is the
+    # server of its control socket, whose file it could not remove.
+    remove_socket_files(str(arena.parent), arena.name)
 
 
 def launch(config: Config, *, address: str | None = None, num_workers: int | None = None) -> Deployment:

@@ -31,7 +31,7 @@ from kvstore.metrics import render
 from kvstore.publisher import EventEndpoints
 from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit, decode_metas, encode_grants
 from kvstore.tiers.config import TierConfig
-from kvstore.tiers.control import ControlServer
+from kvstore.tiers.control import ControlServer, remove_socket_files
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.metrics import TierCollector
 from kvstore.tiers.shared_memory import ArenaInfo
@@ -64,6 +64,8 @@ class TierActor:
         self, config: TierConfig, identity: CacheIdentity, events: EventsConfig | None, arena_name: str | None
     ) -> None:
         self._store = TierStore(config, identity, events=events, arena_name=arena_name)
+        info = self._store.arena_info
+        remove_socket_files(info.shm_dir, info.name)  # a killed predecessor's (a restart)
         self._control_on = config.control_socket
         self._control: ControlServer | None = None
 
@@ -138,6 +140,8 @@ class TierActor:
         can then be killed."""
         if self._control is not None:
             await self._control.aclose()
+        info = self._store.arena_info
+        remove_socket_files(info.shm_dir, info.name)
         await self._store.aclose()
 
 

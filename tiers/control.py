@@ -73,6 +73,14 @@ def _error_frames(exc: BaseException) -> list[bytes]:
     return [b"err", _ENCODE([type(exc).__name__, str(exc)])]
 
 
+def remove_socket_files(directory: str, prefix: str) -> None:
+    """Remove the control socket files of arena ``prefix`` in ``directory``: a tier that starts or stops under
+    that name (one per node and identity) owns them, and a killed one could not remove its own."""
+    for stale in Path(directory).glob(f"{prefix}.*{SUFFIX}"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
 def raise_remote(type_name: str, message: str) -> None:
     """Raise the tier's error as its own type when it is one of the tiers' errors, else as TierError."""
     cls = getattr(errors, type_name, None)
@@ -90,9 +98,7 @@ class ControlServer:
         path = folder / f"{prefix}.{uuid.uuid4().hex[:12]}{SUFFIX}"
         if len(str(path)) > MAX_PATH:
             raise ValueError(f"control socket path {str(path)!r} is too long for a Unix socket")
-        for stale in folder.glob(f"{prefix}.*{SUFFIX}"):  # a dead predecessor's (one tier per arena name)
-            with contextlib.suppress(OSError):
-                stale.unlink()
+        remove_socket_files(directory, prefix)  # a dead predecessor's (one tier per arena name)
         self.path = path
         self.endpoint = f"ipc://{path}"
         self._context = zmq.asyncio.Context()

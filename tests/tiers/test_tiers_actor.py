@@ -90,3 +90,32 @@ def test_with_the_control_socket_off_every_call_goes_through_ray(ray_session: An
         ray.get(handle.shutdown.remote(), timeout=30)
     finally:
         ray.kill(handle, no_restart=True)
+
+
+def test_a_killed_tiers_socket_file_is_removed_by_the_next_tier_of_its_arena(ray_session: Any, tmp_path: Path) -> None:
+    """A tier actor killed without shutting down leaves its control socket file; the next tier of that arena
+    name (a restart, or the next deployment on the node) removes it, and its own goes at shutdown."""
+    ray = ray_session
+    config = tier_config(tmp_path, cpu_blocks=4)
+    first = get_or_create_tier_actor(config, IDENTITY, namespace="kvstore-test-killed")
+    second = None
+    try:
+        client = RayTierClient(first)
+        assert client.channel is not None
+        path = Path(client.channel.endpoint.removeprefix("ipc://"))
+        assert path.exists()
+        client.close()
+        ray.kill(first, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(first.check_invariants.remote(), timeout=30)
+        assert path.exists()  # nobody could remove it
+        second = get_or_create_tier_actor(config, IDENTITY, namespace="kvstore-test-next")
+        assert ray.get(second.check_invariants.remote(), timeout=30) is None  # constructed
+        assert not path.exists()
+        ray.get(second.control_endpoint.remote(), timeout=30)
+        ray.get(second.shutdown.remote(), timeout=30)
+        assert not list(path.parent.glob(path.name.split(".")[0] + ".*.ctl"))
+    finally:
+        for handle in (first, second):
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
