@@ -231,10 +231,16 @@ def _explain(root: type, message: str) -> str:
 def _field_type(root: type, dotted: str) -> Any:
     node: Any = root
     for part in [p for p in dotted.split(".") if p]:
+        name, index, _ = part.partition("[")  # "replicas[0]": an element of a list or tuple field
         hints = typing.get_type_hints(node, include_extras=True) if isinstance(node, type) else {}
-        if part not in hints:
+        if name not in hints:
             return None
-        node = hints[part]
+        node = hints[name]
+        if index:
+            if typing.get_origin(node) is typing.Annotated:
+                node = typing.get_args(node)[0]
+            elements = typing.get_args(node)
+            node = elements[0] if elements else None
     return node
 
 

@@ -183,3 +183,10 @@ def test_an_external_replicas_event_endpoints_are_checked() -> None:
         config_from_dict({"router": {"replicas": [replica]}})
     with pytest.raises(ConfigError, match=r"replay must be a ZeroMQ endpoint"):
         config_from_dict({"router": {"replicas": [{**replica, "events": "tcp://10.0.0.5:5557", "replay": "x"}]}})
+
+
+def test_an_unknown_field_in_a_replica_lists_the_replicas_known_fields() -> None:
+    replica = {"name": "r0", "url": "http://127.0.0.1:8000", "events": "tcp://127.0.0.1:5557", "evnets": "x"}
+    expected = r"router\.replicas\[0\]: .*unknown field `evnets` \(known fields: name, url, events"
+    with pytest.raises(ConfigError, match=expected):
+        config_from_dict({"router": {"replicas": [replica]}})
