@@ -29,7 +29,7 @@ from typing import Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvstore.events import Medium
+from kvstore.events import MEDIA, Medium
 from kvstore.metrics import EventStreamCollector
 from kvstore.router.fleet_metrics import MergedPagesCollector
 from kvstore.subscriber import EventListener
@@ -85,6 +85,8 @@ class RouterMetrics:
             "kvstore_router_cached_tokens", "Prompt tokens served from cache, by medium.", ["medium"],
             registry=registry,
         )  # fmt: skip
+        for medium in MEDIA:  # a series per medium from the start (zeros in front of a vLLM fleet, which reports none)
+            self._cached_tokens.labels(medium)
         healthy = Gauge("kvstore_router_healthy_replicas", "Replicas routed to.", registry=registry)
         healthy.set_function(healthy_replicas)
         registry.register(EventStreamCollector(listener))

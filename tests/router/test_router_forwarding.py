@@ -377,6 +377,15 @@ def test_relayed_requests_are_counted_once_by_what_the_client_got(router: Router
     after = request_counts(router)
     grown = {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
     assert grown == {("ok", "2xx"): 1.0, ("rejected", "4xx"): 2.0}
+    # Every family has series from the start: cached tokens per medium are zeros here (vLLM reports none).
+    cached = {
+        sample.labels["medium"]: sample.value
+        for family in text_string_to_metric_families(router.client.get("/metrics").text)
+        if family.name == "kvstore_router_cached_tokens"
+        for sample in family.samples
+        if sample.name == "kvstore_router_cached_tokens_total"
+    }
+    assert cached == {"GPU": 0.0, "CPU": 0.0, "STORAGE": 0.0}
 
 
 def test_the_openai_battery_that_a_stand_in_can_pass(router: Router) -> None:
