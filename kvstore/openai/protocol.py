@@ -258,6 +258,8 @@ def parse_completions(req: CompletionRequest, tokenizer: Tokenizer, limits: Mode
         try:
             parsed.append(parse_completion(msgspec.structs.replace(req, prompt=one), tokenizer, limits))
         except ApiError as exc:
+            if exc.param not in ("prompt", "max_tokens"):  # not about this prompt: the same for every one
+                raise
             param = f"prompt[{index}]" if exc.param == "prompt" else exc.param
             raise ApiError(exc.status, f"prompt[{index}]: {exc.message}", param=param, kind=exc.kind) from None
     return parsed

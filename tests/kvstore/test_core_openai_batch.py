@@ -42,6 +42,9 @@ def test_each_prompt_of_a_batch_is_parsed_alone_and_errors_name_it() -> None:
         ({"prompt": [[[1]]]}, "prompt[0]", "prompt[0]: a batch of prompts inside a batch"),
         ({"prompt": [[1], [9999]]}, "prompt[1]", "prompt[1]"),
         ({"prompt": ["a"] * (MAX_BATCH_CHOICES // 2 + 1), "n": 2}, "prompt", "more than 256 choices"),
+        ({"prompt": ["a", "b"], "echo": True, "logprobs": 1}, "echo", "echo with logprobs"),  # not about a prompt
+        ({"prompt": ["a", "b"], "top_p": 7.0}, "top_p", "top_p"),
+        ({"prompt": ["a", "b" * 3000], "max_tokens": 4}, "max_tokens", "prompt[1]: prompt (3000 tokens)"),
     ]:
         with pytest.raises(ApiError) as info:
             parse(body)
@@ -115,3 +118,9 @@ def test_the_builder_echoes_and_counts_each_prompt_of_its_batch() -> None:
             events.append(json.loads(event[6:]))
     assert [(e["choices"][0]["index"], e["choices"][0]["text"], e["usage"]["prompt_tokens"]) for e in events] == [
         (0, "abx", 2), (1, "cdefy", 4)]  # fmt: skip
+
+
+def test_an_error_about_no_prompt_in_particular_is_not_put_on_one() -> None:
+    with pytest.raises(ApiError) as info:
+        parse({"prompt": ["a", "b"], "echo": True, "logprobs": 1})
+    assert info.value.param == "echo" and not info.value.message.startswith("prompt[")
