@@ -35,6 +35,20 @@ from kvstore.heap import freeze_startup_heap
 from kvstore.router.app import create_app
 
 
+def check_one_port_per_producer(config: Config) -> None:
+    """kvstore serve starts several event publishers on a node (its tier and each worker), all from one
+    ``[events]`` section: a fixed port would be bound by the first and refused to the rest."""
+    events = config.events
+    if not (events.enabled and events.bind):
+        return
+    for field, endpoint in (("endpoint", events.endpoint), ("replay_endpoint", events.replay_endpoint)):
+        if not endpoint.endswith("*"):
+            raise ConfigError(
+                f"events.{field} = {endpoint!r}: kvstore serve binds one publisher per worker and per node's tier, "
+                "so the port must be * (each takes a free one; the router learns them)"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = [*model_overrides(args), *args.set]
     if args.workers is not None:
@@ -42,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--workers must be >= 1")
         overrides.append(f"worker.num_workers={args.workers}")
     config = with_router_defaults(load_config(args.config, overrides=overrides))
+    check_one_port_per_producer(config)
     host = args.host or config.router.host
     port = config.router.port if args.port is None else args.port
     arena = check_arena_fits(config.tiers)

@@ -260,7 +260,13 @@ def _make_curve_server(sock: zmq.Socket[bytes], secret_key: str, public_key: str
 
 def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool) -> str:
     if bind:
-        sock.bind(endpoint)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:  # a port in use, an address not on this host: the config's to fix, in a line
+            raise ConfigError(
+                f"cannot bind KV events to {endpoint}: {exc.strerror} (events.endpoint / events.replay_endpoint; "
+                "a port of * takes a free one)"
+            ) from None
         resolved = sock.getsockopt(zmq.LAST_ENDPOINT)
         return resolved.decode() if isinstance(resolved, bytes) else str(resolved)
     sock.connect(endpoint)

@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvstore.tiers.control import SUFFIX as CONTROL_SUFFIX
 from kvstore.tiers.errors import ArenaError
 
 logger = logging.getLogger(__name__)
@@ -232,10 +233,17 @@ def reclaim_dead_arenas(directory: Path) -> list[str]:
     judged: an arena of another container sharing the directory is never touched."""
     reclaimed = []
     for path in directory.glob("kvstore-*"):
+        if path.name.endswith(CONTROL_SUFFIX):  # a tier's control socket, not an arena: see below
+            continue
         if _owned_by_dead_process(path):
             _unlink(path)
             reclaimed.append(path.name)
             logger.warning("reclaimed arena %s: its owner process is gone", path)
+    # A live tier always has its arena: a control socket file without one was left by a tier that is gone.
+    for socket_file in directory.glob(f"kvstore-*{CONTROL_SUFFIX}"):
+        if not (directory / socket_file.name.split(".", 1)[0]).exists():
+            with contextlib.suppress(OSError):
+                socket_file.unlink()
     return reclaimed
 
 

@@ -86,3 +86,28 @@ def test_a_cluster_that_refuses_the_connection_is_one_line_naming_token_authenti
     message = str(info.value)
     assert "\n" not in message and "cannot connect to the Ray cluster at 10.0.0.5:6379" in message
     assert "set RAY_AUTH_MODE=token here too (now unset)" in message and "ray get-auth-token" in message
+
+
+def test_a_taken_events_port_is_one_line_naming_the_field() -> None:
+    from kvstore.config import EventsConfig
+    from kvstore.publisher import ZmqEventPublisher
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(ConfigError, match=r"cannot bind KV events to tcp://127\.0\.0\.1:\d+: .*events\.endpoint"):
+            ZmqEventPublisher(EventsConfig(endpoint=endpoint))
+
+
+def test_serve_refuses_a_fixed_events_port_in_one_line() -> None:
+    """Every worker and each node's tier bind their own publisher from one [events] section: a fixed port
+    would be refused to all but the first (a 60-line Ray traceback, before)."""
+    from kvstore.deploy.serve_cli import check_one_port_per_producer
+
+    with pytest.raises(ConfigError, match=r"events\.endpoint = 'tcp://127\.0\.0\.1:47123'.*port must be \*"):
+        check_one_port_per_producer(load_config(overrides=['events.endpoint="tcp://127.0.0.1:47123"'], env={}))
+    with pytest.raises(ConfigError, match=r"events\.replay_endpoint"):
+        check_one_port_per_producer(load_config(overrides=['events.replay_endpoint="tcp://0.0.0.0:5558"'], env={}))
+    check_one_port_per_producer(load_config(overrides=['events.endpoint="tcp://0.0.0.0:*"'], env={}))
+    check_one_port_per_producer(load_config(overrides=["events.enabled=false", 'events.endpoint="tcp://h:1"'], env={}))

@@ -117,3 +117,26 @@ def test_too_small_shm_fails_at_creation(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ArenaError, match="shm-size"):
         SharedSlots.create(name, 4, 4096, shm_dir=SHM)
     assert not (Path(SHM) / name).exists()
+
+
+def test_a_dead_owners_control_socket_files_go_with_its_arena() -> None:
+    """A tier killed with its process group leaves its arena and its control socket file; the next start on the
+    node reclaims the arena under another name (a new node id), and must take the socket file with it."""
+    dead, orphan = arena_name(), arena_name()
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(target=_create_and_die, args=(dead,))
+    process.start()
+    process.join(30)
+    shm = Path(SHM)
+    dead_socket, orphan_socket = shm / f"{dead}.0123456789ab.ctl", shm / f"{orphan}.0123456789ab.ctl"
+    for path in (dead_socket, orphan_socket):
+        path.touch()
+    with SharedSlots.create(arena_name(), 1, 4096, shm_dir=SHM) as alive:
+        live_socket = shm / f"{alive.path.name}.0123456789ab.ctl"
+        live_socket.touch()
+        try:
+            reclaim_dead_arenas(shm)
+            assert not (shm / dead).exists() and not dead_socket.exists() and not orphan_socket.exists()
+            assert live_socket.exists()  # a live tier's socket stays
+        finally:
+            live_socket.unlink()
