@@ -258,14 +258,24 @@ def _make_curve_server(sock: zmq.Socket[bytes], secret_key: str, public_key: str
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public_key.encode())
 
 
+class EventBindError(ConfigError, zmq.ZMQError):
+    """An event endpoint this publisher cannot bind: a ConfigError (the command line prints it in one line), and
+    still the ZMQError, with its errno, that a caller retrying on a fixed port (a restart) waits out."""
+
+    def __init__(self, errno: int | None, message: str) -> None:
+        zmq.ZMQError.__init__(self, errno, message)
+        Exception.__init__(self, message)
+
+
 def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool) -> str:
     if bind:
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:  # a port in use, an address not on this host: the config's to fix, in a line
-            raise ConfigError(
+            raise EventBindError(
+                exc.errno,
                 f"cannot bind KV events to {endpoint}: {exc.strerror} (events.endpoint / events.replay_endpoint; "
-                "a port of * takes a free one)"
+                "a port of * takes a free one)",
             ) from None
         resolved = sock.getsockopt(zmq.LAST_ENDPOINT)
         return resolved.decode() if isinstance(resolved, bytes) else str(resolved)

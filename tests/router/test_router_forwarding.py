@@ -544,7 +544,10 @@ class BreakingReplica:
             writer.close()
 
     def stop(self) -> None:
-        self.server.close()
+        async def close() -> None:  # on its loop: an asyncio Server is not thread-safe
+            self.server.close()
+
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
