@@ -57,6 +57,16 @@ def is_zmq_endpoint(text: str) -> bool:
     return transport != "tcp" or (":" in address and address.rpartition(":")[2] != "")
 
 
+def check_zmq_endpoints(struct: msgspec.Struct, fields: tuple[str, ...], examples: str) -> None:
+    """ValueError naming the first of ``fields`` of ``struct`` that is set and not a ZeroMQ endpoint."""
+    for field in fields:
+        endpoint = getattr(struct, field)
+        if endpoint is not None and not is_zmq_endpoint(endpoint):
+            raise ValueError(
+                f"{field} must be a ZeroMQ endpoint, transport://address (such as {examples}), got {endpoint!r}"
+            )
+
+
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What makes two processes agree on block identity."""
 
@@ -119,12 +129,9 @@ class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     whose events are re-keyed."""
 
     def __post_init__(self) -> None:
-        for field in ("endpoint", "replay_endpoint"):
-            if not is_zmq_endpoint(getattr(self, field)):
-                raise ValueError(
-                    f"{field} must be a ZeroMQ endpoint, transport://address (such as tcp://127.0.0.1:5557, "
-                    f"tcp://0.0.0.0:* or ipc:///run/kvstore/events), got {getattr(self, field)!r}"
-                )
+        check_zmq_endpoints(
+            self, ("endpoint", "replay_endpoint"), "tcp://127.0.0.1:5557, tcp://0.0.0.0:* or ipc:///run/kvstore/events"
+        )
         for field in ("curve_secret_key", "curve_public_key"):
             key = getattr(self, field)
             if key and not is_z85_key(key):

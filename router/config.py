@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 from msgspec import Meta
 
-from kvstore.config import CacheConfig, Fraction, NonNegativeInt, PositiveInt, is_z85_key, is_zmq_endpoint
+from kvstore.config import CacheConfig, Fraction, NonNegativeInt, PositiveInt, check_zmq_endpoints, is_z85_key
 from kvstore.openai.bounds import BodyBounds
 from kvstore.subscriber import CurveKeyPair, load_client_cert
 
@@ -42,13 +42,7 @@ class ExternalReplica(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Its event publisher's CURVE public key (Z85, 40 characters) when it runs with CURVE; None = plain."""
 
     def __post_init__(self) -> None:
-        for field in ("events", "replay"):
-            endpoint = getattr(self, field)
-            if endpoint is not None and not is_zmq_endpoint(endpoint):
-                raise ValueError(
-                    f"{field} must be a ZeroMQ endpoint, transport://address (such as tcp://10.0.0.5:5557), "
-                    f"got {endpoint!r}"
-                )
+        check_zmq_endpoints(self, ("events", "replay"), "tcp://10.0.0.5:5557")
         key = self.curve_server_key
         if key is not None and not is_z85_key(key):
             raise ValueError("curve_server_key must be a 40-character Z85 public key (zmq.curve_keypair()), or unset")
