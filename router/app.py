@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvstore.openai.batch import batch_ids, merge_streams
+from kvstore.openai.batch import batch_ids, joined
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.http import (
     ClientDisconnected,
@@ -58,11 +58,7 @@ from kvstore.openai.http import (
 )
 from kvstore.openai.protocol import (
     ParsedRequest,
-    check_served,
-    decode_chat,
-    decode_completion,
-    parse_chat,
-    parse_completions,
+    parse_request,
 )
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.routing import read_for_routing
@@ -114,7 +110,9 @@ def create_app(
     async def completion(request: Request, kind: Kind) -> Response:
         body = await read_body(request, bounds)
         try:
-            parsed = _parse(service, kind, body)
+            tokenizer = service.tokenizer
+            assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
+            parsed = parse_request(body, kind == "chat", tokenizer, service.limits, service.model_name)
         except ApiError as exc:
             # Answered here, not raised on: the error's traceback would keep the decoded body alive
             # while the response is sent, and concurrent bad bodies would add up.
@@ -234,17 +232,6 @@ class _Guard:
         return None
 
 
-def _parse(service: RouterService, kind: Kind, body: bytes) -> list[ParsedRequest]:
-    tokenizer = service.tokenizer
-    assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
-    if kind == "chat":
-        batch = [parse_chat(decode_chat(body), tokenizer, service.limits)]
-    else:
-        batch = parse_completions(decode_completion(body), tokenizer, service.limits)
-    check_served(batch[0], service.model_name)
-    return batch
-
-
 async def _run(service: RouterService, request: Request, batch: list[ParsedRequest]) -> Response:
     """Serve ``batch`` (one prompt, unless a completions request sent several) on our workers: each prompt is
     routed, run and retried on its own, and their outputs are joined (:mod:`kvstore.openai.batch`)."""
@@ -277,9 +264,7 @@ async def _run(service: RouterService, request: Request, batch: list[ParsedReque
         batch=batch,
     )
     headers = routing_headers(replica, retried, routes[0])
-    chunks = opened[0].chunks if len(opened) == 1 else merge_streams(
-        [o.chunks for o in opened], first.sampling.n, request_id
-    )  # fmt: skip
+    chunks = joined([o.chunks for o in opened], first.sampling.n, request_id)
     return await respond(request, builder, chunks, headers=headers)
 
 

@@ -24,18 +24,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvstore.errors import InvalidRequestError
-from kvstore.openai.batch import batch_ids, merge_streams
+from kvstore.openai.batch import batch_ids, joined
 from kvstore.openai.bounds import BodyBounds
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.http import answer_errors_openai_style, error_response, model_card, read_body, respond
 from kvstore.openai.protocol import (
     ModelLimits,
     ParsedRequest,
-    check_served,
-    decode_chat,
-    decode_completion,
-    parse_chat,
-    parse_completions,
+    parse_request,
 )
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.worker_api import GenerateRequest, RequestStats, StreamChunk, WorkerShutdownError
@@ -81,25 +77,15 @@ def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None) -> 
                 stream.cancel()  # a no-op once the request finished
 
         first = batch[0]
-        output = chunks(streams[0]) if len(batch) == 1 else merge_streams(
-            [chunks(s) for s in streams], first.sampling.n, request_id
-        )  # fmt: skip
+        output = joined([chunks(s) for s in streams], first.sampling.n, request_id)
         builder = ResponseBuilder(
             first, tokenizer, model=info.model_name, request_id=request_id, extras=_extras, batch=batch
         )
         return await respond(request, builder, output)
 
-    def parse(body: bytes, chat: bool) -> list[ParsedRequest]:
-        if chat:
-            batch = [parse_chat(decode_chat(body), tokenizer, limits)]
-        else:
-            batch = parse_completions(decode_completion(body), tokenizer, limits)
-        check_served(batch[0], info.model_name)
-        return batch
-
     async def endpoint(request: Request, chat: bool) -> Response:
         try:
-            parsed = parse(await read_body(request, bounds), chat)
+            parsed = parse_request(await read_body(request, bounds), chat, tokenizer, limits, info.model_name)
         except ApiError as exc:  # answered here: a raised error's traceback would keep the decoded body alive
             return error_response(exc)
         return await serve(request, parsed, "chatcmpl" if chat else "cmpl")

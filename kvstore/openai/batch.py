@@ -88,6 +88,13 @@ async def merge_streams(
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def joined(
+    streams: Sequence[AsyncGenerator[StreamChunk, None]], n: int, request_id: str
+) -> AsyncGenerator[StreamChunk, None]:
+    """The one output of a request's prompts: a single prompt's stream as it is, a batch's merged."""
+    return streams[0] if len(streams) == 1 else merge_streams(streams, n, request_id)
+
+
 def batch_ids(request_id: str, count: int) -> list[str]:
     """Each prompt's own request id (its worker and logs see it): the batch's id, then ``-<prompt>``."""
     return [request_id] if count == 1 else [f"{request_id}-{index}" for index in range(count)]

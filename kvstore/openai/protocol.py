@@ -279,6 +279,19 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bo
     raise ApiError(400, "prompt must be a string or a list of integer token ids", param="prompt")
 
 
+def parse_request(
+    body: bytes, chat: bool, tokenizer: Tokenizer, limits: ModelLimits, model_name: str
+) -> list[ParsedRequest]:
+    """A completions or chat body as our fronts serve it: its prompts, each checked (one, unless a completions
+    request sent a batch), and vLLM's 404s for another model or an adapter (:func:`check_served`)."""
+    if chat:
+        batch = [parse_chat(decode_chat(body), tokenizer, limits)]
+    else:
+        batch = parse_completions(decode_completion(body), tokenizer, limits)
+    check_served(batch[0], model_name)
+    return batch
+
+
 def check_served(parsed: ParsedRequest, model_name: str) -> None:
     """vLLM's 404s, before anything is routed or hashed: another model, or a LoRA adapter (our workers serve none)."""
     if parsed.model is not None and parsed.model != model_name:
