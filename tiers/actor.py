@@ -139,9 +139,7 @@ class TierActor:
         """Close the control socket, settle disk I/O, close the event sockets and unlink the arena; the actor
         can then be killed."""
         if self._control is not None:
-            await self._control.aclose()
-        info = self._store.arena_info
-        remove_socket_files(info.shm_dir, info.name)
+            await self._control.aclose()  # unlinks its socket file (a predecessor's went in __init__)
         await self._store.aclose()
 
 
