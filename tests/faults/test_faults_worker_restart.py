@@ -45,8 +45,15 @@ def serves_on(client: httpx.Client, name: str, rng: random.Random) -> bool:
     mine = [p for p, a in zip(prompts, answers, strict=True) if a.json()["kvstore"]["replica"] == name]
     if not mine:
         return False
-    probe = {"prompt": [*mine[0], 9], "max_tokens": 1}  # its events reached the index: its prefix routes to it
-    return wait_for(lambda: client.post("/route", json=probe).json()["replica"] == name, timeout=5)
+    probe = {"prompt": [*mine[0], 9], "max_tokens": 1}
+
+    def indexed() -> bool:
+        # Its events reached the index: the prefix routes to it *because* the index holds its blocks there.
+        # The replica alone is not proof -- with no match anywhere, an idle fleet's tie-break can name it too.
+        route = client.post("/route", json=probe).json()
+        return route["replica"] == name and route["matched_blocks"].get(name, {}).get("GPU", 0) >= 3
+
+    return wait_for(indexed, timeout=5)
 
 
 @pytest.mark.ray
