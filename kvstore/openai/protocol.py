@@ -247,8 +247,18 @@ def parse_completions(req: CompletionRequest, tokenizer: Tokenizer, limits: Mode
     """:func:`parse_completion` for each prompt of a batch (``prompt`` a list of strings or of token-id lists,
     as vLLM takes it), or of the one prompt; each checked alone, the error naming ``prompt[i]``."""
     prompt = req.prompt
-    if not (isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt)):
-        return [parse_completion(req, tokenizer, limits)]
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)):
+        return [parse_completion(req, tokenizer, limits)]  # one prompt: a string or token ids (or not a prompt)
+    for index, one in enumerate(prompt):  # a batch, by its first element; one that is neither: name it
+        if not isinstance(one, str | list):
+            raise ApiError(
+                400,
+                f"prompt[{index}]: each prompt of a batch must be a string or a list of integer token ids, "
+                f"got {type(one).__name__}",
+                param=f"prompt[{index}]",
+            )
+    if not 1 <= req.n <= MAX_N:  # before the batch's size, which n multiplies
+        raise ApiError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
     if len(prompt) * req.n > MAX_BATCH_CHOICES:
         raise ApiError(
             400, f"{len(prompt)} prompts of n={req.n} choices is more than {MAX_BATCH_CHOICES} choices", param="prompt"

@@ -41,6 +41,10 @@ def test_each_prompt_of_a_batch_is_parsed_alone_and_errors_name_it() -> None:
         ({"prompt": [[1], [2, "x"]]}, "prompt[1]", "prompt[1]: prompt must be a string or a list of integer"),
         ({"prompt": [[[1]]]}, "prompt[0]", "prompt[0]: a batch of prompts inside a batch"),
         ({"prompt": [[1], [9999]]}, "prompt[1]", "prompt[1]"),
+        ({"prompt": ["ok", 5]}, "prompt[1]", "prompt[1]: each prompt of a batch must be a string or a list"),
+        ({"prompt": [3, "ok"]}, "prompt", "prompt must be a string or a list of integer token ids"),  # token ids
+        ({"prompt": ["ok", None]}, "prompt[1]", "got NoneType"),
+        ({"prompt": ["a"] * 20, "n": 17}, "n", "n must be between 1 and 16, got 17"),  # n's own error first
         ({"prompt": ["a"] * (MAX_BATCH_CHOICES // 2 + 1), "n": 2}, "prompt", "more than 256 choices"),
         ({"prompt": ["a", "b"], "echo": True, "logprobs": 1}, "echo", "echo with logprobs"),  # not about a prompt
         ({"prompt": ["a", "b"], "top_p": 7.0}, "top_p", "top_p"),
