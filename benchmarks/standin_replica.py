@@ -8,7 +8,9 @@ a role chunk per choice on chat, ``stream_options.include_usage`` adding a
 usage chunk (and ``continuous_usage_stats`` the usage so far to every
 chunk), ``data: [DONE]`` last), ``GET /v1/models`` and ``GET /metrics`` with vLLM's load gauges
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-``vllm:kv_cache_usage_perc``). It records every request's path, headers and
+``vllm:kv_cache_usage_perc``), and on completions an ``X-Request-Id``
+header (the request's own, or a new one), as vLLM run with
+``--enable-request-id-headers`` answers. It records every request's path, headers and
 exact body bytes, so a test can prove a router forwarded what the client
 sent, and it streams with configurable delays (time to the first chunk,
 between chunks), so a benchmark can time what a router adds.
@@ -25,6 +27,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
@@ -63,11 +66,12 @@ def create_standin_app(state: StandinState) -> FastAPI:
     async def generate(request: Request, chat: bool) -> Response:
         raw = await request.body()
         state.record(Recorded(request.url.path, dict(request.headers), raw))
+        headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
         body = json.loads(raw)
         if body.get("model") not in (None, state.model):
             message = f"The model `{body['model']}` does not exist."
             error = {"message": message, "type": "NotFoundError", "param": "model", "code": 404}
-            return JSONResponse({"error": error}, status_code=404)
+            return JSONResponse({"error": error}, status_code=404, headers=headers)
         tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         n = int(body.get("n") or 1)
         prompt = json.dumps(body.get("messages") if chat else body.get("prompt"))
@@ -82,7 +86,7 @@ def create_standin_app(state: StandinState) -> FastAPI:
             with_usage = options is not None and options.get("include_usage", True)
             running = with_usage and bool(options.get("continuous_usage_stats"))  # as vLLM: only with include_usage
             stream = _stream(state, ident, chat, tokens, n, usage if with_usage else None, running)
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         await asyncio.sleep(state.ttft_s + state.itl_s * (tokens - 1))
         text = "".join(f"t{i} " for i in range(tokens))
         choices = [
@@ -94,7 +98,8 @@ def create_standin_app(state: StandinState) -> FastAPI:
         kind = "chat.completion" if chat else "text_completion"
         created = int(time.time())
         return JSONResponse(
-            {"id": ident, "object": kind, "created": created, "model": state.model, "choices": choices, "usage": usage}
+            {"id": ident, "object": kind, "created": created, "model": state.model, "choices": choices, "usage": usage},
+            headers=headers,
         )
 
     @app.post("/v1/completions")

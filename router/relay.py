@@ -2,8 +2,10 @@
 
 The body is only read, to route it (:func:`~kvstore.openai.routing.read_for_routing`),
 and goes to the chosen replica byte for byte; the replica's status, body
-and SSE chunks come back as it sent them, with what the router adds in
-``x-kvstore-*`` headers (:func:`~kvstore.router.response.routing_headers`).
+and SSE chunks come back as it sent them, its headers too (``x-request-id``,
+say; not those about the one connection: :func:`relayed_headers`), with what
+the router adds in ``x-kvstore-*`` headers
+(:func:`~kvstore.router.response.routing_headers`).
 
 This runs as plain ASGI beside the FastAPI app rather than as one of its
 routes (the router's front sends these paths here): every request and every
@@ -22,6 +24,7 @@ upstream connection, which is how the replica learns to abort.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Literal
 
 from fastapi import Request
@@ -36,6 +39,10 @@ from kvstore.router.routing import Prompt, RouteResult
 from kvstore.router.service import RouterService
 
 Kind = Literal["completion", "chat"]
+_NOT_RELAYED = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "proxy-authenticate", "te", "trailer", "transfer-encoding",
+     "upgrade", "content-length", "date", "server"}
+)  # fmt: skip
 # A replica's answer that breaks off: its connection reset or closed mid-body, a stalled read, a bad chunk header.
 _UPSTREAM_FAILED = (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError)
 KINDS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
@@ -84,10 +91,9 @@ class RelayApp:
     ) -> None:
         relayed = await self._service.relay(prompt, routed, path, body, request.headers)
         answer = relayed.upstream
-        headers = routing_headers(relayed.replica, relayed.retried, routed)
+        headers = relayed_headers(answer.headers)
+        headers.update(routing_headers(relayed.replica, relayed.retried, routed))
         media_type = answer.headers.get("content-type")
-        if media_type:
-            headers["content-type"] = media_type
         try:
             if media_type and media_type.startswith("text/event-stream"):
                 await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
@@ -112,6 +118,17 @@ class RelayApp:
                 await send({"type": "http.response.body", "body": content, "more_body": False})
         finally:  # the dispatcher's generator: it settles the replica's books and the connection
             await answer.body.aclose()  # type: ignore[attr-defined]
+
+
+def relayed_headers(upstream: Mapping[str, str]) -> dict[str, str]:
+    """The replica's answer headers a client gets: all but those about this one connection (hop-by-hop),
+    the length (set again for the body as relayed), the ones the router's server writes itself (``date``,
+    ``server``: never two of each) and ``x-kvstore-*`` (the router's own)."""
+    return {
+        name: value
+        for name, value in upstream.items()
+        if name not in _NOT_RELAYED and not name.startswith("x-kvstore-")
+    }
 
 
 def _describe(exc: BaseException) -> str:

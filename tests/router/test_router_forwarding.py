@@ -35,6 +35,7 @@ from kvstore.deploy.config import config_from_dict
 from kvstore.deploy.router_cli import build_router
 from kvstore.router.app import create_app
 from kvstore.router.config import ExternalReplica
+from kvstore.router.relay import relayed_headers
 from kvstore.router.service import RouterService
 from tests import openai_conformance as conformance
 from tests.checkpoints import CHATML_SPECIALS, CHATML_TEMPLATE, train_tokenizer
@@ -229,6 +230,9 @@ def test_bodies_reach_the_replica_byte_for_byte(
     assert seen.headers["host"] == replica.server.url.removeprefix("http://")
     assert response.content == replica.tap.answers[-1], "the answer is the replica's, unchanged"
     assert response.headers["content-type"] == "application/json"
+    assert response.headers["x-request-id"] == "req-1", "the replica's own headers come back"
+    for name in ("date", "server", "content-length"):  # the router's, once each: not the replica's beside them
+        assert len(response.headers.get_list(name)) <= 1, (name, response.headers.get_list(name))
     assert response.headers["x-kvstore-retried"] == "false"
     assert float(response.headers["x-kvstore-route-s"]) >= 0
 
@@ -283,6 +287,8 @@ def test_streams_pass_through_chunk_by_chunk(router: Router, replicas: dict[str,
     with router.client.stream("POST", "/v1/completions", content=raw) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
+        assert re.fullmatch("[0-9a-f]{32}", response.headers["x-request-id"]), "the replica's id for the request"
+        assert response.headers.get_list("transfer-encoding") == ["chunked"], "the router's framing, once"
         for data in response.iter_raw():
             arrivals.append((time.monotonic() - start, data))
     received = b"".join(data for _, data in arrivals)
@@ -640,3 +646,13 @@ def test_the_routers_key_never_reaches_a_replica_and_a_replicas_own_key_is_sent(
         assert answer.status_code == 200 and replica.state.requests[-1].headers.get("authorization") == "Bearer mine"
     finally:
         plain.close()
+
+
+def test_only_headers_about_the_replicas_connection_stay_behind() -> None:
+    upstream = {"content-type": "application/json", "x-request-id": "r1", "content-encoding": "identity",
+                "connection": "keep-alive", "keep-alive": "timeout=5", "transfer-encoding": "chunked",
+                "content-length": "12", "date": "Fri, 27 Nov 2026 03:00:00 GMT", "server": "uvicorn",
+                "x-kvstore-replica": "spoofed", "x-vendor": "v"}  # fmt: skip
+    assert relayed_headers(upstream) == {
+        "content-type": "application/json", "x-request-id": "r1", "content-encoding": "identity", "x-vendor": "v"
+    }  # fmt: skip
