@@ -34,6 +34,8 @@ from typing import Any, NamedTuple
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvstore.openai.http import model_card
+
 
 class Recorded(NamedTuple):
     path: str
@@ -112,8 +114,7 @@ def create_standin_app(state: StandinState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": state.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                "root": state.model, "parent": None, "max_model_len": 4096, "permission": []}  # fmt: skip
+        card = model_card(state.model, 4096, owned_by="vllm")  # vLLM's card, field for field
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/metrics")

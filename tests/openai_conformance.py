@@ -32,6 +32,10 @@ def models_list(base_url: str, model: str) -> None:
     listed = client(base_url).models.list()
     assert [m.id for m in listed.data] == [model]
     assert abs(listed.data[0].created - time.time()) < 3600  # a timestamp, as vLLM's cards carry
+    card = httpx.get(f"{base_url}/v1/models").json()["data"][0]
+    assert isinstance(card["max_model_len"], int) and card["parent"] is None
+    assert [p["object"] for p in card["permission"]] == ["model_permission"]  # one, with vLLM's defaults
+    assert card["permission"][0]["allow_sampling"] is True and card["permission"][0]["organization"] == "*"
     assert client(base_url).models.retrieve(model).id == model
 
 

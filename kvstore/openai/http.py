@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
@@ -161,6 +162,12 @@ def answer_errors_openai_style(app: FastAPI) -> None:
 
 
 def model_card(name: str, max_context: int | None, owned_by: str = "kvstore") -> dict[str, Any]:
-    """One ``/v1/models`` entry, with vLLM's fields (``created``: now, as vLLM stamps each listing)."""
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": owned_by, "root": name,
-            "parent": None, "max_model_len": max_context, "permission": []}  # fmt: skip
+    """One ``/v1/models`` entry, with vLLM's fields (``created``: now, as vLLM stamps each listing; one
+    ``model_permission`` with its defaults, as vLLM lists for every model it serves)."""
+    created = int(time.time())
+    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}  # fmt: skip
+    return {"id": name, "object": "model", "created": created, "owned_by": owned_by, "root": name,
+            "parent": None, "max_model_len": max_context, "permission": [permission]}  # fmt: skip
