@@ -65,7 +65,7 @@ from kvstore.openai.routing import read_for_routing
 from kvstore.router.dispatch import Opened
 from kvstore.router.metrics import RequestCounting
 from kvstore.router.relay import KINDS, Kind, RelayApp
-from kvstore.router.response import kvstore_extras, medium_dict, routing_headers
+from kvstore.router.response import batch_route, kvstore_extras, medium_dict, routing_headers
 from kvstore.router.routing import Prompt, RouteResult
 from kvstore.router.service import RouterService
 from kvstore.worker_api import GenerateRequest
@@ -253,17 +253,17 @@ async def _run(service: RouterService, request: Request, batch: list[ParsedReque
             return Response(status_code=499)
     tokenizer = service.tokenizer
     assert tokenizer is not None
-    replica = ",".join(dict.fromkeys(o.replica for o in opened))
+    replica, route = batch_route(routes, [o.replica for o in opened])
     retried = any(o.retried for o in opened)
     builder = ResponseBuilder(
         first,
         tokenizer,
         model=service.model_name,
         request_id=request_id,
-        extras=lambda stats: kvstore_extras(replica, retried, routes[0], stats),
+        extras=lambda stats: kvstore_extras(replica, retried, route, stats),
         batch=batch,
     )
-    headers = routing_headers(replica, retried, routes[0])
+    headers = routing_headers(replica, retried, route)
     chunks = joined([o.chunks for o in opened], first.sampling.n, request_id)
     return await respond(request, builder, chunks, headers=headers)
 

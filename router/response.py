@@ -12,6 +12,7 @@ is the replica's, untouched, so the same facts travel as response headers
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvstore.router.index_lookup import NO_MATCH, MediumCounts
@@ -22,6 +23,22 @@ from kvstore.worker_api import RequestStats
 def medium_dict(counts: MediumCounts) -> dict[str, int]:
     """Blocks by medium, keyed by the media's wire names."""
     return {"GPU": counts.gpu, "CPU": counts.cpu, "STORAGE": counts.storage}
+
+
+def batch_route(routes: Sequence[RouteResult], served: Sequence[str]) -> tuple[str, RouteResult]:
+    """A batch's routing as one request's: the replicas that served (comma-separated, once each, in prompt
+    order) and, under that name, each prompt's prediction for the replica that served it, summed, with the
+    prompts' blocks and routing times summed. One prompt: its own name and route."""
+    name = ",".join(dict.fromkeys(served))
+    if len(routes) == 1:
+        return name, routes[0]
+    predicted = [route.matched.get(replica, NO_MATCH) for route, replica in zip(routes, served, strict=True)]
+    summed = MediumCounts(*(sum(column) for column in zip(*predicted, strict=True)))
+    return name, routes[0]._replace(
+        matched={name: summed},
+        prompt_blocks=sum(route.prompt_blocks for route in routes),
+        route_s=sum(route.route_s for route in routes),
+    )
 
 
 def kvstore_extras(replica: str, retried: bool, routed: RouteResult, stats: RequestStats) -> dict[str, Any]:

@@ -56,6 +56,15 @@ def test_two_ray_workers_shared_prefix_and_a_killed_worker(ray_session: Any) -> 
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 12 * BLOCK
         assert second["choices"][0]["token_ids"] != []
 
+        # A batch of two prompts on that prefix: what the router predicted is summed over the prompts, each
+        # for the replica that served it (the batch's replica names are joined; no one replica has that name).
+        batch = client.post("/v1/completions", json={"prompt": [[*prefix, 10, 11], [*prefix, 12]], "max_tokens": 2})
+        assert batch.status_code == 200, batch.text
+        extras = batch.json()["kvstore"]
+        assert extras["replica"] == owner and extras["predicted_cached_blocks"] == {"GPU": 24, "CPU": 0, "STORAGE": 0}
+        assert extras["prompt_blocks"] == 26 and extras["cached_tokens"]["GPU"] == 24 * BLOCK
+        assert batch.headers["x-kvstore-predicted-cached-blocks"] == "24"
+
         # Kill the owner: the next request for its prefix is served by the other worker.
         handle = next(w.handle for w in workers if w.name == owner)
         ray.kill(handle, no_restart=True)
