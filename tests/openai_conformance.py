@@ -12,6 +12,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
@@ -150,12 +151,34 @@ def unsupported_fields_are_named(base_url: str, model: str) -> None:
         ("/v1/completions", {"prompt": "x", "temperture": 0.5}, "temperture"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+         "modalities"),
     ]  # fmt: skip
     for path, body, param in cases:
         response = httpx.post(f"{base_url}{path}", json={"model": model, **body}, timeout=30)
         assert response.status_code == 400, (body, response.text)
         error = response.json()["error"]
         assert error["param"] == param and error["type"] == "BadRequestError", (body, error)
+
+
+def openai_fields_that_change_nothing_are_accepted(base_url: str, model: str) -> None:
+    """What the official client and SDKs on it send beside the sampling fields -- storage, metadata, billing,
+    cache keys, a plain-text response format -- is accepted, and the tokens are those of the same request
+    without them."""
+    c = client(base_url)
+    messages: Any = [{"role": "user", "content": "Name a colour."}]
+    plain = c.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0)
+    extras = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "prompt_cache_key": "tenant-1",
+              "safety_identifier": "user-7", "response_format": {"type": "text"}, "modalities": ["text"],
+              "verbosity": "low", "prediction": {"type": "content", "content": "red"}, "user": "u"}  # fmt: skip
+    dressed = c.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0, extra_body=extras)
+    assert dressed.choices[0].message.content == plain.choices[0].message.content
+    completion = c.completions.create(
+        model=model, prompt="Name a colour.", max_tokens=3, temperature=0,
+        extra_body={"store": False, "metadata": {"k": "v"}, "response_format": {"type": "text"}},
+    )  # fmt: skip
+    assert completion.choices[0].finish_reason is not None
 
 
 def batched_prompts(base_url: str, model: str) -> None:
@@ -200,6 +223,7 @@ def every_behaviour() -> list[Behaviour]:
         async_client_streams,
         unknown_model_is_404,
         unsupported_fields_are_named,
+        openai_fields_that_change_nothing_are_accepted,
         batched_prompts,
     ]
 

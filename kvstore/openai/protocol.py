@@ -5,8 +5,14 @@ names the offending field. Every field vLLM's server takes for text
 generation is declared; those we serve are checked against vLLM's ranges
 and become a :class:`~kvstore.worker_api.SamplingParams`, and those we do
 not (tools, images, structured output, beam search, ...) are refused with
-a 400 that names them. Unknown fields are refused too (a misspelt
-``temperture`` must not silently sample at the default).
+a 400 that names them. OpenAI's fields that change nothing about the
+tokens generated (``store``, ``metadata``, ``service_tier``,
+``prompt_cache_key``, ``safety_identifier``, ``prediction``, ``verbosity``,
+``user``; ``response_format`` of type ``text``, ``modalities`` of just
+``text``) are declared and accepted, since the official client and SDKs
+built on it send them. Any other field is refused (a misspelt
+``temperture`` must not silently sample at the default: vLLM ignores it
+with a log line, which the client never sees).
 
 :func:`parse_completion` and :func:`parse_chat` return a
 :class:`ParsedRequest`: the prompt tokenised exactly as the replica will
@@ -75,6 +81,12 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     request_id: Name | None = None
     cache_salt: Name | None = None
     lora_name: Name | None = None
+    # OpenAI's fields about the account, storage, billing or caching of a request: nothing to do here.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Name | None = None
+    prompt_cache_key: Name | None = None
+    safety_identifier: Name | None = None
     # vLLM fields this server does not implement: refused by name when set.
     use_beam_search: bool = False
     length_penalty: float | None = None
@@ -131,6 +143,11 @@ class ChatCompletionRequest(_GenerationFields, forbid_unknown_fields=True, kw_on
     reasoning_effort: Any = None
     mm_processor_kwargs: Any = None
     media_io_kwargs: Any = None
+    prediction: Any = None  # OpenAI's predicted output: a speed hint, the output is the same without it
+    verbosity: Name | None = None  # OpenAI's hint to reasoning models; vLLM ignores it too
+    modalities: list[str] | None = None  # ["text"] only
+    audio: Any = None
+    web_search_options: Any = None
 
 
 # Set to anything but their default, these are refused (the value names why).
@@ -159,6 +176,8 @@ _UNSUPPORTED: dict[str, Any] = {
     "reasoning_effort": None,
     "mm_processor_kwargs": None,
     "media_io_kwargs": None,
+    "audio": None,
+    "web_search_options": None,
 }
 
 
@@ -419,8 +438,11 @@ def _template(override: str | None, tokenizer: Tokenizer) -> ChatTemplate:
 def _refuse_unsupported(req: msgspec.Struct) -> None:
     for field, default in _UNSUPPORTED.items():
         value = getattr(req, field, default)
-        if value != default:
+        if value != default and not (field == "response_format" and _plain_text_format(value)):
             raise ApiError(400, f"{field} is not supported by this server", param=field)
+    modalities = getattr(req, "modalities", None)
+    if modalities is not None and set(modalities) - {"text"}:
+        raise ApiError(400, f"only text output is supported, modalities asked for {modalities}", param="modalities")
     if not getattr(req, "spaces_between_special_tokens", True):
         raise ApiError(
             400, "spaces_between_special_tokens=false is not supported", param="spaces_between_special_tokens"
@@ -428,6 +450,11 @@ def _refuse_unsupported(req: msgspec.Struct) -> None:
     options = getattr(req, "stream_options", None)
     if options is not None and not getattr(req, "stream", False):
         raise ApiError(400, "stream_options can only be set with stream=true", param="stream_options")
+
+
+def _plain_text_format(value: Any) -> bool:
+    """``response_format: {"type": "text"}``: plain text, what is generated anyway (SDKs send it by default)."""
+    return isinstance(value, dict) and value.get("type") == "text" and set(value) == {"type"}
 
 
 def _sampling(req: _GenerationFields, logprobs: int | None, limits: ModelLimits) -> SamplingParams:

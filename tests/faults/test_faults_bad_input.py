@@ -110,7 +110,7 @@ def bad_cases(rng: random.Random) -> list[Case]:
     add("non-positive max_tokens", {"prompt": t, "max_tokens": -rng.randint(1, 10**6)})
     add("non-positive max_tokens", {"prompt": t, "max_tokens": 0})
     add("empty prompt", {"prompt": rng.choice(["", []]), "max_tokens": 4})
-    add("unknown field", {"prompt": t, "max_tokens": 4, rng.choice(["bogus", "functions", "Prompt"]): 1})
+    add("unknown field", {"prompt": t, "max_tokens": 4, rng.choice(["bogus", "temperture", "Prompt"]): 1})
     add("bad batch", {"prompt": [[t], t[:1]], "max_tokens": 4})  # a batch inside a batch
     add("bad batch", {"prompt": ["hello", 5], "max_tokens": 4})  # strings and ids mixed
     add("bad batch", {"prompt": ["hello", ""], "max_tokens": 4})  # an empty prompt in a batch
