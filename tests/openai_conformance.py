@@ -142,8 +142,10 @@ def unknown_model_is_404(base_url: str, model: str) -> None:
 
 def unsupported_fields_are_named(base_url: str, model: str) -> None:
     cases = [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         "tools"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+                                  "tool_choice": "none"}, "tools[0]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ("/v1/chat/completions",
          {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages[0].content[0]"),

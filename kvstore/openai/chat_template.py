@@ -97,10 +97,17 @@ class ChatTemplate:
 
         ``continue_final_message`` leaves the last message open (the model
         continues it): the rendering is cut right after that message's text.
+        ``extra`` (a request's ``chat_template_kwargs``) wins over the other
+        arguments, ``messages`` aside, as vLLM lays a request's kwargs over its own.
         """
+        overrides = {name: value for name, value in (extra or {}).items() if name != "messages"}
+        add_generation_prompt = bool(overrides.pop("add_generation_prompt", add_generation_prompt))
+        continue_final_message = bool(overrides.pop("continue_final_message", continue_final_message))
+        tools = overrides.pop("tools", tools)
+        documents = overrides.pop("documents", documents)
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
-        variables: dict[str, Any] = {**special_tokens, **(extra or {})}
+        variables: dict[str, Any] = {**special_tokens, **overrides}
         variables.update(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
@@ -119,6 +126,17 @@ class ChatTemplate:
         if continue_final_message:
             rendered = _cut_after_final_message(rendered, messages)
         return rendered
+
+
+def with_parsed_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
+    """An earlier tool call of a conversation as vLLM hands it to a chat template: its function's ``arguments``
+    JSON text parsed into an object (templates render it with ``tojson``). ``call["function"]`` must be a
+    mapping; raises ValueError when the arguments are text that is not JSON."""
+    function = call["function"]
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _cut_after_final_message(rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:

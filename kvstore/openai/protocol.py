@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 from msgspec import Meta
 
-from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError
+from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError, with_parsed_arguments
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.worker_api import SamplingParams
@@ -335,10 +335,7 @@ def check_served(parsed: ParsedRequest, model_name: str) -> None:
 def parse_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> ParsedRequest:
     """Check ``req``, render its messages through the chat template and tokenise them."""
     _refuse_unsupported(req)
-    if req.tools:
-        raise ApiError(400, "tools (function calling) are not supported", param="tools")
-    if req.tool_choice not in (None, "none"):
-        raise ApiError(400, "tool_choice is not supported (no tools)", param="tool_choice")
+    tools = _tools(req.tools, req.tool_choice)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
     if req.top_logprobs and not req.logprobs:
@@ -353,6 +350,7 @@ def parse_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLi
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             special_tokens=tokenizer.special_tokens,
+            tools=tools,
             documents=req.documents,
             extra=req.chat_template_kwargs,
         )
@@ -394,10 +392,19 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     role = raw.get("role")
     if not isinstance(role, str) or not role:
         raise ApiError(400, f"{where}.role must be a non-empty string", param=f"{where}.role")
-    for field in ("tool_calls", "function_call", "audio"):
+    for field in ("function_call", "audio"):
         if raw.get(field):
             raise ApiError(400, f"{where}.{field} is not supported", param=f"{where}.{field}")
-    message = {k: v for k, v in raw.items() if k in ("role", "name", "tool_call_id")}
+    message = {k: v for k, v in raw.items() if k in _MESSAGE_FIELDS}
+    for field in ("name", "tool_call_id", "reasoning", "reasoning_content"):
+        if message.get(field) is not None and not isinstance(message[field], str):
+            raise ApiError(400, f"{where}.{field} must be a string", param=f"{where}.{field}")
+    if raw.get("tool_calls"):
+        if role != "assistant":
+            raise ApiError(
+                400, f"{where}.tool_calls: only assistant messages make tool calls", param=f"{where}.tool_calls"
+            )
+        message["tool_calls"] = _tool_calls(raw["tool_calls"], f"{where}.tool_calls")
     content = raw.get("content")
     if isinstance(content, list):
         texts = []
@@ -411,12 +418,63 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
                 raise ApiError(400, f"{part_where}.text must be a string", param=f"{part_where}.text")
             texts.append(part["text"])
         content = "\n".join(texts)
-    elif content is None and role == "assistant":
+    elif content is None:  # an assistant's turn of tool calls has none; vLLM renders a missing one as ""
         content = ""
     if not isinstance(content, str):
         raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
     message["content"] = content
     return message
+
+
+_MESSAGE_FIELDS = ("role", "name", "tool_call_id", "reasoning", "reasoning_content")  # passed to the template as sent
+
+
+def _tools(tools: list[Any] | None, choice: Any) -> list[Any] | None:
+    """The tools to render into the prompt, or None. As vLLM without a tool-call parser: with
+    ``tool_choice: "none"`` the tools go into the prompt (the template decides how) and the answer is plain
+    text; ``"auto"`` (the default when tools are sent) needs a parser to turn the output into ``tool_calls``,
+    and a named or ``"required"`` choice needs structured output -- neither is here, so both are refused."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)
+                and isinstance(function.get("name"), str) and function["name"]):  # fmt: skip
+            raise ApiError(
+                400, f'tools[{index}] must be {{"type": "function", "function": {{"name": ..., ...}}}}',
+                param=f"tools[{index}]",
+            )  # fmt: skip
+    if choice is None or choice == "auto":
+        raise ApiError(
+            400,
+            'tool_choice "auto" (the default with tools) needs a tool-call parser, which this server does not have; '
+            'send tool_choice "none" to have the tools rendered into the prompt and the answer as text',
+            param="tool_choice",
+        )
+    if choice != "none":
+        raise ApiError(400, 'only tool_choice "none" is supported (a named or required tool needs structured output)',
+                       param="tool_choice")  # fmt: skip
+    return tools
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls, as a template renders them: each call's ``arguments`` JSON
+    text parsed into an object first, as vLLM does before it applies the template."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list", param=where)
+    parsed = []
+    for index, call in enumerate(calls):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise ApiError(400, f'{at} must be {{"function": {{"name": ..., "arguments": ...}}, ...}}', param=at)
+        try:
+            parsed.append(with_parsed_arguments(call))
+        except ValueError:
+            raise ApiError(400, f"{at}.function.arguments is not JSON", param=f"{at}.function.arguments") from None
+    return parsed
 
 
 def _template(override: str | None, tokenizer: Tokenizer) -> ChatTemplate:

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
-from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError
+from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError, with_parsed_arguments
 from kvstore.openai.errors import ApiError
 from kvstore.openai.protocol import MAX_NAME_CHARS
 from kvstore.openai.tokenizer import Tokenizer
@@ -132,7 +132,16 @@ def _chat_tokens(data: dict[str, Any], tokenizer: Tokenizer | None) -> list[int]
                        for p in content):  # fmt: skip
                 return None  # images, audio: the replica's processor expands them; we cannot
             content = "\n".join(p["text"] for p in content)
-        flat.append({**message, "content": content if content is not None else ""})
+        message = {**message, "content": content if content is not None else ""}
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:  # rendered as the replica renders them: arguments parsed (vLLM)
+            if not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+                return None
+            try:
+                message["tool_calls"] = [with_parsed_arguments(c) for c in calls]
+            except ValueError:
+                return None  # the replica refuses it
+        flat.append(message)
     try:
         template = ChatTemplate(data["chat_template"]) if isinstance(data.get("chat_template"), str) else None
         template = template or tokenizer.chat_template

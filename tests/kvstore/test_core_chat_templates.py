@@ -9,6 +9,7 @@ wrapped by transformers and saved as a model directory; kvstore's
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -183,3 +184,95 @@ def test_a_long_prompt_tokenised_in_a_thread_leaves_the_event_loop_running(
     assert longest_gap_s < alone_s / 2, (
         f"the loop stalled {longest_gap_s * 1e3:.1f} ms of a {alone_s * 1e3:.1f} ms encode"
     )
+
+
+# A ChatML template with tools and tool calls, in the shape of Qwen2.5's: the tools listed in the system turn,
+# an assistant's calls as <tool_call> JSON (arguments as an object), tool results in a user turn.
+TOOL_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' }}"
+    "{{- tool | tojson }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    '{%- for call in message.tool_calls %}{{- \'\\n<tool_call>\\n{"name": "\' + call.function.name + \'", '
+    "\"arguments\": ' }}{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+def _chat(ours: HFTokenizer, body: dict[str, Any]) -> Any:
+    from kvstore.openai.protocol import ModelLimits, decode_chat, parse_chat
+
+    return parse_chat(decode_chat(json.dumps(body).encode()), ours, ModelLimits(None, 4096))
+
+
+def test_tools_and_earlier_tool_calls_render_as_transformers_renders_them(family: tuple[HFTokenizer, Any]) -> None:
+    ours, hf = family
+    if "<|im_start|>" not in hf.chat_template:
+        pytest.skip("the tool template is ChatML: one family's special tokens are enough")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    parsed = _chat(ours, {"messages": messages, "tools": TOOLS, "tool_choice": "none", "chat_template": TOOL_TEMPLATE})
+    # The oracle gets the arguments as an object, as vLLM hands them to the template.
+    oracle_messages = [*messages[:1], {**messages[1], "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, messages[2]]  # fmt: skip
+    rendered = hf.apply_chat_template(
+        oracle_messages, tools=TOOLS, chat_template=TOOL_TEMPLATE, add_generation_prompt=True, tokenize=True
+    )
+    expected = _ids(rendered)
+    assert parsed.token_ids == expected
+    assert '"arguments": {"city": "Paris"}' in ours.decode(parsed.token_ids, skip_special_tokens=False)
+    # The router in front of a vLLM fleet hashes the same tokens (it renders without checking the request).
+    from kvstore.openai.routing import read_for_routing
+
+    body = {"messages": messages, "tools": TOOLS, "tool_choice": "auto", "chat_template": TOOL_TEMPLATE}
+    assert read_for_routing(json.dumps(body).encode(), "chat", ours).token_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "fragment"),
+    [
+        ({"tools": TOOLS}, "tool_choice", 'tool_choice "auto" (the default with tools) needs a tool-call parser'),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "needs a tool-call parser"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", 'only tool_choice "none"'),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+         'only tool_choice "none"'),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0]", "tools[0] must be"),
+        ({"tool_choice": "auto"}, "tool_choice", "tool_choice needs tools"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+         "messages[0].tool_calls", "only assistant messages make tool calls"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{nope"}}]}]},
+         "messages[0].tool_calls[0].function.arguments", "is not JSON"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]}, "messages[0].tool_calls[0]",
+         "must be"),
+        ({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 5}]},
+         "messages[0].reasoning_content", "must be a string"),
+    ],
+)  # fmt: skip
+def test_tool_requests_this_server_cannot_serve_are_refused_by_name(
+    family: tuple[HFTokenizer, Any], extra: dict[str, Any], param: str, fragment: str
+) -> None:
+    from kvstore.openai.errors import ApiError
+
+    ours, _ = family
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": TOOL_TEMPLATE, **extra}
+    with pytest.raises(ApiError) as info:
+        _chat(ours, body)
+    assert info.value.status == 400 and info.value.param == param and fragment in info.value.message, info.value
+
+
+def test_request_chat_template_kwargs_win_over_the_request_fields(family: tuple[HFTokenizer, Any]) -> None:
+    ours, hf = family
+    messages = [{"role": "user", "content": "What spills to disk?"}]
+    parsed = _chat(ours, {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert parsed.token_ids == _ids(hf.apply_chat_template(messages, add_generation_prompt=False, tokenize=True))
