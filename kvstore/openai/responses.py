@@ -195,8 +195,14 @@ class ResponseBuilder:
         self._offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token(t): lp for t, lp in e.top} or None for e in entries],
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            # As vLLM (and OpenAI's legacy API) answer: the chosen token first, then the top ``logprobs``
+            # alternatives, one entry per distinct text (so logprobs=0 still names the chosen token).
+            "top_logprobs": [
+                {token: _finite(e.logprob)}
+                | {self._token(t): _finite(lp) for t, lp in e.top if self._token(t) != token}
+                for token, e in zip(tokens, entries, strict=True)
+            ],
             "text_offset": offsets,
         }
 
@@ -204,12 +210,18 @@ class ResponseBuilder:
         token = self._token(entry.token_id)
         return {
             "token": token,
-            "logprob": entry.logprob,
+            "logprob": _finite(entry.logprob),
             "bytes": list(token.encode()),
             "top_logprobs": [
-                {"token": (t := self._token(i)), "logprob": lp, "bytes": list(t.encode())} for i, lp in entry.top
+                {"token": (t := self._token(i)), "logprob": _finite(lp), "bytes": list(t.encode())}
+                for i, lp in entry.top
             ],
         }
 
     def _token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _finite(logprob: float) -> float:
+    """-inf (a token the model rules out) as the JSON-safe -9999.0 that vLLM and OpenAI send."""
+    return max(logprob, -9999.0)

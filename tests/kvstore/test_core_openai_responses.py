@@ -43,7 +43,9 @@ def events(builder: ResponseBuilder, chunks: list[StreamChunk]) -> list[dict[str
     return out
 
 
-LP = [TokenLogprob(ord("a"), -0.5, [(ord("a"), -0.5), (ord("b"), -1.5)]), TokenLogprob(ord("c"), -0.25, [])]
+# The second token was sampled outside the top 1 (b), and one alternative is ruled out (-inf).
+LP = [TokenLogprob(ord("a"), -0.5, [(ord("a"), -0.5), (ord("b"), -1.5)]),
+      TokenLogprob(ord("c"), -0.25, [(ord("b"), -0.1), (ord("d"), float("-inf"))])]  # fmt: skip
 CHUNKS = [
     StreamChunk("r", [ChoiceDelta(0, [ord("a")], "a", LP[:1])]),
     StreamChunk("r", [ChoiceDelta(0, [ord("c")], "c", LP[1:], FinishReason.STOP, "x")], STATS),
@@ -56,14 +58,21 @@ def test_completion_body_with_logprobs_echo_and_usage() -> None:
     choice = body["choices"][0]  # type: ignore[index]
     assert body["object"] == "text_completion" and choice["text"] == "ac"
     assert choice["logprobs"] == {
-        "tokens": ["a", "c"], "token_logprobs": [-0.5, -0.25], "top_logprobs": [{"a": -0.5, "b": -1.5}, None],
-        "text_offset": [0, 1],
+        "tokens": ["a", "c"], "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"a": -0.5, "b": -1.5}, {"c": -0.25, "b": -0.1, "d": -9999.0}], "text_offset": [0, 1],
     }  # fmt: skip
     assert (choice["finish_reason"], choice["stop_reason"], choice["token_ids"]) == ("stop", "x", [97, 99])
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                              "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
     echoed = completion(echo=True).body(fold_stream(CHUNKS, 1))
     assert echoed["choices"][0]["text"] == "helloac"  # type: ignore[index]
+
+
+def test_logprobs_zero_still_names_the_chosen_token_as_vllm_does() -> None:
+    only = [StreamChunk("r", [ChoiceDelta(0, [ord("a")], "a", [TokenLogprob(ord("a"), -0.5, [])], FinishReason.LENGTH)],
+                        STATS)]  # fmt: skip
+    body = completion(logprobs=0, max_tokens=1).body(fold_stream(only, 1))
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.5}]  # type: ignore[index]
 
 
 def test_chat_stream_opens_with_the_role_and_ends_with_usage() -> None:
