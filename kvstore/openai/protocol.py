@@ -202,6 +202,7 @@ class ParsedRequest(NamedTuple):
     continuous_usage: bool  # usage in every chunk (stream only, with include_usage)
     echo_text: str | None  # text to put before each choice's output (completions' or chat's echo)
     logprobs: int | None  # top alternatives per token, when logprobs are asked for
+    role: str = "assistant"  # chat: the answer's role (vLLM: the last message's when no generation prompt)
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -370,11 +371,12 @@ def parse_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLi
             )
     max_tokens = _capped(explicit if explicit is not None else 16, limits)
     _check_lengths(token_ids, max_tokens, sampling, limits, param="max_completion_tokens")
-    echo = None
+    # As vLLM: the answer continues the assistant's turn the generation prompt opens, or without one the
+    # last message's; echo repeats that message when it has the answer's role.
     last = messages[-1]
-    if req.echo and last.get("role") == "assistant" and isinstance(last.get("content"), str):
-        echo = last["content"]
-    return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)
+    role = "assistant" if req.add_generation_prompt else last["role"]
+    echo = last["content"] if req.echo and last["role"] == role else None
+    return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(role=role)
 
 
 def _capped(max_tokens: int, limits: ModelLimits) -> int:

@@ -87,7 +87,7 @@ class ResponseBuilder:
             text = (self._prompt_of(choice.index).echo_text or "") + choice.text
             entry: dict[str, Any] = {"index": choice.index}
             if self.chat:
-                entry["message"] = {"role": "assistant", "content": text}
+                entry["message"] = {"role": self._prompt_of(choice.index).role, "content": text}
             else:
                 entry["text"] = text
             entry["logprobs"] = self._logprobs(choice.index, choice.logprobs)
@@ -131,8 +131,8 @@ class ResponseBuilder:
             self._started.add(delta.index)
             text = (self._prompt_of(delta.index).echo_text or "") + text
             if self.chat:
-                role = {"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}  # fmt: skip
+                opened = {"role": self._prompt_of(delta.index).role, "content": ""}
+                role = {"index": delta.index, "delta": opened, "logprobs": None, "finish_reason": None}
                 out.append(self._envelope([role], usage=self._running_usage(delta.index, 0)))
         logprobs = self._logprobs(delta.index, delta.logprobs)
         if not text and not delta.token_ids and delta.finish_reason is None and logprobs is None:

@@ -92,6 +92,17 @@ def test_chat_stream_opens_with_the_role_and_ends_with_usage() -> None:
     assert len(plain) == 3 and "usage" not in plain[-1]
 
 
+def test_without_a_generation_prompt_the_answer_continues_the_last_messages_role_as_in_vllm() -> None:
+    # vLLM: no generation prompt -> the answer's role is the last message's, and echo repeats that message.
+    body = chat(add_generation_prompt=False, echo=True).body(fold_stream(CHUNKS, 1))
+    assert body["choices"][0]["message"] == {"role": "user", "content": "hiac"}  # type: ignore[index]
+    out = events(chat(add_generation_prompt=False, stream=True), CHUNKS)
+    assert out[0]["choices"][0]["delta"] == {"role": "user", "content": ""}  # type: ignore[index]
+    # With the generation prompt (the default) the answer is the assistant's, and a user message is not echoed.
+    body = chat(echo=True).body(fold_stream(CHUNKS, 1))
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "ac"}  # type: ignore[index]
+
+
 def test_continuous_usage_puts_the_usage_so_far_in_every_chunk() -> None:
     """vLLM's ``continuous_usage_stats``: each chunk carries the prompt and the tokens its own choice has generated
     so far (a chat stream's role chunk: none yet), a token held back (no text yet) in a chunk of its own with no
