@@ -79,11 +79,13 @@ class IncrementalDetokenizer:
         return self._show(len(self.text) - self._hold), None
 
     def finish(self) -> str:
-        """The choice ended (length, EOS, a stop id): the held-back text, decoded to the end."""
+        """The choice ended (length, EOS, a stop id): the held-back text, decoded to the end -- less an
+        unfinished character at the very end (U+FFFD), which vLLM never shows either."""
         if self.stopped:
             return ""
         self.stopped = True
         tail = self._tokenizer.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
+        tail = tail.rstrip("\ufffd")
         done = self._tokenizer.decode(
             self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip_special
         )

@@ -276,3 +276,16 @@ def test_request_chat_template_kwargs_win_over_the_request_fields(family: tuple[
     messages = [{"role": "user", "content": "What spills to disk?"}]
     parsed = _chat(ours, {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert parsed.token_ids == _ids(hf.apply_chat_template(messages, add_generation_prompt=False, tokenize=True))
+
+
+def test_a_choice_that_ends_inside_a_character_shows_its_whole_characters_only() -> None:
+    """As vLLM: the bytes of an unfinished character at the end of a choice are never shown as U+FFFD."""
+    from kvstore.openai.tokenizer import ByteTokenizer
+
+    ids = list("ok 東京".encode())
+    detok = IncrementalDetokenizer(ByteTokenizer())
+    shown = "".join(detok.push([i])[0] for i in ids[:-1]) + detok.finish()  # ends one byte short of 京
+    assert shown == "ok 東"
+    detok = IncrementalDetokenizer(ByteTokenizer())
+    shown = "".join(detok.push([i])[0] for i in ids) + detok.finish()
+    assert shown == "ok 東京"
