@@ -12,7 +12,9 @@ the whole output.
 Stop strings end a choice as soon as the text contains one: the text is cut
 before it (or after it with ``include_stop_str_in_output``). While a choice
 runs, the last ``longest stop - 1`` characters are held back, so a stream
-never shows the start of a stop string that later turns out to be one.
+never shows the start of a stop string that later turns out to be one (not
+with ``include_stop_str_in_output``: the stop string is shown anyway, and
+vLLM holds nothing back then either).
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ class IncrementalDetokenizer:
         self._stop = tuple(s for s in stop if s)
         self._include_stop = include_stop_str_in_output
         self._skip_special = skip_special_tokens
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        # A stop string may straddle two steps' text: each search starts this far back. The same many
+        # characters are held back from the stream, unless the stop string is to be shown anyway (vLLM).
+        self._reach = max((len(s) for s in self._stop), default=1) - 1
+        self._hold = 0 if include_stop_str_in_output else self._reach
         self._ids: list[int] = list(context[-_WINDOW:])
         self._prefix_offset = 0  # ids[prefix_offset:read_offset]: the window already turned into text
         self._read_offset = len(self._ids)
@@ -68,7 +73,7 @@ class IncrementalDetokenizer:
         self.text += self._decode_new()
         if self._stop and search_stop:
             # A stop string may straddle the old text and the new: search from where one could start.
-            start = max(0, before - self._hold)
+            start = max(0, before - self._reach)
             for stop in self._stop:
                 found = self.text.find(stop, start)
                 if found >= 0:

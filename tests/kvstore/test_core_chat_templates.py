@@ -289,3 +289,17 @@ def test_a_choice_that_ends_inside_a_character_shows_its_whole_characters_only()
     detok = IncrementalDetokenizer(ByteTokenizer())
     shown = "".join(detok.push([i])[0] for i in ids) + detok.finish()
     assert shown == "ok 東京"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_text_is_held_back_for_a_stop_string_only_when_the_stop_string_is_hidden(include: bool) -> None:
+    """vLLM holds back ``longest stop - 1`` characters only while a stop string may have to be cut out."""
+    from kvstore.openai.tokenizer import ByteTokenizer
+
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop=["XYZ"], include_stop_str_in_output=include)
+    steps = [detok.push([b])[0] for b in b"abXYZc"]
+    if include:
+        assert steps == ["a", "b", "X", "Y", "Z", ""] and detok.text == "abXYZ"
+    else:
+        assert steps == ["", "", "a", "b", "", ""] and detok.text == "ab"
+    assert detok.stopped
