@@ -127,13 +127,14 @@ class ResponseBuilder:
         first = delta.index not in self._started
         generated = self._generated.get(delta.index, 0) + len(delta.token_ids)  # counted, sent or held back
         self._generated[delta.index] = generated
+        if self.chat and not self._started:  # as vLLM: every choice's role chunk, before any content
+            for index in range(self.num_choices):
+                opened = {"role": self._prompt_of(index).role, "content": ""}
+                role = {"index": index, "delta": opened, "logprobs": None, "finish_reason": None}
+                out.append(self._envelope([role], usage=self._running_usage(index, 0)))
         if first:
             self._started.add(delta.index)
             text = (self._prompt_of(delta.index).echo_text or "") + text
-            if self.chat:
-                opened = {"role": self._prompt_of(delta.index).role, "content": ""}
-                role = {"index": delta.index, "delta": opened, "logprobs": None, "finish_reason": None}
-                out.append(self._envelope([role], usage=self._running_usage(delta.index, 0)))
         logprobs = self._logprobs(delta.index, delta.logprobs)
         if not text and not delta.token_ids and delta.finish_reason is None and logprobs is None:
             return out

@@ -105,7 +105,7 @@ def test_without_a_generation_prompt_the_answer_continues_the_last_messages_role
 
 def test_continuous_usage_puts_the_usage_so_far_in_every_chunk() -> None:
     """vLLM's ``continuous_usage_stats``: each chunk carries the prompt and the tokens its own choice has generated
-    so far (a chat stream's role chunk: none yet), a token held back (no text yet) in a chunk of its own with no
+    so far (a chat stream's role chunks, all sent before any content: none yet), a token held back (no text yet) in a chunk of its own with no
     text; the closing usage chunk has the totals. With ``include_usage`` false the option does nothing, as in vLLM."""
     chunks = [
         StreamChunk("r", [ChoiceDelta(0, [ord("a")], "a"), ChoiceDelta(1, [ord("b")], "")]),  # choice 1 holds back
@@ -119,7 +119,7 @@ def test_continuous_usage_puts_the_usage_so_far_in_every_chunk() -> None:
     out = events(builder, chunks)
     seen = [(e["choices"][0]["index"] if e["choices"] else None, e["usage"]) for e in out]  # type: ignore[index]
     running = [(i, u["completion_tokens"]) for i, u in seen[:-1]]  # type: ignore[index]
-    assert running == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 3), (0, 2), (1, 4)]
+    assert running == [(0, 0), (1, 0), (0, 1), (1, 1), (1, 3), (0, 2), (1, 4)]  # every role chunk first, as vLLM
     held = out[3]["choices"][0]  # type: ignore[index]
     assert (held["delta"], held["token_ids"]) == ({"content": ""}, [ord("b")])
     assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + c  # type: ignore[index]
