@@ -374,8 +374,15 @@ def test_replay_and_snapshot_protocol_frames(ctx: zmq.Context) -> None:
         assert got == expected
         assert reply[-1] == [b"", b"", END_SEQ, b""]
 
-        stats = producer.publisher.stats
-        assert (stats.published, stats.replays_served, stats.snapshots_served, stats.bad_requests) == (6, 4, 2, 2)
+        # The server counts a reply once its last frame is sent, which may be just after the client read it.
+        def counts() -> tuple[int, int, int, int]:
+            stats = producer.publisher.stats
+            return stats.published, stats.replays_served, stats.snapshots_served, stats.bad_requests
+
+        deadline = time.monotonic() + 5
+        while counts() != (6, 4, 2, 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert counts() == (6, 4, 2, 2)
     finally:
         dealer.close(linger=0)
         producer.close()
