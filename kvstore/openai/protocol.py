@@ -156,7 +156,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "length_penalty": None,
     "allowed_token_ids": None,
     "bad_words": None,
-    "truncate_prompt_tokens": None,
     "prompt_logprobs": None,
     "response_format": None,
     "structured_outputs": None,
@@ -254,6 +253,9 @@ def parse_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Model
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported; drop one of them", param="echo")
     token_ids, text = _completion_prompt(req.prompt, tokenizer, req.add_special_tokens)
+    kept = truncated(token_ids, req.truncate_prompt_tokens, limits.max_context)
+    if len(kept) < len(token_ids):
+        token_ids, text = kept, None  # echo shows what the model read
     max_tokens = _capped(16 if req.max_tokens is None else req.max_tokens, limits)
     sampling = _sampling(req, req.logprobs, limits)
     _check_lengths(token_ids, max_tokens, sampling, limits)
@@ -360,6 +362,7 @@ def parse_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLi
     token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     if not token_ids:
         raise ApiError(400, "the rendered conversation is empty", param="messages")
+    token_ids = truncated(token_ids, req.truncate_prompt_tokens, limits.max_context)
     top = (req.top_logprobs or 0) if req.logprobs else None
     sampling = _sampling(req, top, limits)
     explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -377,6 +380,26 @@ def parse_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLi
     role = "assistant" if req.add_generation_prompt else last["role"]
     echo = last["content"] if req.echo and last["role"] == role else None
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(role=role)
+
+
+def truncated(token_ids: list[int], keep: int | None, max_context: int | None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as the context holds;
+    None: all of it). ApiError for a value below -1 or above the context."""
+    if keep is None:
+        return token_ids
+    if keep < -1 or keep == 0:
+        raise ApiError(400, f"truncate_prompt_tokens must be -1 or >= 1, got {keep}", param="truncate_prompt_tokens")
+    if keep == -1:
+        if max_context is None:
+            return token_ids  # the replica knows its context
+        keep = max_context
+    elif max_context is not None and keep > max_context:
+        raise ApiError(
+            400,
+            f"truncate_prompt_tokens ({keep}) is larger than the model's context ({max_context} tokens)",
+            param="truncate_prompt_tokens",
+        )
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
 
 def _capped(max_tokens: int, limits: ModelLimits) -> int:

@@ -58,6 +58,7 @@ class _TokenIdsBody(msgspec.Struct):
     model: str | None = None
     cache_salt: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] | None = None  # longer: the general path
     stream: Any = None
+    truncate_prompt_tokens: Any = None
 
 
 _TOKEN_IDS_BODY = msgspec.json.Decoder(_TokenIdsBody)
@@ -82,7 +83,8 @@ def read_token_ids(body: bytes) -> RoutingView | None:
         ids = _TOKEN_IDS_BODY.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
-    return RoutingView(ids.prompt, ids.model, ids.cache_salt or None, ids.stream is True)
+    return RoutingView(_kept(ids.prompt, ids.truncate_prompt_tokens), ids.model, ids.cache_salt or None,
+                       ids.stream is True)  # fmt: skip
 
 
 def _read_any(body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None) -> RoutingView:
@@ -99,7 +101,15 @@ def _read_any(body: bytes, kind: Literal["completion", "chat"], tokenizer: Token
     if salt is not None and len(salt) > MAX_NAME_CHARS:
         return RoutingView(None, model, None, stream)
     tokens = _completion_tokens(data, tokenizer) if kind == "completion" else _chat_tokens(data, tokenizer)
+    if tokens is not None:
+        tokens = _kept(tokens, data.get("truncate_prompt_tokens"))
     return RoutingView(tokens, model, salt, stream)
+
+
+def _kept(tokens: list[int], keep: Any) -> list[int]:
+    """With ``truncate_prompt_tokens`` the replica reads only the prompt's last tokens, and so routing hashes
+    them (-1, the replica's context, is not known here: the whole prompt)."""
+    return tokens[-keep:] if type(keep) is int and 0 < keep < len(tokens) else tokens
 
 
 def _completion_tokens(data: dict[str, Any], tokenizer: Tokenizer | None) -> list[int] | None:

@@ -105,8 +105,9 @@ def test_without_a_generation_prompt_the_answer_continues_the_last_messages_role
 
 def test_continuous_usage_puts_the_usage_so_far_in_every_chunk() -> None:
     """vLLM's ``continuous_usage_stats``: each chunk carries the prompt and the tokens its own choice has generated
-    so far (a chat stream's role chunks, all sent before any content: none yet), a token held back (no text yet) in a chunk of its own with no
-    text; the closing usage chunk has the totals. With ``include_usage`` false the option does nothing, as in vLLM."""
+    so far (a chat stream's role chunks, all before any content: none yet), a token held back (no text yet) in a
+    chunk of its own with no text; the closing usage chunk has the totals. With ``include_usage`` false the option
+    does nothing, as in vLLM."""
     chunks = [
         StreamChunk("r", [ChoiceDelta(0, [ord("a")], "a"), ChoiceDelta(1, [ord("b")], "")]),  # choice 1 holds back
         StreamChunk("r", [ChoiceDelta(1, [ord("b"), ord("c")], "bbc")]),
@@ -181,3 +182,30 @@ def test_a_checkpoints_max_new_tokens_caps_max_tokens_as_vllm_does() -> None:
     with pytest.raises(ApiError) as info:  # a bad value is still named, not capped into a good one
         parse_completion(decode_completion(b'{"prompt": [1, 2], "max_tokens": 0}'), TOK, capped)
     assert info.value.param == "max_tokens"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm_does() -> None:
+    from kvstore.openai.routing import read_for_routing
+
+    def completion_ids(body: dict[str, object]) -> list[int]:
+        return parse_completion(decode_completion(json.dumps(body).encode()), TOK, LIMITS).token_ids
+
+    assert completion_ids({"prompt": [1, 2, 3, 4, 5], "truncate_prompt_tokens": 2}) == [4, 5]
+    assert completion_ids({"prompt": "abcdef", "truncate_prompt_tokens": 3}) == list(b"def")
+    assert completion_ids({"prompt": [1, 2], "truncate_prompt_tokens": 5}) == [1, 2]  # shorter: as it is
+    long = list(range(1, 300)) * 8  # 2,392 tokens: over the 2,048 context, cut to what fits with max_tokens 16
+    assert completion_ids({"prompt": long, "truncate_prompt_tokens": 2000}) == long[-2000:]
+    echoed = completion(prompt="abcdef", truncate_prompt_tokens=3, echo=True)
+    assert echoed.parsed.echo_text == "def"  # what the model read
+    chat_body = {"messages": [{"role": "user", "content": "hello"}], "truncate_prompt_tokens": 4}
+    chat_ids = parse_chat(decode_chat(json.dumps(chat_body).encode()), TOK, LIMITS).token_ids
+    assert len(chat_ids) == 4
+    for keep, fragment in [(0, "must be -1 or >= 1"), (-2, "must be -1 or >= 1"), (4096, "larger than the model's")]:
+        with pytest.raises(ApiError) as info:
+            completion_ids({"prompt": [1, 2], "truncate_prompt_tokens": keep})
+        assert info.value.param == "truncate_prompt_tokens" and fragment in info.value.message
+    # In front of a vLLM fleet the router hashes what the replica will read, on both of its paths.
+    for body in ({"prompt": [1, 2, 3, 4, 5], "truncate_prompt_tokens": 2},
+                 {"prompt": "abcde", "truncate_prompt_tokens": 2}):  # fmt: skip
+        view = read_for_routing(json.dumps(body).encode(), "completion", TOK)
+        assert view.token_ids == completion_ids(body)
