@@ -81,6 +81,8 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     request_id: Name | None = None
     cache_salt: Name | None = None
     lora_name: Name | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool | None = None
     # OpenAI's fields about the account, storage, billing or caching of a request: nothing to do here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -92,7 +94,6 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     length_penalty: float | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     response_format: Any = None
     structured_outputs: Any = None
@@ -104,7 +105,6 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     priority: int = 0
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
-    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(_GenerationFields, forbid_unknown_fields=True, kw_only=True):
@@ -167,7 +167,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "priority": 0,
     "kv_transfer_params": None,
     "vllm_xargs": None,
-    "return_tokens_as_token_ids": None,
     "suffix": None,
     "prompt_embeds": None,
     "functions": None,
@@ -202,6 +201,7 @@ class ParsedRequest(NamedTuple):
     echo_text: str | None  # text to put before each choice's output (completions' or chat's echo)
     logprobs: int | None  # top alternatives per token, when logprobs are asked for
     role: str = "assistant"  # chat: the answer's role (vLLM: the last message's when no generation prompt)
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -661,4 +661,5 @@ def _parsed(
         ),
         echo_text=echo,
         logprobs=logprobs,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )

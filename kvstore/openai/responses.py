@@ -220,6 +220,8 @@ class ResponseBuilder:
         }
 
     def _token(self, token_id: int) -> str:
+        if self.parsed.tokens_as_ids:  # vLLM's return_tokens_as_token_ids: tokens that do not decode alone stay apart
+            return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 

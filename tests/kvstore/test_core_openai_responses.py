@@ -209,3 +209,13 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm_does() -> 
                  {"prompt": "abcde", "truncate_prompt_tokens": 2}):  # fmt: skip
         view = read_for_routing(json.dumps(body).encode(), "completion", TOK)
         assert view.token_ids == completion_ids(body)
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id() -> None:
+    body = completion(logprobs=1, max_tokens=2, return_tokens_as_token_ids=True).body(fold_stream(CHUNKS, 1))
+    logprobs = body["choices"][0]["logprobs"]  # type: ignore[index]
+    assert logprobs["tokens"] == ["token_id:97", "token_id:99"]
+    assert logprobs["top_logprobs"][0] == {"token_id:97": -0.5, "token_id:98": -1.5}
+    entry = chat(logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True).body(fold_stream(CHUNKS, 1))
+    first = entry["choices"][0]["logprobs"]["content"][0]  # type: ignore[index]
+    assert first["token"] == "token_id:97" and first["bytes"] == list(b"token_id:97")
