@@ -65,6 +65,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):

@@ -1,7 +1,7 @@
 """Picking each choice's next token from the model's logits, with vLLM's sampling semantics.
 
 Per row (one choice that reached the end of its sequence this step), in
-vLLM's order: ``logit_bias`` is added; EOS and the stop token ids are
+vLLM's order: tokens outside ``allowed_token_ids`` are masked; ``logit_bias`` is added; EOS and the stop token ids are
 masked while fewer than ``min_tokens`` tokens exist; the repetition
 penalty (prompt and output tokens: divide a positive logit, multiply a
 negative one) and the frequency and presence penalties (output tokens,
@@ -69,6 +69,7 @@ class ChoiceSampling:
         self.logprobs = params.logprobs
         self.min_tokens = params.min_tokens
         self.logit_bias = dict(params.logit_bias or {})
+        self._allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long) if params.allowed_token_ids else None
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.stop_token_ids = tuple(params.stop_token_ids)
         self._blocked = sorted({*self.eos_token_ids, *self.stop_token_ids})
@@ -88,6 +89,7 @@ class ChoiceSampling:
             and not self.presence_penalty
             and not self.frequency_penalty
             and not self.logit_bias
+            and self._allowed is None
             and not (self._blocked and self.num_output < self.min_tokens)
         )
 
@@ -96,7 +98,11 @@ class ChoiceSampling:
         self.num_output += 1
 
     def process(self, row: torch.Tensor) -> None:
-        """Bias, min_tokens and penalties, in place on one row of float32 logits."""
+        """Allowed tokens, bias, min_tokens and penalties, in place on one row of float32 logits."""
+        if self._allowed is not None:
+            kept = row[self._allowed]
+            row.fill_(float("-inf"))
+            row[self._allowed] = kept
         if self.logit_bias:
             ids = torch.tensor(list(self.logit_bias), dtype=torch.long)
             row.index_add_(0, ids, torch.tensor(list(self.logit_bias.values()), dtype=row.dtype))

@@ -83,6 +83,7 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     lora_name: Name | None = None
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool | None = None
+    allowed_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     # OpenAI's fields about the account, storage, billing or caching of a request: nothing to do here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -92,7 +93,6 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     # vLLM fields this server does not implement: refused by name when set.
     use_beam_search: bool = False
     length_penalty: float | None = None
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     response_format: Any = None
@@ -154,7 +154,6 @@ class ChatCompletionRequest(_GenerationFields, forbid_unknown_fields=True, kw_on
 _UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": None,
-    "allowed_token_ids": None,
     "bad_words": None,
     "prompt_logprobs": None,
     "response_format": None,
@@ -588,7 +587,20 @@ def _sampling(req: _GenerationFields, logprobs: int | None, limits: ModelLimits)
         logprobs=logprobs,
         logit_bias=_logit_bias(req.logit_bias, vocab),
         skip_special_tokens=req.skip_special_tokens,
+        allowed_token_ids=_allowed(req.allowed_token_ids, vocab),
     )
+
+
+def _allowed(ids: list[int] | None, vocab: int | None) -> tuple[int, ...] | None:
+    """vLLM's ``allowed_token_ids``: only these may be sampled (EOS too only if listed)."""
+    if ids is None:
+        return None
+    if not ids:
+        raise ApiError(400, "allowed_token_ids must not be empty", param="allowed_token_ids")
+    bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        raise ApiError(400, f"allowed_token_ids: {bad} is not a token id of this model", param="allowed_token_ids")
+    return tuple(sorted(set(ids)))
 
 
 def _logit_bias(bias: Mapping[str, float] | None, vocab: int | None) -> dict[int, float] | None:

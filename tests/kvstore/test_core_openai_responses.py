@@ -147,6 +147,8 @@ def test_parse_rejects_by_field_and_fills_vllm_defaults() -> None:
         (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
         (b'{"prompt": "x", "best_of": 3}', "best_of"),
         (b'{"prompt": "x", "suffix": "y"}', "suffix"),
+        (b'{"prompt": "x", "allowed_token_ids": []}', "allowed_token_ids"),
+        (b'{"prompt": "x", "allowed_token_ids": [1, 512]}', "allowed_token_ids"),
         (b'{"prompt": [1, 2], "echo": true, "logprobs": 2}', "echo"),
         (b'{"prompt": "x", "max_tokens": 4000}', "max_tokens"),
     ]:

@@ -60,6 +60,18 @@ def test_logit_bias_and_penalties_change_the_greedy_choice(make_worker: WorkerFa
     assert run(worker, 24, fox, repetition_penalty=2.0).output_token_ids != looping  # type: ignore[attr-defined]
 
 
+def test_allowed_token_ids_are_all_that_is_sampled(make_worker: WorkerFactory, reference: Reference) -> None:
+    worker = make_worker()
+    greedy = reference(GenerateRequest(PROMPT, 16))
+    allowed = (5, 300, 301)
+    assert not set(greedy) <= set(allowed), "the model's own choice lies outside: the mask has work to do"
+    for sampling in ({}, {"temperature": 1.0, "seed": 4}, {"temperature": 0.7, "top_p": 0.9, "seed": 5}):
+        out = run(worker, allowed_token_ids=allowed, **sampling).output_token_ids  # type: ignore[attr-defined]
+        assert len(out) == 16 and set(out) <= set(allowed), (sampling, out)
+    only = run(worker, allowed_token_ids=(300,), logit_bias={301: 100.0}).output_token_ids  # type: ignore[attr-defined]
+    assert only == [300] * 16  # a bias cannot bring back a masked token
+
+
 def test_penalty_arithmetic_is_vllms() -> None:
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={4: 1.0})
     choice = ChoiceSampling(params, GREEDY, index=0, prompt_ids=[0, 1], eos_token_ids=())
