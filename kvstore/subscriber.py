@@ -471,5 +471,12 @@ class EventListener:
         producer.batches += 1
         producer.events += len(decoded.batch.events)
         producer.skipped_events += decoded.skipped
-        self._sink.apply_batch(producer.name, seq, decoded.batch)
+        try:
+            self._sink.apply_batch(producer.name, seq, decoded.batch)
+        except Exception as exc:  # a sink's bug on one producer's batch must not stop every producer's stream
+            producer.decode_errors += 1
+            logger.exception("producer %s: batch %d could not be applied; dropped", producer.name, seq)
+            if self._on_decode_error is not None:
+                self._on_decode_error(producer.name, EventDecodeError(f"batch {seq} could not be applied: {exc}"))
+            return
         producer.applied(decoded.batch.ts)

@@ -140,21 +140,25 @@ class Rekeyer:
             parent_digest = parent.digest
         extra = event.extra_keys
         per_block = extra is not None and len(extra) == len(hashes)
-        ours: list[int] = []
-        for index, foreign_hash in enumerate(hashes):
-            # vLLM publishes each block's extra keys untagged; our hasher tags them as vLLM hashes them.
-            entry = extra[index] if per_block and extra is not None else None
-            first = index == 0 and event.parent_block_hash is None
-            keys = tagged_extra_keys(entry, lora_name=event.lora_name, first_block=first)
-            digest = self._hasher.hash_block(parent_digest, tokens[index * size : (index + 1) * size], keys)
+        digests: list[BlockHash] = []
+        try:
+            for index in range(len(hashes)):
+                # vLLM publishes each block's extra keys untagged; our hasher tags them as vLLM hashes them.
+                entry = extra[index] if per_block and extra is not None else None
+                first = index == 0 and event.parent_block_hash is None
+                keys = tagged_extra_keys(entry, lora_name=event.lora_name, first_block=first)
+                parent_digest = self._hasher.hash_block(parent_digest, tokens[index * size : (index + 1) * size], keys)
+                digests.append(parent_digest)
+        except Exception:  # extra keys the decoder passed but no hash can take (a msgpack Ext, say): not ours
+            self.rejected += 1
+            return None
+        for foreign_hash, digest in zip(hashes, digests, strict=True):  # the whole event hashed: now remember it
             known = self._known.get(foreign_hash)
             if known is None:
                 known = self._known[foreign_hash] = _Known(digest)
             known.digest = digest
             known.stores += 1
-            ours.append(to_external(digest))
-            parent_digest = digest
-        return RekeyedStore(medium, ours)
+        return RekeyedStore(medium, [to_external(digest) for digest in digests])
 
     def _park(self, event: BlockStored, medium: Medium) -> None:
         assert event.parent_block_hash is not None

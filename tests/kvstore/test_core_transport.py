@@ -460,3 +460,51 @@ def test_garbage_frames_are_counted_not_fatal(ctx: zmq.Context) -> None:
     finally:
         listener.close()
         pub.close(linger=0)
+
+
+# --------------------------------------------------------------------------- a sink that fails on one batch
+
+
+class FailsOnce(CacheSink):
+    """Raises on the first batch it is given from ``victim`` (a bug in a sink, an event it cannot take)."""
+
+    def __init__(self, victim: str) -> None:
+        super().__init__()
+        self.victim = victim
+        self.raised = False
+
+    def apply_batch(self, producer: str, seq: int, batch: EventBatch) -> None:
+        if producer == self.victim and not self.raised and batch.events:
+            self.raised = True
+            raise ValueError("cannot take this batch")
+        super().apply_batch(producer, seq, batch)
+
+
+def test_a_batch_the_sink_cannot_apply_is_counted_and_every_stream_goes_on(ctx: zmq.Context) -> None:
+    """Before: the exception ended the listener's thread, and with it every producer's stream."""
+    good = Producer(EventsConfig(endpoint=LOOPBACK, replay_endpoint=LOOPBACK), ctx, seed=8)
+    bad = Producer(EventsConfig(endpoint=LOOPBACK, replay_endpoint=LOOPBACK), ctx, seed=9)
+    sink = FailsOnce("bad")
+    errors: list[tuple[str, Exception]] = []
+    listener = new_listener(sink, ctx, on_decode_error=lambda name, exc: errors.append((name, exc)))
+    try:
+        listener.add_producer("good", good.publisher.endpoint, good.publisher.replay_endpoint)
+        listener.add_producer("bad", bad.publisher.endpoint, bad.publisher.replay_endpoint)
+        assert wait_until(lambda: (bool(sink.seqs["good"]) and bool(sink.seqs["bad"])) or sink.raised,
+                          tick=lambda: (good.heartbeat(), bad.heartbeat()))  # fmt: skip
+        for _ in range(50):
+            good.step()
+            bad.step()
+        assert wait_until(lambda: sink.raised, tick=bad.heartbeat)
+        assert_converges(listener, sink, "good", good)
+        h = health(listener, "bad")
+        assert h is not None and h.decode_errors == 1 and [name for name, _ in errors] == ["bad"]
+        assert "could not be applied: cannot take this batch" in str(errors[0][1])
+        # The bad producer's later batches still arrive (what the dropped batch stored is not in its view).
+        before = len(sink.seqs["bad"])
+        bad.step()
+        assert wait_until(lambda: len(sink.seqs["bad"]) > before, tick=bad.heartbeat)
+    finally:
+        listener.close()
+        good.close()
+        bad.close()

@@ -176,3 +176,22 @@ def test_hand_built_vllm_streams_in_map_and_legacy_array_forms(form: str) -> Non
     assert index.lookup(h) == {"v0": MediumCounts(3, 0, 0)}
     assert index.lookup([big]) == {"v0": MediumCounts(0, 1, 0)}
     assert len(index) == 4  # h[3] is gone: its removal left no trace
+
+
+def test_a_foreign_store_whose_extra_keys_cannot_be_hashed_is_rejected_not_raised() -> None:
+    """msgpack lets an event carry keys no hash can take (an Ext); rekeying it counts it rejected and goes on."""
+    theirs = BlockHasher("sha256_cbor", "vllm-none-hash", BLOCK_SIZE)
+    ours = BlockHasher.from_config(CACHE)
+    tokens = list(range(2 * BLOCK_SIZE))
+    f = [to_external(h) for h in theirs.hash_blocks(tokens)]
+    index = PrefixIndex(CACHE)
+    index.add_producer("vllm-0", "gpu", ["v0"], rekey=True)
+    stored = {"type": "BlockStored", "block_hashes": f, "parent_block_hash": None, "token_ids": tokens,
+              "block_size": BLOCK_SIZE, "lora_id": None, "medium": "GPU", "lora_name": None}  # fmt: skip
+    poisoned = {**stored, "extra_keys": [[msgspec.msgpack.Ext(5, b"zz")], None]}
+    decoder = EventDecoder()
+    index.apply_batch("vllm-0", 0, decoder.decode(msgspec.msgpack.encode([0.0, [poisoned], None])).batch)
+    assert index.stats().per_producer["vllm-0"].rejected_events == 1 and len(index) == 0
+    index.apply_batch("vllm-0", 1, decoder.decode(msgspec.msgpack.encode([0.0, [stored], None])).batch)
+    index.check_invariants()
+    assert index.lookup([to_external(h) for h in ours.hash_blocks(tokens)]) == {"v0": MediumCounts(2, 0, 0)}
