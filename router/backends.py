@@ -27,6 +27,7 @@ elsewhere; :class:`ReplicaRejected` means it refused the request itself.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -222,7 +223,12 @@ def parse_load(metrics_text: str) -> ReplicaLoad:
             values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
 
     def first(names: tuple[str, ...]) -> float:
-        return next((values[n] for n in names if n in values), 0.0)
+        value = next((values[n] for n in names if n in values), 0.0)
+        # NaN and infinities are legal on a Prometheus page but no load: a NaN cost would leave the scorer
+        # no replica to choose (every comparison false), an infinite count is no integer.
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{next(n for n in names if n in values)} is {value}, not a load")
+        return value
 
     return ReplicaLoad(int(first(_RUNNING)), int(first(_WAITING)), float(first(_USAGE)))
 

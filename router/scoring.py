@@ -112,7 +112,8 @@ class Scorer:
         else:
             best = min(scores.values())
             margin = _TIE * max(1.0, abs(best))
-            tied = [name for name, cost in scores.items() if cost - best <= margin]
+            # (or every candidate, should no cost compare -- a NaN from a replica's load: never an empty draw)
+            tied = [name for name, cost in scores.items() if cost - best <= margin] or list(scores)
             replica = tied[0] if len(tied) == 1 else rng.choice(tied)
         return Decision(replica, scores, prefix_matches.get(replica, NO_MATCH))
 

@@ -489,6 +489,22 @@ def test_vllm_waiting_gauge_is_read_and_steers_routing(replicas: dict[str, Repli
         steered.close()
 
 
+def test_a_replica_whose_load_is_not_a_number_is_out_of_routing_and_the_other_serves(
+    replicas: dict[str, Replica],
+) -> None:
+    """NaN is legal Prometheus text; as a load it made every comparison false and every request a 500."""
+    replicas["a"].state.kv_usage = float("nan")
+    router = Router(list(replicas.values()), unhealthy_after=1)
+    try:
+        assert wait_for(lambda: router.client.get("/healthz").json()["healthy_replicas"] == 1, timeout=10)
+        for _ in range(5):
+            answer = router.post("/v1/completions", b'{"prompt":[1,2,3],"max_tokens":1}')
+            assert answer.status_code == 200 and answer.headers["x-kvstore-replica"] == "b", answer.text
+        assert router.client.get("/workers").status_code == 200 and router.workers()["a"]["healthy"] is False
+    finally:
+        router.close()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_a_replica_that_refuses_connections_is_retried_on_the_other(replicas: dict[str, Replica], stream: bool) -> None:
     dead = Replica("dead")
