@@ -30,6 +30,7 @@ connect, ``timeout_s`` for the status line and for each read of the body
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections import deque
@@ -173,7 +174,7 @@ class UpstreamPool:
             elif "chunked" in headers.get("transfer-encoding", "").lower():
                 while True:
                     stall.reading_since = now()
-                    size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+                    size = _chunk_size(await reader.readuntil(b"\r\n"))
                     if size == 0:
                         while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, if any
                             pass
@@ -261,14 +262,30 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]
         status = int(status_line[9:12])
         headers: dict[str, str] = {}
         while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+            if not _HEADER_LINE.fullmatch(line):  # a name that is no token, a control byte in a value
+                raise ValueError(f"malformed header line {line[:80]!r}")
             name, _, value = line.decode("latin-1").partition(":")
-            key = name.strip().lower()
-            value = value.strip()
+            key = name.lower()
+            value = value.strip(" \t\r\n")
             headers[key] = f"{headers[key]}, {value}" if key in headers else value
         if status_line.startswith(b"HTTP/1.0"):
             headers.setdefault("connection", "close")
+        length = headers.get("content-length")
+        if length is not None and not (length.isascii() and length.isdigit()):  # negative, two values, text
+            raise ValueError(f"bad Content-Length {length[:40]!r}")
         if status >= 200:
             return status, headers
+
+
+# RFC 9110: a header name is a token; a value has no control bytes but horizontal tab.
+_HEADER_LINE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n")
+
+
+def _chunk_size(line: bytes) -> int:
+    digits = line.split(b";", 1)[0].strip()
+    if not digits or len(digits) > 16 or any(c not in b"0123456789abcdefABCDEF" for c in digits):
+        raise ValueError(f"bad chunk size line {line[:40]!r}")
+    return int(digits, 16)
 
 
 def _describe(exc: BaseException) -> str:

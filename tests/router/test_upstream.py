@@ -133,13 +133,32 @@ def test_a_kept_connection_the_server_closed_is_replaced_without_an_error() -> N
 
 @pytest.mark.parametrize(
     ("handler", "message"),
-    [(hang_up(), "closed before an answer"), (answer(b"SSH-2.0\r\n"), "not an HTTP/1.x status line")],
+    [
+        (hang_up(), "closed before an answer"),
+        (answer(b"SSH-2.0\r\n"), "not an HTTP/1.x status line"),
+        # Headers a client could not be sent (the relay passes a replica's headers on): refused here.
+        (answer(b"HTTP/1.1 200 OK\r\nX-Bad\xff\xfe: \x00\x01\r\ncontent-length: 2\r\n\r\n{}"), "malformed header line"),
+        (answer(b"HTTP/1.1 200 OK\r\nx: a\x7fb\r\ncontent-length: 2\r\n\r\n{}"), "malformed header line"),
+        (answer(b"HTTP/1.1 200 OK\r\n folded: x\r\n\r\n"), "malformed header line"),
+        (answer(b"HTTP/1.1 200 OK\r\ncontent-length: -5\r\n\r\n{}"), "bad Content-Length '-5'"),
+        (answer(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 50\r\n\r\n{}"), "bad Content-Length"),
+    ],
 )
 def test_no_answer_is_an_upstream_error(handler: Handler, message: str) -> None:
     async def main() -> None:
         async with Script(handler) as s:
             with pytest.raises(UpstreamError, match=message):
                 await UpstreamPool(s.url, timeout_s=5).post("/x", b"", {})
+
+    run(main())
+
+
+def test_a_bad_chunk_size_ends_the_body_with_a_plain_error() -> None:
+    async def main() -> None:
+        async with Script(answer(CHUNKED + b"ZZZ\r\n", then_close=True)) as s:
+            result = await UpstreamPool(s.url, timeout_s=5).post("/x", b"", {})
+            with pytest.raises(ValueError, match="bad chunk size line b'ZZZ"):
+                await read(result)
 
     run(main())
 
