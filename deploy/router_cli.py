@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -24,6 +25,22 @@ from kvstore.router.backends import HttpBackend
 from kvstore.router.service import ProducerSpec, ReplicaSpec, RouterService
 
 
+def check_replica_url(name: str, url: str) -> None:
+    """ConfigError unless ``url`` is http(s)://host[:port][/prefix] with a port in 1..65535."""
+    where = f"router.replicas[{name}].url"
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where} must start with http:// or https://, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError for a port that is no number or out of range
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {url!r} is not a usable URL ({exc})") from None
+    if not parts.hostname:
+        raise ConfigError(f"{where}: {url!r} names no host")
+    if port == 0:
+        raise ConfigError(f"{where}: {url!r}: port 0 is no replica's port")
+
+
 def build_router(config: Config) -> RouterService:
     """A RouterService over the configured external replicas (not started)."""
     replicas = config.router.replicas
@@ -35,8 +52,7 @@ def build_router(config: Config) -> RouterService:
     if len(set(names)) != len(names):
         raise ConfigError(f"router.replicas: names must be unique, got {names}")
     for r in replicas:
-        if not r.url.startswith(("http://", "https://")):
-            raise ConfigError(f"router.replicas[{r.name}].url must start with http:// or https://, got {r.url!r}")
+        check_replica_url(r.name, r.url)
         for field, value in (("events", r.events), ("replay", r.replay)):
             if value is not None and not value.startswith(("tcp://", "ipc://")):
                 raise ConfigError(f"router.replicas[{r.name}].{field} must be a tcp:// or ipc:// endpoint")

@@ -50,11 +50,14 @@ ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc", "pgm", "epgm", "udp", "ws", "wss", "vm
 
 def is_zmq_endpoint(text: str) -> bool:
     """``transport://address`` with a transport ZeroMQ knows (the address itself is ZeroMQ's to judge; a TCP
-    one needs a ``:port``, ``*`` included)."""
+    one needs a ``:port`` in 0..65535, or ``*``)."""
     transport, sep, address = text.partition("://")
     if not sep or transport not in ZMQ_TRANSPORTS or not address:
         return False
-    return transport != "tcp" or (":" in address and address.rpartition(":")[2] != "")
+    if transport != "tcp":
+        return True
+    host, colon, port = address.rpartition(":")
+    return bool(colon and host) and (port == "*" or (port.isascii() and port.isdigit() and int(port) <= 65535))
 
 
 def check_zmq_endpoints(struct: msgspec.Struct, fields: tuple[str, ...], examples: str) -> None:

@@ -114,6 +114,8 @@ def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
         ({"overrides": ["events.endpoint=garbage"]}, r"field events: endpoint must be a ZeroMQ endpoint.*'garbage'"),
         ({"overrides": ['events.replay_endpoint="tcp://10.0.0.5"']}, r"replay_endpoint must be a ZeroMQ endpoint"),
         ({"overrides": ['events.endpoint="htp://x:1"']}, r"endpoint must be a ZeroMQ endpoint"),
+        ({"overrides": ['events.endpoint="tcp://127.0.0.1:99999"']}, r"endpoint must be a ZeroMQ endpoint"),
+        ({"overrides": ['events.endpoint="tcp://:5557"']}, r"endpoint must be a ZeroMQ endpoint"),
     ],
 )
 def test_errors_name_the_field(kwargs: dict, expected: str) -> None:
@@ -183,6 +185,25 @@ def test_an_external_replicas_event_endpoints_are_checked() -> None:
         config_from_dict({"router": {"replicas": [replica]}})
     with pytest.raises(ConfigError, match=r"replay must be a ZeroMQ endpoint"):
         config_from_dict({"router": {"replicas": [{**replica, "events": "tcp://10.0.0.5:5557", "replay": "x"}]}})
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://127.0.0.1:99999", "not a usable URL.*out of range"),
+        ("http://127.0.0.1:abc", "not a usable URL"),
+        ("http://", "names no host"),
+        ("http://[::1", "not a usable URL"),
+        ("http://127.0.0.1:0", "port 0"),
+        ("ftp://127.0.0.1:8000", "must start with http:// or https://"),
+    ],
+)
+def test_a_replica_url_that_cannot_be_reached_is_a_config_error(url: str, expected: str) -> None:
+    from kvstore.deploy.router_cli import build_router
+
+    replica = {"name": "r0", "url": url, "events": "tcp://127.0.0.1:5557"}
+    with pytest.raises(ConfigError, match=r"router\.replicas\[r0\]\.url.*" + expected):
+        build_router(config_from_dict({"router": {"replicas": [replica]}}))
 
 
 def test_an_unknown_field_in_a_replica_lists_the_replicas_known_fields() -> None:
