@@ -81,13 +81,19 @@ class _Unencodable(Exception):
     """A token id the table does not cover: the block is encoded by cbor2 instead."""
 
 
+_KEPT_TOKENS = 1 << 20  # every vocabulary's ids, with room: a client's ids beyond it are encoded, not kept
+
+
 class _TokenCbor(dict[int, bytes]):
-    """Canonical CBOR of each token id (an unsigned int), computed on first sight and kept."""
+    """Canonical CBOR of each token id (an unsigned int), computed on first sight and kept when below
+    ``_KEPT_TOKENS`` -- ids a client sends unchecked (a router's /route) must not grow it without bound."""
 
     def __missing__(self, token: int) -> bytes:
         if type(token) is not int or not 0 <= token <= _LOW_64:
             raise _Unencodable(token)
-        encoded = self[token] = _cbor_head(0, token)
+        encoded = _cbor_head(0, token)
+        if token < _KEPT_TOKENS:
+            self[token] = encoded
         return encoded
 
 

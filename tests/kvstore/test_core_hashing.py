@@ -333,3 +333,16 @@ def test_a_memo_of_no_capacity_hashes_every_prompt_and_a_negative_one_is_refused
     assert len(hasher.hashed) == 8  # twice by the memo, twice by the check
     with pytest.raises(ValueError, match="capacity"):
         HashMemo(hasher, -1)
+
+
+def test_huge_token_ids_hash_as_vllm_hashes_them_and_are_not_kept() -> None:
+    """The CBOR of each token id is kept for ids a vocabulary has; a client's arbitrary 64-bit ids (a router
+    hashes prompts it has not checked) are encoded each time, or its memory would grow with every request."""
+    from kvstore import hashing
+
+    hasher = BlockHasher("sha256_cbor", "seed", 2)
+    parent = bytes(32)
+    for tokens in ([2**63 + 5, 7], [2**64 - 1, 2**40], [5, 1 << 20]):
+        assert hasher.hash_block(parent, tokens) == sha256_cbor((parent, tuple(tokens), None))
+    kept = set(hashing._TOKEN_CBOR)
+    assert {5, 7} <= kept and not kept & {2**63 + 5, 2**64 - 1, 2**40, 1 << 20}
