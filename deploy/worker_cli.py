@@ -41,7 +41,9 @@ def _serve(args: argparse.Namespace, config: Config, sock: socket.socket) -> int
         finally:
             worker.shutdown()
 
-    app = create_worker_app(worker, bounds=config.router.body_bounds())
+    app = create_worker_app(
+        worker, bounds=config.router.body_bounds(), trust_template=config.router.trust_request_chat_template
+    )
     app.router.lifespan_context = lifespan
     endpoints = worker.event_endpoints()
     served = worker.served

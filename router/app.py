@@ -61,7 +61,7 @@ from kvstore.openai.protocol import (
     parse_request,
 )
 from kvstore.openai.responses import ResponseBuilder
-from kvstore.openai.routing import read_for_routing
+from kvstore.openai.routing import read_for_routing, read_token_ids
 from kvstore.router.dispatch import Opened
 from kvstore.router.metrics import RequestCounting
 from kvstore.router.relay import KINDS, Kind, RelayApp
@@ -86,6 +86,7 @@ def create_app(
     """
     config = service.config.router
     bounds = config.body_bounds()
+    trust_template = config.trust_request_chat_template
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -112,7 +113,9 @@ def create_app(
         try:
             tokenizer = service.tokenizer
             assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
-            parsed = parse_request(body, kind == "chat", tokenizer, service.limits, service.model_name)
+            parsed = parse_request(
+                body, kind == "chat", tokenizer, service.limits, service.model_name, trust_template=trust_template
+            )
         except ApiError as exc:
             # Answered here, not raised on: the error's traceback would keep the decoded body alive
             # while the response is sent, and concurrent bad bodies would add up.
@@ -144,7 +147,11 @@ def create_app(
     async def route(request: Request) -> JSONResponse:
         body = await read_body(request, bounds)
         kind: Kind = "chat" if b'"messages"' in body else "completion"
-        view = read_for_routing(body, kind, service.tokenizer)
+        view = read_token_ids(body) if kind == "completion" else None
+        if view is None:  # text or a chat (a request's template, if trusted): off the loop
+            view = await asyncio.to_thread(
+                read_for_routing, body, kind, service.tokenizer, trust_template=trust_template
+            )
         tokens = view.token_ids or []
         routed = service.route(Prompt(tokens, view.cache_salt, model=view.model if service.forwards else None))
         d = routed.decision

@@ -101,6 +101,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """When set, every route but /healthz (and /health) needs ``Authorization: Bearer <api_key>``."""
     max_body_bytes: PositiveInt = 4 << 20
     """Larger request bodies get 413."""
+    trust_request_chat_template: bool = False
+    """Render a ``chat_template`` sent in a chat request (vLLM's ``--trust-request-chat-template``). Off, such a
+    request is a 400: a template is a program, and one request's could hold a core and memory for as long as it
+    likes. In front of a vLLM fleet, off, the router routes such a request by load alone and forwards it."""
     max_json_values: PositiveInt = 262_144
     """Array items plus object members a request body may hold (a 256k-token prompt as ids fits); counted on
     the raw bytes before the body is decoded, so a body of a million tiny values costs a scan, not a decode."""

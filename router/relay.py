@@ -77,10 +77,12 @@ class RelayApp:
     async def _route(self, body: bytes, kind: Kind) -> tuple[Prompt, RouteResult]:
         service = self._service
         view = read_token_ids(body) if kind == "completion" else None
-        if view is None and service.tokenizer is not None and len(body) > _INLINE_TEXT_BYTES:
+        trust = service.config.router.trust_request_chat_template
+        if view is None and service.tokenizer is not None and (len(body) > _INLINE_TEXT_BYTES or trust):
             # Tokenising releases the GIL: in a thread it runs beside the loop, which meanwhile relays
-            # every other stream's chunks instead of holding them back for milliseconds.
-            view = await asyncio.to_thread(read_for_routing, body, kind, service.tokenizer)
+            # every other stream's chunks instead of holding them back for milliseconds. So does a request's
+            # own chat template, however short its body: what it runs is its author's to decide.
+            view = await asyncio.to_thread(read_for_routing, body, kind, service.tokenizer, trust_template=trust)
         elif view is None:
             view = read_for_routing(body, kind, service.tokenizer)
         prompt = Prompt(view.token_ids or [], view.cache_salt, model=view.model)

@@ -39,10 +39,11 @@ from kvstore.workers.stream import RequestStream
 from kvstore.workers.worker import KVWorker
 
 
-def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None) -> FastAPI:
+def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None, trust_template: bool = False) -> FastAPI:
     """An OpenAI-compatible app over ``worker`` (which the caller owns and shuts down).
 
     ``bounds``: what a request body may hold (default: 4 MiB and :class:`BodyBounds`' defaults).
+    ``trust_template``: render a ``chat_template`` a request sends (``router.trust_request_chat_template``).
     """
     bounds = bounds or BodyBounds(4 << 20)
     info = worker.info()
@@ -85,7 +86,8 @@ def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None) -> 
 
     async def endpoint(request: Request, chat: bool) -> Response:
         try:
-            parsed = parse_request(await read_body(request, bounds), chat, tokenizer, limits, info.model_name)
+            body = await read_body(request, bounds)
+            parsed = parse_request(body, chat, tokenizer, limits, info.model_name, trust_template=trust_template)
         except ApiError as exc:  # answered here: a raised error's traceback would keep the decoded body alive
             return error_response(exc)
         return await serve(request, parsed, "chatcmpl" if chat else "cmpl")

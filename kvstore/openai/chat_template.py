@@ -120,7 +120,7 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template failed to render these messages: {exc}") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        except Exception as exc:  # whatever a template does (1/0, unbounded recursion, a huge range): a 400
             problem = f"{type(exc).__name__}: {exc}"
             raise ChatTemplateError(f"the chat template failed on these messages: {problem}") from None
         if continue_final_message:

@@ -311,12 +311,12 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bo
 
 
 def parse_request(
-    body: bytes, chat: bool, tokenizer: Tokenizer, limits: ModelLimits, model_name: str
+    body: bytes, chat: bool, tokenizer: Tokenizer, limits: ModelLimits, model_name: str, *, trust_template: bool = False
 ) -> list[ParsedRequest]:
     """A completions or chat body as our fronts serve it: its prompts, each checked (one, unless a completions
     request sent a batch), and vLLM's 404s for another model or an adapter (:func:`check_served`)."""
     if chat:
-        batch = [parse_chat(decode_chat(body), tokenizer, limits)]
+        batch = [parse_chat(decode_chat(body), tokenizer, limits, trust_template=trust_template)]
     else:
         batch = parse_completions(decode_completion(body), tokenizer, limits)
     check_served(batch[0], model_name)
@@ -334,9 +334,20 @@ def check_served(parsed: ParsedRequest, model_name: str) -> None:
 # ------------------------------------------------------------------------- chat
 
 
-def parse_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> ParsedRequest:
-    """Check ``req``, render its messages through the chat template and tokenise them."""
+UNTRUSTED_TEMPLATE = (
+    "a chat_template in the request is refused: this server renders only its model's own template unless it "
+    "is started with router.trust_request_chat_template = true (vLLM's --trust-request-chat-template)"
+)
+
+
+def parse_chat(
+    req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits, *, trust_template: bool = False
+) -> ParsedRequest:
+    """Check ``req``, render its messages through the chat template and tokenise them. ``trust_template``:
+    render a ``chat_template`` the request sends (else a 400, as vLLM refuses one by default)."""
     _refuse_unsupported(req)
+    if req.chat_template is not None and not trust_template:
+        raise ApiError(400, UNTRUSTED_TEMPLATE, param="chat_template")
     tools = _tools(req.tools, req.tool_choice)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")

@@ -64,13 +64,18 @@ class _TokenIdsBody(msgspec.Struct):
 _TOKEN_IDS_BODY = msgspec.json.Decoder(_TokenIdsBody)
 
 
-def read_for_routing(body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None) -> RoutingView:
-    """The routing view of ``body``; ApiError(400) only for what no replica could serve (module docstring)."""
+def read_for_routing(
+    body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None, *, trust_template: bool = False
+) -> RoutingView:
+    """The routing view of ``body``; ApiError(400) only for what no replica could serve (module docstring).
+
+    ``trust_template``: render a ``chat_template`` the body sends (else such a chat is routed by load alone:
+    a request's template is a program this process does not run unless told to)."""
     if kind == "completion":
         view = read_token_ids(body)
         if view is not None:
             return view
-    return _read_any(body, kind, tokenizer)
+    return _read_any(body, kind, tokenizer, trust_template)
 
 
 def read_token_ids(body: bytes) -> RoutingView | None:
@@ -87,7 +92,9 @@ def read_token_ids(body: bytes) -> RoutingView | None:
                        ids.stream is True)  # fmt: skip
 
 
-def _read_any(body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None) -> RoutingView:
+def _read_any(
+    body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None, trust_template: bool
+) -> RoutingView:
     """The general path of :func:`read_for_routing`, for every body."""
     try:
         data = msgspec.json.decode(body)
@@ -100,7 +107,12 @@ def _read_any(body: bytes, kind: Literal["completion", "chat"], tokenizer: Token
     stream = data.get("stream") is True
     if salt is not None and len(salt) > MAX_NAME_CHARS:
         return RoutingView(None, model, None, stream)
-    tokens = _completion_tokens(data, tokenizer) if kind == "completion" else _chat_tokens(data, tokenizer)
+    if kind == "completion":
+        tokens = _completion_tokens(data, tokenizer)
+    elif "chat_template" in data and not trust_template:
+        tokens = None
+    else:
+        tokens = _chat_tokens(data, tokenizer)
     if tokens is not None:
         tokens = _kept(tokens, data.get("truncate_prompt_tokens"))
     return RoutingView(tokens, model, salt, stream)

@@ -209,7 +209,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 def _chat(ours: HFTokenizer, body: dict[str, Any]) -> Any:
     from kvstore.openai.protocol import ModelLimits, decode_chat, parse_chat
 
-    return parse_chat(decode_chat(json.dumps(body).encode()), ours, ModelLimits(None, 4096))
+    return parse_chat(decode_chat(json.dumps(body).encode()), ours, ModelLimits(None, 4096), trust_template=True)
 
 
 def test_tools_and_earlier_tool_calls_render_as_transformers_renders_them(family: tuple[HFTokenizer, Any]) -> None:
@@ -236,7 +236,8 @@ def test_tools_and_earlier_tool_calls_render_as_transformers_renders_them(family
     from kvstore.openai.routing import read_for_routing
 
     body = {"messages": messages, "tools": TOOLS, "tool_choice": "auto", "chat_template": TOOL_TEMPLATE}
-    assert read_for_routing(json.dumps(body).encode(), "chat", ours).token_ids == expected
+    assert read_for_routing(json.dumps(body).encode(), "chat", ours, trust_template=True).token_ids == expected
+    assert read_for_routing(json.dumps(body).encode(), "chat", ours).token_ids is None  # untrusted: by load
 
 
 @pytest.mark.parametrize(
@@ -303,3 +304,30 @@ def test_text_is_held_back_for_a_stop_string_only_when_the_stop_string_is_hidden
     else:
         assert steps == ["", "", "a", "b", "", ""] and detok.text == "ab"
     assert detok.stopped
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 1/0 }}",
+        "{% for x in range(10000000000) %}x{% endfor %}",
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+        "{{ messages[5].content }}",
+    ],
+)
+def test_a_request_template_is_refused_unless_trusted_and_any_failure_is_a_400(
+    family: tuple[HFTokenizer, Any], template: str
+) -> None:
+    """As vLLM without --trust-request-chat-template: a request's template is refused before it runs. Trusted,
+    whatever it raises (a division by zero, a range too big, unbounded recursion) is a 400 naming messages."""
+    from kvstore.openai.errors import ApiError
+    from kvstore.openai.protocol import ModelLimits, decode_chat, parse_chat
+
+    ours, _ = family
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "chat_template": template}).encode()
+    with pytest.raises(ApiError) as refused:
+        parse_chat(decode_chat(body), ours, ModelLimits(None, 4096))
+    assert refused.value.param == "chat_template" and "trust_request_chat_template" in refused.value.message
+    with pytest.raises(ApiError) as failed:
+        parse_chat(decode_chat(body), ours, ModelLimits(None, 4096), trust_template=True)
+    assert failed.value.status == 400 and failed.value.param == "messages", failed.value

@@ -672,3 +672,19 @@ def test_only_headers_about_the_replicas_connection_stay_behind() -> None:
     assert relayed_headers(upstream) == {
         "content-type": "application/json", "x-request-id": "r1", "content-encoding": "identity", "x-vendor": "v"
     }  # fmt: skip
+
+
+def test_a_chat_with_its_own_template_is_forwarded_and_the_router_never_runs_it(
+    router: Router, replicas: dict[str, Replica]
+) -> None:
+    """The replica decides whether to run a request's template (vLLM: --trust-request-chat-template); the
+    router, not trusting it, routes by load, forwards the body unchanged, and stays responsive."""
+    slow = "{% for i in range(100000) %}{% for j in range(500) %}{{ '' }}{% endfor %}{% endfor %}x"
+    for template in ("{{ 1/0 }}", slow):
+        raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                          "chat_template": template}).encode()  # fmt: skip
+        started = time.monotonic()
+        response = router.post("/v1/chat/completions", raw)
+        assert response.status_code == 200, response.text
+        assert served_by(replicas, response).last_body == raw
+        assert time.monotonic() - started < 5, "the router rendered the request's template"
