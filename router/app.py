@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Seque
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -146,7 +147,7 @@ def create_app(
     @app.post("/route")
     async def route(request: Request) -> JSONResponse:
         body = await read_body(request, bounds)
-        kind: Kind = "chat" if b'"messages"' in body else "completion"
+        kind: Kind = "chat" if "messages" in _top_level_keys(body) else "completion"
         view = read_token_ids(body) if kind == "completion" else None
         if view is None:  # text or a chat (a request's template, if trusted): off the loop
             view = await asyncio.to_thread(
@@ -296,3 +297,14 @@ async def _all(
                 await done.chunks.aclose()
         raise
     return [task.result() for task in tasks]
+
+
+_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _top_level_keys(body: bytes) -> dict[str, msgspec.Raw]:
+    """The body's top-level members, undecoded; {} when it is no JSON object (reading it says why)."""
+    try:
+        return _KEYS.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return {}

@@ -153,6 +153,9 @@ def test_route_refuses_only_what_it_cannot_read(fleet: Fleet) -> None:
     for body in ({"max_tokens": 4}, {"prompt": 42}, {"messages": []}, {"prompt": [1, 600]}):
         decision = fleet.client.post("/route", json=body)  # routed on load: the replica will judge the body
         assert decision.status_code == 200 and decision.json()["replica"] in ("a", "b"), decision.text
+    # A completion is read as one whatever its strings say ("messages" as a value is no chat).
+    decision = fleet.client.post("/route", json={"prompt": "hi there", "cache_salt": "messages"}).json()
+    assert decision["prompt_tokens"] == len(b"hi there")
 
 
 def complete_raw(fleet: Fleet, body: dict[str, Any]) -> httpx.Response:
