@@ -29,6 +29,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -312,6 +313,7 @@ def place_workers(
     if count < 1:
         raise ConfigError(f"need at least one worker, got {count}")
     nodes = worker_nodes(config)
+    check_room(config, [nodes[i % len(nodes)] for i in range(count)])
     names = [f"worker-{start_index + i}" for i in range(count)]
     handles = [start_worker(config, name, nodes[i % len(nodes)], tiers) for i, name in enumerate(names)]
     deadline = time.monotonic() + timeout_s
@@ -319,6 +321,25 @@ def place_workers(
         placed_worker(name, handle, max(1.0, deadline - time.monotonic()))
         for name, handle in zip(names, handles, strict=True)
     ]
+
+
+def check_room(config: Config, placement: list[str]) -> None:
+    """ConfigError, before anything starts, when a node cannot hold the workers ``placement`` pins to it.
+
+    Workers are pinned to their node (no other node, and no autoscaler, can take one), so a node with fewer
+    CPUs or GPUs than its workers ask for leaves the rest pending forever: without this, a deployment of
+    more workers than CPUs waited out the placement timeout and ended in Ray's traceback.
+    """
+    options = worker_actor_options(config)
+    resources = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
+    for node, workers in Counter(placement).items():
+        for kind, each in (("CPU", options["num_cpus"]), ("GPU", options["num_gpus"])):
+            need, have = workers * each, resources.get(node, {}).get(kind, 0.0)
+            if need > have:
+                raise ConfigError(
+                    f"{workers} workers on node {node[:12]} need {need:g} {kind} ({each:g} each), and the node "
+                    f"has {have:g}: start fewer workers, or add nodes to the Ray cluster"
+                )
 
 
 def worker_nodes(config: Config) -> list[str]:

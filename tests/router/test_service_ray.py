@@ -78,3 +78,16 @@ def test_two_ray_workers_shared_prefix_and_a_killed_worker(ray_session: Any) -> 
         server.stop()
         for w in workers:
             ray.kill(w.handle, no_restart=True)
+
+
+@pytest.mark.ray
+def test_more_workers_than_a_node_can_hold_is_refused_before_any_starts(ray_session: Any) -> None:
+    """Workers are pinned to their node: five one-CPU workers on this 4-CPU cluster would leave one pending
+    forever (before: two minutes of waiting, then Ray's traceback)."""
+    from kvstore.errors import ConfigError
+
+    config = config_from_dict({"worker": {"device": "cpu"}})
+    with pytest.raises(ConfigError, match=r"5 workers on node \w+ need 5 CPU \(1 each\), and the node has 4"):
+        place_workers(config, 5, start_index=950)
+    with pytest.raises(ValueError):  # nothing was started under those names
+        ray.get_actor("kvstore-worker-950", namespace="kvstore")
