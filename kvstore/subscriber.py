@@ -417,10 +417,15 @@ class EventListener:
             if isinstance(action, Apply):
                 self._deliver(producer, action.seq, action.payload)
             elif isinstance(action, Reset):
+                logger.info("producer %s: its stream started over; its blocks are dropped until it resends them",
+                            producer.name)  # fmt: skip
                 self._sink.reset_producer(producer.name)
             elif isinstance(action, RequestReplay):
+                logger.info("producer %s: batches missing; asking for a replay from seq %d", producer.name,
+                            action.start)  # fmt: skip
                 self._request(producer, action.start.to_bytes(8, "big"), poller)
             else:
+                logger.info("producer %s: asking for a snapshot of its cache", producer.name)
                 self._request(producer, SNAPSHOT_REQUEST, poller)
 
     def _request(self, producer: _Producer, body: bytes, poller: zmq.Poller) -> None:
@@ -465,6 +470,9 @@ class EventListener:
             decoded = self._decoder.decode(payload)
         except EventDecodeError as exc:
             producer.decode_errors += 1
+            if producer.decode_errors in (1, 10, 100) or producer.decode_errors % 1000 == 0:  # not one line each
+                logger.warning("producer %s: %d undecodable batches so far (this one: %s)", producer.name,
+                               producer.decode_errors, exc)  # fmt: skip
             if self._on_decode_error is not None:
                 self._on_decode_error(producer.name, exc)
             return

@@ -10,6 +10,7 @@ restarts. Every wait polls against a monotonic deadline.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -196,7 +197,10 @@ def test_normal_flow_converges(ctx: zmq.Context) -> None:
 # --------------------------------------------------------------------------- (b) lost messages -> replay
 
 
-def test_subscriber_that_misses_messages_converges_by_replay(ctx: zmq.Context) -> None:
+def test_subscriber_that_misses_messages_converges_by_replay(
+    ctx: zmq.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvstore.subscriber")
     producer = Producer(EventsConfig(endpoint=LOOPBACK, replay_endpoint=LOOPBACK), ctx, seed=2)
     forwarder = LossyProxy(ctx, producer.publisher.endpoint, drop_every=7)
     sink = CacheSink()
@@ -216,6 +220,7 @@ def test_subscriber_that_misses_messages_converges_by_replay(ctx: zmq.Context) -
         assert (h.snapshots, h.restarts, h.lossy, h.decode_errors) == (0, 0, 0, 0)
         assert sink.seqs["w0"] == list(range(producer.publisher.last_seq + 1))  # each batch once, in order
         assert producer.publisher.stats.replays_served == h.replays
+        assert "producer w0: batches missing; asking for a replay from seq" in caplog.text  # an operator sees why
     finally:
         listener.close()
         forwarder.close()
