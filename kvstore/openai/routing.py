@@ -93,7 +93,7 @@ def read_token_ids(body: bytes) -> RoutingView | None:
 
 
 def _read_any(
-    body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None, trust_template: bool
+    body: bytes, kind: Literal["completion", "chat"], tokenizer: Tokenizer | None, trust_template: bool = False
 ) -> RoutingView:
     """The general path of :func:`read_for_routing`, for every body."""
     try:
