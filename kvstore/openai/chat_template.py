@@ -100,7 +100,7 @@ class ChatTemplate:
         ``extra`` (a request's ``chat_template_kwargs``) wins over the other
         arguments, ``messages`` aside, as vLLM lays a request's kwargs over its own.
         """
-        overrides = {name: value for name, value in (extra or {}).items() if name != "messages"}
+        overrides = {name: value for name, value in (extra or {}).items() if name not in ("messages", "chat_template")}
         add_generation_prompt = bool(overrides.pop("add_generation_prompt", add_generation_prompt))
         continue_final_message = bool(overrides.pop("continue_final_message", continue_final_message))
         tools = overrides.pop("tools", tools)
@@ -130,13 +130,38 @@ class ChatTemplate:
 
 def with_parsed_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
     """An earlier tool call of a conversation as vLLM hands it to a chat template: its function's ``arguments``
-    JSON text parsed into an object (templates render it with ``tojson``). ``call["function"]`` must be a
-    mapping; raises ValueError when the arguments are text that is not JSON."""
+    JSON text parsed into an object (templates render it with ``tojson``), and none (missing, null, "") as
+    ``{}``. ``call["function"]`` must be a mapping; raises ValueError when the arguments are text that is not
+    JSON."""
     function = call["function"]
     arguments = function.get("arguments")
-    if isinstance(arguments, str):
+    if not arguments:
+        arguments = {}
+    elif isinstance(arguments, str):
         arguments = json.loads(arguments)
     return {**call, "function": {**function, "arguments": arguments}}
+
+
+def as_vllm_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A request's tool as vLLM hands it to a chat template (its pydantic model dumped): ``type`` first, the
+    function's ``name``, ``description`` and ``parameters`` (null when not sent) before anything else it has.
+    A template that renders ``tool | tojson`` then gives vLLM's prompt. ``tool["function"]`` must be a mapping."""
+    function = tool["function"]
+    shaped = {"name": function.get("name"), "description": function.get("description"),
+              "parameters": function.get("parameters")}  # fmt: skip
+    return {"type": tool.get("type", "function"), "function": {**shaped, **function}} | {
+        key: value for key, value in tool.items() if key not in ("type", "function")
+    }
+
+
+def request_template(fields: Mapping[str, Any]) -> Any:
+    """The template a chat request brings, if any: its ``chat_template``, else one inside its
+    ``chat_template_kwargs`` (vLLM takes either, and trusts neither by default)."""
+    template = fields.get("chat_template")
+    kwargs = fields.get("chat_template_kwargs")
+    if template is None and isinstance(kwargs, Mapping):
+        template = kwargs.get("chat_template")
+    return template
 
 
 def _cut_after_final_message(rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:

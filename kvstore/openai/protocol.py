@@ -31,7 +31,13 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 from msgspec import Meta
 
-from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError, with_parsed_arguments
+from kvstore.openai.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    as_vllm_tool,
+    request_template,
+    with_parsed_arguments,
+)
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.worker_api import SamplingParams
@@ -254,6 +260,8 @@ def parse_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Model
     token_ids, text = _completion_prompt(req.prompt, tokenizer, req.add_special_tokens)
     kept = truncated(token_ids, req.truncate_prompt_tokens, limits.max_context)
     if len(kept) < len(token_ids):
+        if text is not None and req.add_special_tokens:  # a text prompt keeps its BOS, as vLLM tokenises it
+            kept = keep_special_tokens(token_ids, tokenizer.encode(text, add_special_tokens=False), len(kept))
         token_ids, text = kept, None  # echo shows what the model read
     max_tokens = _capped(16 if req.max_tokens is None else req.max_tokens, limits)
     sampling = _sampling(req, req.logprobs, limits)
@@ -346,8 +354,11 @@ def parse_chat(
     """Check ``req``, render its messages through the chat template and tokenise them. ``trust_template``:
     render a ``chat_template`` the request sends (else a 400, as vLLM refuses one by default)."""
     _refuse_unsupported(req)
-    if req.chat_template is not None and not trust_template:
+    own = request_template({"chat_template": req.chat_template, "chat_template_kwargs": req.chat_template_kwargs})
+    if own is not None and not trust_template:
         raise ApiError(400, UNTRUSTED_TEMPLATE, param="chat_template")
+    if own is not None and not isinstance(own, str):
+        raise ApiError(400, "chat_template must be a string", param="chat_template")
     tools = _tools(req.tools, req.tool_choice)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
@@ -356,7 +367,7 @@ def parse_chat(
     messages = [_message(m, i) for i, m in enumerate(req.messages)]
     if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    template = _template(req.chat_template, tokenizer)
+    template = _template(own, tokenizer)
     try:
         text = template.render(
             messages,
@@ -412,6 +423,19 @@ def truncated(token_ids: list[int], keep: int | None, max_context: int | None) -
     return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
 
+def keep_special_tokens(full: list[int], plain: list[int], keep: int) -> list[int]:
+    """``keep`` tokens of a text prompt tokenised with special tokens (``full``) and without (``plain``): the
+    special tokens the tokenizer adds (a BOS) and the text's last tokens -- what transformers gives for
+    ``truncation=True, max_length=keep`` from the left, which vLLM asks for. ``full[-keep:]`` when the
+    special tokens cannot be told apart or leave no room."""
+    added = len(full) - len(plain)
+    room = keep - added
+    start = next((p for p in range(added + 1) if full[p : p + len(plain)] == plain), None)
+    if start is None or added < 0 or room < 1:
+        return full[-keep:]
+    return full[:start] + plain[len(plain) - room :] + full[start + len(plain) :]
+
+
 def _capped(max_tokens: int, limits: ModelLimits) -> int:
     """``max_tokens`` under the checkpoint's ``max_new_tokens``, as vLLM takes the least of the two (a bad value
     is left for the checks to name)."""
@@ -430,7 +454,7 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     for field in ("function_call", "audio"):
         if raw.get(field):
             raise ApiError(400, f"{where}.{field} is not supported", param=f"{where}.{field}")
-    message = {k: v for k, v in raw.items() if k in _MESSAGE_FIELDS}
+    message = {k: v for k, v in raw.items() if k in MESSAGE_FIELDS}
     for field in ("name", "tool_call_id", "reasoning", "reasoning_content"):
         if message.get(field) is not None and not isinstance(message[field], str):
             raise ApiError(400, f"{where}.{field} must be a string", param=f"{where}.{field}")
@@ -461,7 +485,7 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     return message
 
 
-_MESSAGE_FIELDS = ("role", "name", "tool_call_id", "reasoning", "reasoning_content")  # passed to the template as sent
+MESSAGE_FIELDS = ("role", "name", "tool_call_id", "reasoning", "reasoning_content")  # passed to the template as sent
 
 
 def _tools(tools: list[Any] | None, choice: Any) -> list[Any] | None:
@@ -472,7 +496,7 @@ def _tools(tools: list[Any] | None, choice: Any) -> list[Any] | None:
     if not tools:
         if choice not in (None, "none"):
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
-        return None
+        return None if tools is None else []  # vLLM hands a template an empty list as sent
     for index, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)
@@ -491,7 +515,7 @@ def _tools(tools: list[Any] | None, choice: Any) -> list[Any] | None:
     if choice != "none":
         raise ApiError(400, 'only tool_choice "none" is supported (a named or required tool needs structured output)',
                        param="tool_choice")  # fmt: skip
-    return tools
+    return [as_vllm_tool(tool) for tool in tools]
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:

@@ -5,12 +5,16 @@ unchanged: every field and value, vendor extensions included, a text prompt
 still as text. It only needs the prompt's tokens, tokenised exactly as the
 replica will tokenise them, to look up which replica holds the longest
 prefix: completions with ``add_special_tokens`` (default true), chat through
-the chat template (the body's ``chat_template`` if it sends one, with its
-``tools``, ``documents`` and ``chat_template_kwargs``) with
-``add_special_tokens`` false -- vLLM's defaults.
+the model's chat template (with the body's ``tools``, ``documents`` and
+``chat_template_kwargs``, tools and earlier tool calls shaped as vLLM hands
+them to a template) with ``add_special_tokens`` false -- vLLM's defaults;
+``truncate_prompt_tokens`` as vLLM applies it. A template the body brings
+itself (``chat_template``, or one in ``chat_template_kwargs``) is a program:
+the router runs it only when told to trust request templates.
 
 A body the router cannot tokenise exactly (no prompt, a field of the wrong
-type, images in a message, a template that refuses the conversation) is
+type, images in a message, a template that refuses the conversation, a
+request template it does not trust) is
 still forwarded, and routed on load alone (``token_ids`` None): the replica
 answers it, errors included, as it would without a router. What the router
 refuses itself: a body that is not a JSON object, and any text when no
@@ -30,9 +34,15 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
-from kvstore.openai.chat_template import ChatTemplate, ChatTemplateError, with_parsed_arguments
+from kvstore.openai.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    as_vllm_tool,
+    request_template,
+    with_parsed_arguments,
+)
 from kvstore.openai.errors import ApiError
-from kvstore.openai.protocol import MAX_NAME_CHARS
+from kvstore.openai.protocol import MAX_NAME_CHARS, MESSAGE_FIELDS, keep_special_tokens
 from kvstore.openai.tokenizer import Tokenizer
 
 NO_TOKENIZER = (
@@ -109,10 +119,8 @@ def _read_any(
         return RoutingView(None, model, None, stream)
     if kind == "completion":
         tokens = _completion_tokens(data, tokenizer)
-    elif "chat_template" in data and not trust_template:
-        tokens = None
     else:
-        tokens = _chat_tokens(data, tokenizer)
+        tokens = _chat_tokens(data, tokenizer, trust_template)
     if tokens is not None:
         tokens = _kept(tokens, data.get("truncate_prompt_tokens"))
     return RoutingView(tokens, model, salt, stream)
@@ -135,38 +143,51 @@ def _completion_tokens(data: dict[str, Any], tokenizer: Tokenizer | None) -> lis
     if tokenizer is None:
         raise ApiError(400, NO_TOKENIZER, param="prompt")
     add_special = data.get("add_special_tokens", True) is not False
-    return tokenizer.encode(prompt, add_special_tokens=add_special)
+    ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+    keep = data.get("truncate_prompt_tokens")
+    if add_special and type(keep) is int and 0 < keep < len(ids):  # the replica keeps the BOS (vLLM)
+        return keep_special_tokens(ids, tokenizer.encode(prompt, add_special_tokens=False), keep)
+    return ids
 
 
-def _chat_tokens(data: dict[str, Any], tokenizer: Tokenizer | None) -> list[int] | None:
+def _chat_tokens(data: dict[str, Any], tokenizer: Tokenizer | None, trust_template: bool) -> list[int] | None:
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
     if tokenizer is None:
         raise ApiError(400, NO_TOKENIZER, param="messages")
+    own = request_template(data)
+    if own is not None and not (trust_template and isinstance(own, str)):
+        return None  # a template this process does not run (or that is no template): routed by load
     flat = []
-    for message in messages:
-        if not isinstance(message, dict):
+    for raw in messages:
+        if not isinstance(raw, dict):
             return None
-        content = message.get("content")
+        content = raw.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):  # fmt: skip
                 return None  # images, audio: the replica's processor expands them; we cannot
             content = "\n".join(p["text"] for p in content)
-        message = {**message, "content": content if content is not None else ""}
-        calls = message.get("tool_calls")
-        if isinstance(calls, list) and calls:  # rendered as the replica renders them: arguments parsed (vLLM)
-            if not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+        # The fields the worker's parse keeps, so a template sees the same message from both.
+        message = {k: v for k, v in raw.items() if k in MESSAGE_FIELDS} | {"content": content or ""}
+        calls = raw.get("tool_calls")
+        if calls:  # rendered as the replica renders them: arguments parsed (vLLM)
+            if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                    for c in calls)):  # fmt: skip
                 return None
             try:
                 message["tool_calls"] = [with_parsed_arguments(c) for c in calls]
             except ValueError:
                 return None  # the replica refuses it
         flat.append(message)
+    tools = data.get("tools")
+    if isinstance(tools, list) and tools:
+        if not all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools):
+            return None
+        tools = [as_vllm_tool(t) for t in tools]
     try:
-        template = ChatTemplate(data["chat_template"]) if isinstance(data.get("chat_template"), str) else None
-        template = template or tokenizer.chat_template
+        template = ChatTemplate(own) if own is not None else tokenizer.chat_template
         if template is None:
             return None
         extra = data.get("chat_template_kwargs") if isinstance(data.get("chat_template_kwargs"), dict) else None
@@ -175,7 +196,7 @@ def _chat_tokens(data: dict[str, Any], tokenizer: Tokenizer | None) -> list[int]
             add_generation_prompt=data.get("add_generation_prompt", True) is not False,
             continue_final_message=data.get("continue_final_message") is True,
             special_tokens=tokenizer.special_tokens,
-            tools=data.get("tools") if isinstance(data.get("tools"), list) else None,
+            tools=tools if isinstance(tools, list) else None,
             documents=data.get("documents") if isinstance(data.get("documents"), list) else None,
             extra=extra,
         )

@@ -331,3 +331,83 @@ def test_a_request_template_is_refused_unless_trusted_and_any_failure_is_a_400(
     with pytest.raises(ApiError) as failed:
         parse_chat(decode_chat(body), ours, ModelLimits(None, 4096), trust_template=True)
     assert failed.value.status == 400 and failed.value.param == "messages", failed.value
+
+
+def test_the_router_and_the_worker_render_the_same_conversation_in_vllms_shapes(
+    family: tuple[HFTokenizer, Any],
+) -> None:
+    """Tools dumped as vLLM's model does (type first, null description and parameters), earlier calls with no
+    arguments as {}, tool_calls null or empty dropped, an empty tool list kept: the worker's tokens and the
+    fleet router's are the same, and equal transformers' for the same shapes."""
+    from kvstore.openai.routing import read_for_routing
+
+    ours, hf = family
+    if "<|im_start|>" not in hf.chat_template:
+        pytest.skip("the tool template is ChatML: one family's special tokens are enough")
+    template = TOOL_TEMPLATE + "{% if tools is not none %}[tools: {{ tools | length }}]{% endif %}"
+    template += "{% for m in messages %}{% if m.tool_calls is defined %}({{ m.role }} calls){% endif %}{% endfor %}"
+    bare_call = {"id": "c1", "type": "function", "function": {"name": "now"}}  # no arguments at all
+    messages = [
+        {"role": "user", "content": "What time is it?", "tool_calls": None},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [bare_call, {**bare_call, "function": {"name": "now", "arguments": ""}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "noon", "tool_calls": []},
+    ]
+    tool = {"function": {"name": "now"}, "type": "function"}  # no description, keys in the client's order
+    for tools, shaped in (([tool], [{"type": "function", "function": {"name": "now", "description": None,
+                                                                     "parameters": None}}]), ([], [])):  # fmt: skip
+        body = {"messages": messages, "tools": tools, "tool_choice": "none", "chat_template": template}
+        worker = _chat(ours, body).token_ids
+        router = read_for_routing(json.dumps(body).encode(), "chat", ours, trust_template=True).token_ids
+        oracle_messages = [
+            {"role": "user", "content": "What time is it?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{**bare_call, "function": {"name": "now", "arguments": {}}}] * 2,
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+        ]
+        oracle = _ids(hf.apply_chat_template(oracle_messages, tools=shaped, chat_template=template,
+                                             add_generation_prompt=True, tokenize=True))  # fmt: skip
+        assert worker == router == oracle, tools
+
+
+def test_a_template_in_chat_template_kwargs_is_a_request_template(family: tuple[HFTokenizer, Any]) -> None:
+    """vLLM takes a template from chat_template_kwargs too, and trusts it no more than a chat_template."""
+    from kvstore.openai.errors import ApiError
+    from kvstore.openai.protocol import ModelLimits, decode_chat, parse_chat
+    from kvstore.openai.routing import read_for_routing
+
+    ours, hf = family
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "chat_template_kwargs": {"chat_template": "X{{ messages[0].content }}"}}
+    raw = json.dumps(body).encode()
+    with pytest.raises(ApiError) as refused:
+        parse_chat(decode_chat(raw), ours, ModelLimits(None, 4096))
+    assert refused.value.param == "chat_template"
+    trusted = parse_chat(decode_chat(raw), ours, ModelLimits(None, 4096), trust_template=True).token_ids
+    assert trusted == ours.encode("Xhi", add_special_tokens=False)
+    assert read_for_routing(raw, "chat", ours, trust_template=True).token_ids == trusted
+    assert read_for_routing(raw, "chat", ours).token_ids is None
+    # A null chat_template is no template: both render the model's own, and the router hashes it.
+    plain = {"messages": messages, "chat_template": None}
+    expected = _ids(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    assert _chat(ours, plain).token_ids == expected
+    assert read_for_routing(json.dumps(plain).encode(), "chat", ours).token_ids == expected
+
+
+def test_a_truncated_text_prompt_keeps_its_bos_as_vllm_tokenises_it(family: tuple[HFTokenizer, Any]) -> None:
+    from kvstore.openai.protocol import ModelLimits, decode_completion, parse_completion
+    from kvstore.openai.routing import read_for_routing
+
+    ours, hf = family
+    hf.truncation_side = "left"
+    text = "The KV cache keeps computed attention keys and values"
+    body = json.dumps({"prompt": text, "truncate_prompt_tokens": 4}).encode()
+    expected = hf(text, truncation=True, max_length=4)["input_ids"]
+    assert parse_completion(decode_completion(body), ours, ModelLimits(None, 4096)).token_ids == expected
+    assert read_for_routing(body, "completion", ours).token_ids == expected
