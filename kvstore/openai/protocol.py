@@ -455,7 +455,7 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
         if raw.get(field):
             raise ApiError(400, f"{where}.{field} is not supported", param=f"{where}.{field}")
     message = {k: v for k, v in raw.items() if k in MESSAGE_FIELDS}
-    for field in ("name", "tool_call_id", "reasoning", "reasoning_content"):
+    for field in MESSAGE_FIELDS:  # role, checked above, passes again
         if message.get(field) is not None and not isinstance(message[field], str):
             raise ApiError(400, f"{where}.{field} must be a string", param=f"{where}.{field}")
     if raw.get("tool_calls"):

@@ -201,7 +201,7 @@ class ResponseBuilder:
             # alternatives, one entry per distinct text (so logprobs=0 still names the chosen token).
             "top_logprobs": [
                 {token: _finite(e.logprob)}
-                | {self._token(t): _finite(lp) for t, lp in e.top if self._token(t) != token}
+                | {name: _finite(lp) for t, lp in e.top if (name := self._token(t)) != token}
                 for token, e in zip(tokens, entries, strict=True)
             ],
             "text_offset": offsets,
