@@ -1,6 +1,7 @@
 /*
  * kvstore.tiers._copyrows: the copy engine's host-to-host block copy, in C (and, at the end
- * of this file, metas_ok: the batch check of the block metas every spill and promotion names).
+ * of this file, metas_ok: the batch check of the block metas every spill and promotion names;
+ * the CPU arena's batch bookkeeping, built into the same module, is in _books.c).
  *
  * Copier(helpers).copy_rows(dst, dst_count, src, src_count, row_bytes, src_rows, dst_rows,
  *                           stream_min, split_min) -> runs
@@ -48,6 +49,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
+
+#include "_books.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
@@ -693,6 +696,10 @@ PyMODINIT_FUNC PyInit__copyrows(void) {
         PyModule_AddIntConstant(module, "MAX_HELPERS", MAX_HELPERS) < 0 ||
         PyModule_AddObject(module, "Copier", (PyObject *)&CopierType) < 0) {
         Py_DECREF(&CopierType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    if (books_add(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

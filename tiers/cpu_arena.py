@@ -34,6 +34,12 @@ then :meth:`~CpuArena.lease_matched`, :meth:`~CpuArena.commit_many`,
 per slot, one event per block, a batch naming a bad lease changes nothing --
 in one pass over the batch, with set operations on the index where they
 can, and record events unbuilt (:mod:`~kvstore.tiers.tier_events`).
+Where the compiled kernel is built, the inner loops of those passes run in C
+(``tiers/_books.c``, in ``kvstore.tiers._copyrows``) over the same objects,
+and leases are built there with one allocation each: on 16 KiB blocks the
+Python loops cost about as much as the copy. The Python loops stay for
+installs without a C compiler; the tests drive both in lockstep and compare
+every answer and every piece of state.
 
 A leased slot is never evicted and never reused: that is what makes a copy
 into or out of a slot safe while the index changes around it. Eviction
@@ -51,6 +57,8 @@ import enum
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from kvstore.events import BlockStored, KVEvent, Medium
 from kvstore.tiers.blocks import BlockMeta
@@ -58,16 +66,39 @@ from kvstore.tiers.errors import LeaseError
 from kvstore.tiers.shared_memory import SharedSlots
 from kvstore.tiers.tier_events import MediumEvents
 
+_books: ModuleType | None
+try:  # the batch loops in C (tiers/_books.c); without a C compiler the Python loops below do the same
+    from kvstore.tiers import _copyrows as _books
+except ImportError:
+    _books = None
+
+if TYPE_CHECKING:
+
+    class _LeaseFields:
+        _arena: CpuArena
+        lease_id: int
+        slot: int
+        meta: BlockMeta
+        kind: LeaseKind
+        granted_at: float | None
+
+elif _books is not None:
+    _LeaseFields = _books.LeaseCore  # built by the C loops with one allocation, no __init__ call
+else:
+
+    class _LeaseFields:
+        __slots__ = ("_arena", "granted_at", "kind", "lease_id", "meta", "slot")
+
 
 class LeaseKind(enum.Enum):
     WRITE = "write"  # filling a reserved slot; commit() publishes it
     READ = "read"  # copying a cached (or detached) block out
 
 
-class Lease:
+class Lease(_LeaseFields):
     """A hold on one slot. Release exactly once (or use ``with``); a write lease may be committed instead."""
 
-    __slots__ = ("_arena", "kind", "lease_id", "meta", "slot")
+    __slots__ = ()
 
     def __init__(self, arena: CpuArena, lease_id: int, slot: int, meta: BlockMeta, kind: LeaseKind) -> None:
         self._arena = arena
@@ -75,6 +106,7 @@ class Lease:
         self.slot = slot
         self.meta = meta
         self.kind = kind
+        self.granted_at = None  # set when the lease is handed out (LeaseBook)
 
     def release(self) -> None:
         self._arena.release(self.lease_id)
@@ -96,6 +128,9 @@ class CpuArena:
     Not thread-safe except :meth:`snapshot_events` (see the module docstring).
     """
 
+    # The batch loops in C where the kernel is built (None: the Python loops; the tests run both).
+    _native: ModuleType | None = _books
+
     def __init__(self, slots: SharedSlots, *, block_size: int) -> None:
         self.slots = slots
         self.block_size = block_size
@@ -113,6 +148,11 @@ class CpuArena:
         self.num_collisions = 0
 
     # ----------------------------------------------------------------- queries
+
+    @property
+    def native(self) -> ModuleType | None:
+        """The compiled module whose batch loops this arena runs (``kvstore.tiers._copyrows``), or None."""
+        return self._native
 
     @property
     def num_slots(self) -> int:
@@ -193,7 +233,17 @@ class CpuArena:
         if len({meta.block_hash for meta in wanted}) != len(wanted):  # one hash twice: the later is a duplicate
             return [self.reserve(meta) for meta in metas]
         slots = sorted(free.popleft() for _ in range(min(len(wanted), len(free))))
-        taken = dict(zip((meta.block_hash for meta in wanted), slots, strict=False))
+        taken: dict[int, int] = dict(zip((meta.block_hash for meta in wanted), slots, strict=False))
+        native = self._native
+        if native is not None and len(taken) == len(metas):  # every block new and given a slot: the common case
+            writing.update(taken)
+            pairs = list(zip(slots, metas, strict=True))  # taken's order: the slots ascending, in the batch's order
+            granted, _ = native.lease_many(
+                Lease, self, self._held, self._leases, self._meta, None, self._next_lease, pairs, LeaseKind.WRITE
+            )
+            self._num_leased += len(granted)  # free slots held no lease
+            self._next_lease += len(granted)
+            return granted
         leases: list[Lease | None] = []
         # Free slots hold no lease: each grant below pins a slot that was unpinned (as _grant would).
         slot_meta, pins, held, write = self._meta, self._leases, self._held, LeaseKind.WRITE
@@ -218,6 +268,17 @@ class CpuArena:
 
         Raises LeaseError, changing nothing, if any is not a live write lease or one is named twice.
         """
+        native = self._native
+        if native is not None:
+            with self._lock:
+                done = native.commit_many(
+                    self._held, self._leases, self._writing, self._index, lease_ids, LeaseKind.WRITE
+                )
+            if done is not None:  # None: one id failed the checks, nothing changed; the loop below names it
+                committed, unpinned = done
+                self._num_leased -= unpinned
+                self._events.stored_many([lease.meta for lease in committed])
+                return committed
         leases = self._distinct(lease_ids)
         for lease in leases:
             if lease.kind is not LeaseKind.WRITE:
@@ -249,6 +310,8 @@ class CpuArena:
         """(slot, stored meta) of the longest prefix of ``metas`` cached here with equal tokens and
         parent; changes nothing (:meth:`lease_matched` leases them)."""
         index, slot_meta = self._index, self._meta
+        if self._native is not None:
+            return self._native.match_prefix(index, slot_meta, metas)
         found: list[tuple[int, BlockMeta]] = []
         for meta in metas:
             slot = index.get(meta.block_hash)
@@ -266,6 +329,15 @@ class CpuArena:
         most recently used."""
         if not found:
             return []
+        native = self._native
+        if native is not None:
+            with self._lock:  # lease_many moves each block to the index's end
+                leases, pinned = native.lease_many(
+                    Lease, self, self._held, self._leases, None, self._index, self._next_lease, found, LeaseKind.READ
+                )
+            self._next_lease += len(leases)
+            self._num_leased += pinned
+            return leases
         with self._lock:
             move = self._index.move_to_end
             for _, stored in found:
@@ -291,6 +363,16 @@ class CpuArena:
 
         Raises LeaseError, changing nothing, if any is unknown or released, or one is named twice.
         """
+        native = self._native
+        if native is not None:
+            done = native.release_many(
+                self._held, self._leases, self._writing, self._index, self._meta, lease_ids, LeaseKind.WRITE
+            )
+            if done is not None:  # None: one id failed the checks, nothing changed; the loop below names it
+                released, unpinned, freed = done
+                self._num_leased -= unpinned
+                self._free.extend(freed)
+                return released
         leases = self._distinct(lease_ids)
         held, pins, index = self._held, self._leases, self._index
         for lease in leases:
@@ -373,6 +455,13 @@ class CpuArena:
     def drop_lru(self, count: int) -> int:
         """``evict_lru(count, keep=lambda block_hash: False)`` in one pass: up to ``count`` least recently
         used unleased blocks removed (BlockRemoved each) and their slots freed; returns how many."""
+        if self._native is not None:
+            with self._lock:
+                freed, dropped = self._native.drop_lru(self._index, self._leases, self._meta, count)
+            self._events.removed_many(dropped)
+            self._free.extend(freed)
+            self.num_evictions += len(freed)
+            return len(freed)
         victims: list[int] = []
         leased = self._leases
         for slot in self._index.values():

@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from operator import attrgetter
 
 from kvstore.events import Medium
 from kvstore.tiers.blocks import SlotGrant, make_grants
 from kvstore.tiers.cpu_arena import CpuArena, Lease, LeaseKind
 from kvstore.tiers.errors import ArenaMovedError
 from kvstore.tiers.stats import PROMOTE, SPILL, StoreCounters
+
+_LEASE_ID, _SLOT, _BLOCK_HASH = attrgetter("lease_id"), attrgetter("slot"), attrgetter("meta.block_hash")
 
 
 class LeaseBook:
@@ -53,7 +56,7 @@ class LeaseBook:
         self._cpu = cpu
         self._counters = counters
         self._block_bytes = block_bytes
-        self._started: dict[int, float] = {}  # lease id -> when its batch was granted
+        self._native = cpu.native  # the arena's C loops, or None: these follow its choice
 
     def check_arena(self, arena: int | None) -> None:
         """Raise ArenaMovedError unless ``arena`` is None or the incarnation of the arena the store holds."""
@@ -65,16 +68,16 @@ class LeaseBook:
 
     def grant(self, lease: Lease, medium: Medium, now: float) -> SlotGrant:
         """Hand ``lease`` out (``medium``: where its block was found), its batch granted at ``now``."""
-        self._started[lease.lease_id] = now
+        lease.granted_at = now
         return SlotGrant(lease.lease_id, lease.slot, lease.meta.block_hash, medium)
 
     def grant_many(self, leases: Sequence[Lease], medium: Medium, now: float) -> list[SlotGrant]:
         """:meth:`grant` each of ``leases``, in order."""
-        ids = [lease.lease_id for lease in leases]
-        self._started.update(dict.fromkeys(ids, now))
-        slots = [lease.slot for lease in leases]
-        hashes = [lease.meta.block_hash for lease in leases]
-        return make_grants(ids, slots, hashes, medium)
+        if self._native is not None:
+            return self._native.grant_many(SlotGrant, leases, medium, now)
+        for lease in leases:
+            lease.granted_at = now
+        return make_grants(map(_LEASE_ID, leases), map(_SLOT, leases), map(_BLOCK_HASH, leases), medium)
 
     def commit(self, lease_ids: Sequence[int]) -> list[Lease]:
         """Publish written slots as cached blocks; returns their leases (now ended).
@@ -84,7 +87,7 @@ class LeaseBook:
         now = time.perf_counter()
         leases = self._cpu.commit_many(lease_ids)  # checks them all before it changes anything
         self._counters.offload_bytes[SPILL] += len(leases) * self._block_bytes
-        self._observe(SPILL, lease_ids, now)
+        self._observe(SPILL, leases, LeaseKind.WRITE, now)
         return leases
 
     def release(self, lease_ids: Sequence[int]) -> None:
@@ -94,20 +97,17 @@ class LeaseBook:
         """
         now = time.perf_counter()
         leases = self._cpu.release_many(lease_ids)  # checks them all before it changes anything
-        reads = [lease.lease_id for lease in leases if lease.kind is LeaseKind.READ]
-        self._counters.offload_bytes[PROMOTE] += len(reads) * self._block_bytes
-        self._observe(PROMOTE, reads, now)
-        if len(reads) != len(leases):  # abandoned write leases: no longer timed
-            started = self._started
-            for lease in leases:
-                started.pop(lease.lease_id, None)
+        reads = self._observe(PROMOTE, leases, LeaseKind.READ, now)  # abandoned write leases: no longer timed
+        self._counters.offload_bytes[PROMOTE] += reads * self._block_bytes
 
-    def check_invariants(self) -> None:
-        """Assert that only live leases are being timed; raises AssertionError."""
-        assert all(self._cpu.holds(lease_id) for lease_id in self._started), "timing kept for an ended lease"
-
-    def _observe(self, direction: str, lease_ids: Sequence[int], now: float) -> None:
-        pop = self._started.pop
-        starts = [start for start in (pop(lease_id, None) for lease_id in lease_ids) if start is not None]
-        if starts:
-            self._counters.offload_seconds[direction].observe(now - min(starts))
+    def _observe(self, direction: str, leases: Sequence[Lease], kind: LeaseKind, now: float) -> int:
+        """The leases of ``kind`` among ``leases`` (ended at ``now``) observed as one ``direction`` offload, from
+        the earliest grant among them; returns how many there are."""
+        if self._native is not None:
+            count, earliest = self._native.earliest_grant(leases, kind)
+        else:
+            starts = [lease.granted_at for lease in leases if lease.kind is kind]
+            count, earliest = len(starts), min((start for start in starts if start is not None), default=None)
+        if earliest is not None:
+            self._counters.offload_seconds[direction].observe(now - earliest)
+        return count

@@ -341,7 +341,6 @@ class TierStore:
         self._cpu.check_invariants()
         if self._disk is not None:
             self._disk.check_invariants()
-        self._leases.check_invariants()
 
     # ---------------------------------------------------------------- internal
 

@@ -1,8 +1,15 @@
-"""CpuArena: exact LRU order, leases that pin slots, collisions, events; a state machine for the invariants."""
+"""CpuArena: exact LRU order, leases that pin slots, collisions, events; a state machine for the invariants.
+
+Every test runs twice where the compiled batch loops are built: on them (``CpuArena``) and on the Python
+loops beside them (``PythonLoopsArena``); a lockstep state machine drives the two and compares every answer.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import gc
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -19,11 +26,71 @@ from kvstore.tiers.shared_memory import SharedSlots
 SLOT_BYTES = 4096
 
 
+class PythonLoopsArena(CpuArena):
+    """The arena on its Python batch loops: what an install without a C compiler runs."""
+
+    _native = None
+
+
+ARENAS = [pytest.param(CpuArena, id="native"), pytest.param(PythonLoopsArena, id="python")]
+if CpuArena._native is None:  # no kernel built: both are the Python loops
+    ARENAS = ARENAS[1:]
+
+
+@pytest.fixture(params=[param.values[0] for param in ARENAS], ids=[str(param.id) for param in ARENAS])
+def arena_type(request: pytest.FixtureRequest) -> type[CpuArena]:
+    return request.param  # type: ignore[no-any-return]
+
+
 @pytest.fixture
-def arena() -> Iterator[CpuArena]:
-    cpu = CpuArena(SharedSlots.create(arena_name(), 3, SLOT_BYTES, prefault=False), block_size=4)
+def arena(arena_type: type[CpuArena]) -> Iterator[CpuArena]:
+    cpu = arena_type(SharedSlots.create(arena_name(), 3, SLOT_BYTES, prefault=False), block_size=4)
     yield cpu
     cpu.close()
+
+
+def test_the_compiled_batch_loops_are_built() -> None:
+    """``scripts/dev setup`` builds them with the copy kernel; without them every batch runs the Python loops."""
+    assert CpuArena._native is not None, "kvstore.tiers._copyrows is missing: reinstall with a C compiler"
+    assert PythonLoopsArena._native is None
+
+
+def test_the_compiled_loops_refuse_wrong_arguments_with_an_error() -> None:
+    native = CpuArena._native
+    if native is None:
+        pytest.skip("the compiled batch loops are not built")
+    with pytest.raises(TypeError, match="subclass of LeaseCore"):
+        native.lease_many(int, None, {}, [], None, None, 1, [], None)
+    with pytest.raises(IndexError, match="outside the arena"):
+        native.lease_many(Lease, None, {}, [0], None, None, 1, [(5, None)], None)
+    with pytest.raises(TypeError, match="9 arguments"):
+        native.lease_many(Lease)
+    with pytest.raises(TypeError, match="must be a dict"):
+        native.match_prefix([], [], [])
+    with pytest.raises(TypeError, match="pins must be a list"):
+        native.commit_many({}, (), {}, {}, [], None)
+    assert native.release_many({}, [], {}, {}, [], [1], None) is None  # an unknown id: refused, nothing changed
+    assert native.release_many({}, [], {}, {}, [], [[1]], None) is None  # an unhashable one too
+    with pytest.raises(TypeError, match="tuple type"):
+        native.grant_many(list, [], None, 0.0)
+    with pytest.raises(TypeError, match="expected a lease"):
+        native.earliest_grant([object()], None)
+    with pytest.raises(ValueError, match="differ in length"):
+        native.drop_lru({}, [0], [], 1)
+
+
+def test_an_arena_dropped_with_leases_held_is_collected(arena_type: type[CpuArena]) -> None:
+    """Leases and their arena reference each other while held: the cycle is the garbage collector's to free
+    (the compiled lease type takes part in collection)."""
+    cpu = arena_type(SharedSlots.create(arena_name(), 3, SLOT_BYTES, prefault=False), block_size=4)
+    metas, _ = make_blocks(3)
+    leases = cpu.reserve_many(metas)
+    assert all(lease is not None for lease in leases)
+    cpu.slots.close()
+    gone = weakref.ref(cpu)
+    del cpu, leases
+    gc.collect()
+    assert gone() is None
 
 
 def store(cpu: CpuArena, meta: BlockMeta, fill: int) -> int:
@@ -35,8 +102,8 @@ def store(cpu: CpuArena, meta: BlockMeta, fill: int) -> int:
     return lease.slot
 
 
-def test_a_batch_takes_free_slots_in_ascending_runs_and_drops_evict_without_leases() -> None:
-    cpu = CpuArena(SharedSlots.create(arena_name(), 8, SLOT_BYTES, prefault=False), block_size=4)
+def test_a_batch_takes_free_slots_in_ascending_runs_and_drops_evict_without_leases(arena_type: type[CpuArena]) -> None:
+    cpu = arena_type(SharedSlots.create(arena_name(), 8, SLOT_BYTES, prefault=False), block_size=4)
     try:
         metas, _ = make_blocks(9)
         first = cpu.reserve_many(metas[:4])
@@ -125,6 +192,34 @@ def test_collision_is_a_counted_miss(arena: CpuArena) -> None:
     assert arena.acquire(metas[1]) is not None
 
 
+def test_a_read_lease_outliving_its_block_frees_its_slot_even_after_the_block_is_stored_again(
+    arena: CpuArena,
+) -> None:
+    metas, _ = make_blocks(1)
+    first = store(arena, metas[0], 1)
+    (reader,) = arena.acquire_prefix(metas)
+    assert arena.remove(metas[0].block_hash)  # detached: the reader still copies out of the old slot
+    again = store(arena, metas[0], 2)
+    assert again != first and arena.num_free_slots == 1
+    arena.release_many([reader.lease_id])
+    assert arena.num_free_slots == 2 and first in arena._free and arena.lru_hashes() == [metas[0].block_hash]
+    arena.check_invariants()
+
+
+def test_a_prefix_ends_before_a_block_with_other_tokens_or_another_parent(arena: CpuArena) -> None:
+    metas, _ = make_blocks(3)
+    for fill, meta in enumerate(metas[:3]):
+        store(arena, meta, fill)
+    other_tokens = BlockMeta(metas[1].block_hash, metas[1].parent_hash, (9, 9, 9, 9))
+    other_parent = BlockMeta(metas[1].block_hash, 12345, metas[1].token_ids)
+    for impostor in (other_tokens, other_parent):
+        assert [slot for slot, _ in arena.match_prefix([metas[0], impostor, metas[2]])] == [0]
+        (lease,) = arena.acquire_prefix([metas[0], impostor, metas[2]])
+        assert lease.meta is metas[0] and arena.num_collisions == 0  # counted by acquire(), once
+        lease.release()
+    assert len(arena.acquire_prefix(metas)) == 3
+
+
 def test_lease_misuse_raises(arena: CpuArena) -> None:
     metas, _ = make_blocks(1)
     store(arena, metas[0], 0)
@@ -185,10 +280,11 @@ class ArenaMachine(RuleBasedStateMachine):
 
     blocks = make_blocks(8)[0]
     leases = Bundle("leases")
+    arena_type: type[CpuArena] = CpuArena
 
     def __init__(self) -> None:
         super().__init__()
-        self.cpu = CpuArena(SharedSlots.create(arena_name(), 3, SLOT_BYTES, prefault=False), block_size=4)
+        self.cpu = self.arena_type(SharedSlots.create(arena_name(), 3, SLOT_BYTES, prefault=False), block_size=4)
         self.model_pinned: dict[int, int] = {}  # slot -> leases the test holds
 
     @rule(target=leases, index=st.integers(0, 7))
@@ -281,6 +377,14 @@ TestArenaMachine = ArenaMachine.TestCase
 TestArenaMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 
 
+class PythonLoopsArenaMachine(ArenaMachine):
+    arena_type = PythonLoopsArena
+
+
+TestPythonLoopsArenaMachine = PythonLoopsArenaMachine.TestCase
+TestPythonLoopsArenaMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
 def test_events_are_built_per_block_in_order_when_taken_and_never_when_discarded(arena: CpuArena) -> None:
     metas, _ = make_blocks(4)
     for fill, meta in enumerate(metas[:3]):
@@ -293,3 +397,137 @@ def test_events_are_built_per_block_in_order_when_taken_and_never_when_discarded
     assert events[1].token_ids == list(metas[1].token_ids)
     store(arena, metas[3], 9)
     assert arena.discard_events() == 1 and arena.take_events() == []
+
+
+# --------------------------------------------------------------------------- the two loops in lockstep
+
+
+def _seen(answer: Any) -> Any:
+    """An answer in comparable form: leases by their fields, lists item by item."""
+    if isinstance(answer, Lease):
+        return (answer.lease_id, answer.slot, answer.meta, answer.kind, answer.granted_at)
+    if isinstance(answer, list):
+        return [_seen(item) for item in answer]
+    return answer
+
+
+class LockstepMachine(RuleBasedStateMachine):
+    """The compiled and the Python batch loops, driven with the same calls, give the same answers, raise the
+    same errors and leave the same state: slots, pins, LRU order, free-list order, leases and events."""
+
+    blocks = make_blocks(8)[0]
+    # Same hash and parent as a stored block, other tokens (or same tokens, another parent): collisions.
+    impostors = [BlockMeta(meta.block_hash, meta.parent_hash, (7, 7, 7, 7)) for meta in blocks[:4]] + [
+        BlockMeta(meta.block_hash, 12345, meta.token_ids) for meta in blocks[4:]
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.twins: list[CpuArena] = [
+            kind(SharedSlots.create(arena_name(), 4, SLOT_BYTES, prefault=False), block_size=4)
+            for kind in (CpuArena, PythonLoopsArena)
+        ]
+        self.held: list[int] = []  # lease ids live in both
+
+    def _both(self, call: Callable[[CpuArena], Any]) -> Any:
+        answers = []
+        for cpu in self.twins:
+            try:
+                answers.append(("ok", _seen(call(cpu))))
+            except LeaseError as exc:
+                answers.append(("raised", str(exc)))
+        assert answers[0] == answers[1], f"native {answers[0]} != python {answers[1]}"
+        return answers[0]
+
+    def _metas(self, indices: list[int], impostor: int | None) -> list[BlockMeta]:
+        metas = [self.blocks[i] for i in indices]
+        if impostor is not None and metas:
+            metas[impostor % len(metas)] = self.impostors[indices[impostor % len(metas)]]
+        return metas
+
+    def _ids(self, picks: list[int], extra: int | None) -> list[int]:
+        ids = [self.held[pick % len(self.held)] for pick in picks] if self.held else []
+        return [*ids, extra] if extra is not None else ids
+
+    def _track(self, answer: Any) -> None:
+        status, leases = answer
+        if status == "ok":
+            self.held += [lease[0] for lease in leases if lease is not None]
+
+    def _ended(self, answer: Any, ids: list[int]) -> None:
+        if answer[0] == "ok":
+            self.held = [lease_id for lease_id in self.held if lease_id not in ids]
+
+    @rule(indices=st.lists(st.integers(0, 7), max_size=5))
+    def reserve_many(self, indices: list[int]) -> None:
+        self._track(self._both(lambda cpu: cpu.reserve_many([self.blocks[i] for i in indices])))
+
+    @rule(indices=st.lists(st.integers(0, 7), max_size=5))
+    def store_many(self, indices: list[int]) -> None:
+        answer = self._both(lambda cpu: cpu.reserve_many([self.blocks[i] for i in indices]))
+        ids = [lease[0] for lease in answer[1] if lease is not None]
+        self._both(lambda cpu: cpu.commit_many(ids))
+
+    @rule(indices=st.lists(st.integers(0, 7), max_size=5), impostor=st.none() | st.integers(0, 4))
+    def acquire_prefix(self, indices: list[int], impostor: int | None) -> None:
+        self._track(self._both(lambda cpu: cpu.acquire_prefix(self._metas(indices, impostor))))
+
+    @rule(index=st.integers(0, 7), impostor=st.booleans())
+    def acquire(self, index: int, impostor: bool) -> None:
+        meta = self.impostors[index] if impostor else self.blocks[index]
+        answer = self._both(lambda cpu: cpu.acquire(meta))
+        self._track((answer[0], [answer[1]]))
+
+    @rule(picks=st.lists(st.integers(0, 50), max_size=4), extra=st.none() | st.sampled_from([0, 999, -1]))
+    def commit_many(self, picks: list[int], extra: int | None) -> None:
+        ids = self._ids(picks, extra)
+        self._ended(self._both(lambda cpu: cpu.commit_many(ids)), ids)
+
+    @rule(picks=st.lists(st.integers(0, 50), max_size=4), extra=st.none() | st.sampled_from([0, 999, -1]))
+    def release_many(self, picks: list[int], extra: int | None) -> None:
+        ids = self._ids(picks, extra)
+        self._ended(self._both(lambda cpu: cpu.release_many(ids)), ids)
+
+    @rule(count=st.integers(0, 5))
+    def drop_lru(self, count: int) -> None:
+        self._both(lambda cpu: cpu.drop_lru(count))
+
+    @rule(count=st.integers(1, 3), keep_odd=st.booleans())
+    def evict_lru(self, count: int, keep_odd: bool) -> None:
+        self._track(
+            self._both(lambda cpu: cpu.evict_lru(count, keep=lambda block_hash: keep_odd and block_hash % 2 == 1))
+        )
+
+    @rule(index=st.integers(0, 7))
+    def remove(self, index: int) -> None:
+        self._both(lambda cpu: cpu.remove(self.blocks[index].block_hash))
+
+    @invariant()
+    def same_state(self) -> None:
+        states = []
+        for cpu in self.twins:
+            cpu.check_invariants()
+            states.append(
+                (
+                    cpu.lru_hashes(),
+                    list(cpu._free),
+                    list(cpu._leases),
+                    list(cpu._meta),
+                    dict(cpu._writing),
+                    {lease_id: _seen(lease) for lease_id, lease in cpu._held.items()},
+                    cpu.num_leased_slots,
+                    cpu.num_evictions,
+                    cpu.num_collisions,
+                    cpu.take_events(),
+                )
+            )
+        assert states[0] == states[1]
+        assert sorted(self.held) == sorted(self.twins[0]._held)
+
+    def teardown(self) -> None:
+        for cpu in self.twins:
+            cpu.close()
+
+
+TestLockstepMachine = LockstepMachine.TestCase
+TestLockstepMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -300,7 +300,7 @@ def test_restart_publishes_what_the_scan_found(tmp_path: Path, events_config: Ev
     asyncio.run(scenario())
 
 
-def test_metrics_names_and_values(tmp_path: Path) -> None:
+def test_metrics_names_and_values(tmp_path: Path, arena_loops: str) -> None:
     with linked_tier(tier_config(tmp_path, cpu_blocks=2, disk_blocks=8)) as (client, link):
         metas, data = make_blocks(3)
         spill_all(link, metas, data)
@@ -314,13 +314,15 @@ def test_metrics_names_and_values(tmp_path: Path) -> None:
             'kvstore_offload_bytes_total{direction="spill",node="n0"} 12288.0',
             'kvstore_offload_bytes_total{direction="disk_write",node="n0"} 4096.0',
             'kvstore_offload_seconds_count{direction="spill",node="n0"} 2.0',  # a commit per arena-sized chunk: 2, 1
+            'kvstore_offload_bytes_total{direction="promote",node="n0"} 4096.0',
+            'kvstore_offload_seconds_count{direction="promote",node="n0"} 1.0',
             'kvstore_tier_evictions_total{medium="CPU",node="n0"} 1.0',
         ):
             assert line in text, line
         assert 'kvstore_tier_usage_bytes{medium="STORAGE",node="n0"}' in text
 
 
-def test_callers_mistakes_raise_typed_errors(tmp_path: Path) -> None:
+def test_callers_mistakes_raise_typed_errors(tmp_path: Path, arena_loops: str) -> None:
     async def scenario() -> None:
         async with new_store(tier_config(tmp_path, cpu_blocks=4)) as store:
             metas, _ = make_blocks(2)
