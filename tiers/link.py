@@ -37,18 +37,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from operator import attrgetter
+from typing import NamedTuple, cast
 
 import torch
 
 from kvstore.events import Medium
-from kvstore.tiers.blocks import BlockMeta, TierHit
+from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit
 from kvstore.tiers.client import Pending, TierClient
 from kvstore.tiers.copy_engine import CopyEngine
+from kvstore.tiers.errors import TierError
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.shared_memory import SharedSlots
 
 logger = logging.getLogger(__name__)
+
+# A grant's fields, read by map() over a batch: no Python frame per grant.
+_LEASE_ID, _SLOT, _MEDIUM = attrgetter("lease_id"), attrgetter("slot"), attrgetter("medium")
 
 
 class Promoted(NamedTuple):
@@ -122,16 +127,23 @@ class TierLink:
         # Every lease names the arena mapped here: a restarted tier re-creates its arena under
         # the same name, and slots of the new one must never be copied through this mapping.
         grants = self.client.reserve(blocks, self.slots.incarnation)
-        chosen = [(block_id, grant) for block_id, grant in zip(block_ids, grants, strict=True) if grant is not None]
-        if not chosen:
-            return 0
+        if len(grants) != len(block_ids):
+            raise TierError(f"the tier answered {len(grants)} grants for {len(block_ids)} blocks")
+        rows: Sequence[int] = block_ids
+        if grants.count(None):  # some blocks not taken: copy the others
+            rows = [block_id for block_id, grant in zip(block_ids, grants, strict=True) if grant is not None]
+            grants = [grant for grant in grants if grant is not None]
+            if not grants:
+                return 0
+        taken = cast("list[SlotGrant]", grants)
+        lease_ids = list(map(_LEASE_ID, taken))  # map over itemgetter: no Python frame per grant
         try:
-            self.engine.spill(pool, [b for b, _ in chosen], [g.slot for _, g in chosen]).result()
+            self.engine.spill(pool, rows, list(map(_SLOT, taken))).result()
         except BaseException:
-            self.client.release([g.lease_id for _, g in chosen])
+            self.client.release(lease_ids)
             raise
-        self._pending.append(self.client.commit_later([g.lease_id for _, g in chosen]))
-        return len(chosen)
+        self._pending.append(self.client.commit_later(lease_ids))
+        return len(lease_ids)
 
     def promote(
         self, blocks: Sequence[BlockMeta], pool: torch.Tensor, allocate: Callable[[int], Sequence[int]]
@@ -155,17 +167,18 @@ class TierLink:
             grants = self.client.acquire(blocks[len(media) :], self.slots.incarnation)
             if not grants:
                 break
+            lease_ids = list(map(_LEASE_ID, grants))
             try:
                 chunk_ids = tuple(allocate(len(grants)))
                 if len(chunk_ids) != len(grants):
                     raise ValueError(f"allocate({len(grants)}) returned {len(chunk_ids)} block ids")
-                self.engine.promote([g.slot for g in grants], pool, chunk_ids).result()
+                self.engine.promote(list(map(_SLOT, grants)), pool, chunk_ids).result()
             except BaseException:
-                self.client.release([g.lease_id for g in grants])
+                self.client.release(lease_ids)
                 raise
-            self._pending.append(self.client.release_later([g.lease_id for g in grants]))
+            self._pending.append(self.client.release_later(lease_ids))
             block_ids.extend(chunk_ids)
-            media.extend(g.medium for g in grants)
+            media.extend(map(_MEDIUM, grants))
         return Promoted(tuple(block_ids), tuple(media))
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ them: on 16 KiB blocks building them was about a tenth of a spill's time.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 
 from kvstore.events import BlockRemoved, BlockStored, KVEvent, Medium
 from kvstore.tiers.blocks import BlockMeta
@@ -41,14 +42,14 @@ class MediumEvents:
 
     def stored_many(self, metas: Iterable[BlockMeta]) -> None:
         """:meth:`stored` for each of ``metas``, in order."""
-        self._pending.extend((meta, True) for meta in metas)
+        self._pending.extend(zip(metas, repeat(True)))
 
     def removed(self, meta: BlockMeta) -> None:
         self._pending.append((meta, False))
 
     def removed_many(self, metas: Iterable[BlockMeta]) -> None:
         """:meth:`removed` for each of ``metas``, in order."""
-        self._pending.extend((meta, False) for meta in metas)
+        self._pending.extend(zip(metas, repeat(False)))
 
     def take(self) -> list[KVEvent]:
         """The events recorded since the last take, oldest first: one per block."""
