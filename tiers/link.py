@@ -127,7 +127,8 @@ class TierLink:
         # Every lease names the arena mapped here: a restarted tier re-creates its arena under
         # the same name, and slots of the new one must never be copied through this mapping.
         grants = self.client.reserve(blocks, self.slots.incarnation)
-        if len(grants) != len(block_ids):
+        if len(grants) != len(block_ids):  # a damaged answer: hand back what it granted, copy nothing
+            self.client.release([grant.lease_id for grant in grants if grant is not None])
             raise TierError(f"the tier answered {len(grants)} grants for {len(block_ids)} blocks")
         rows: Sequence[int] = block_ids
         if grants.count(None):  # some blocks not taken: copy the others

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-from tiers_helpers import IDENTITY, arena_name, hashes, make_blocks, tier_config
+from tiers_helpers import IDENTITY, arena_name, hashes, linked_tier, make_blocks, tier_config
 
 from kvstore.tiers.blocks import BlockMeta, SlotGrant
 from kvstore.tiers.client import LocalTierClient
-from kvstore.tiers.errors import InvalidBlockError, LeaseError
+from kvstore.tiers.errors import InvalidBlockError, LeaseError, TierError
 from kvstore.tiers.link import Promoted, TierLink
 
 
@@ -98,6 +98,18 @@ def test_a_spill_larger_than_the_arena_waits_for_each_chunks_commit_before_the_n
     finally:
         link.close()
         client.close()
+
+
+def test_a_reserve_answer_of_the_wrong_length_is_a_tier_error_and_its_grants_are_released(tmp_path: Path) -> None:
+    with linked_tier(tier_config(tmp_path, cpu_blocks=4)) as (client, link):
+        metas, data = make_blocks(3)
+        reserve = client.reserve
+        client.reserve = lambda blocks, arena=None: reserve(blocks, arena)[:-1]  # type: ignore[method-assign]
+        with pytest.raises(TierError, match="2 grants for 3 blocks"):
+            link.spill(metas, data, range(3))
+        # The two grants it saw are given back; the one the answer lost stays with the tier, never copied into.
+        assert client.store.cpu.num_leased_slots == 1 and client.store.cpu.num_blocks == 0
+        client.store.check_invariants()
 
 
 def test_failed_allocation_releases_the_leases(tmp_path: Path) -> None:
