@@ -4,8 +4,14 @@
 
 #include <Python.h>
 
-/* Adds LeaseCore, lease_many, match_prefix, commit_many and release_many to `module`; 0, or -1
- * with an exception set. */
+/* Adds LeaseCore and the batch functions to `module`; 0, or -1 with an exception set. */
 int books_add(PyObject *module);
+
+/* The fields of a block meta, by index (tiers/blocks.py's BlockMeta). */
+enum { META_HASH = 0, META_PARENT = 1, META_TOKENS = 2, META_FIELDS = 3 };
+
+/* `meta`'s field (a new reference), read from its slot when `meta` is of the type use_meta_type() was given,
+ * else by attribute; NULL with an exception set when it cannot be read. */
+PyObject *books_meta_field(PyObject *meta, int field);
 
 #endif

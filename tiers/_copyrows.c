@@ -575,7 +575,6 @@ static PyTypeObject CopierType = {
  * Why C: it runs for every block spilled or promoted; in Python the token pass alone cost
  * about 0.6 us per 16-token block, about half a 16 KiB block's copy.
  */
-static PyObject *str_block_hash, *str_parent_hash, *str_token_ids;
 
 /* 1 when `value` is an int in 0..2**64-1, else 0 (never raises). */
 static int u64_ok(PyObject *value) {
@@ -591,10 +590,10 @@ static int u64_ok(PyObject *value) {
     return 1;
 }
 
-/* 1 when `meta`'s field `name` is an int in 0..2**64-1 (or None, with `or_none`), 0 when not,
- * -1 with an exception set when it cannot be read. */
-static int hash_field_ok(PyObject *meta, PyObject *name, int or_none) {
-    PyObject *field = PyObject_GetAttr(meta, name);
+/* 1 when `meta`'s field (META_HASH or META_PARENT) is an int in 0..2**64-1 (or None, with `or_none`), 0 when
+ * not, -1 with an exception set when it cannot be read. */
+static int hash_field_ok(PyObject *meta, int name, int or_none) {
+    PyObject *field = books_meta_field(meta, name);
     if (field == NULL) {
         return -1;
     }
@@ -605,14 +604,14 @@ static int hash_field_ok(PyObject *meta, PyObject *name, int or_none) {
 
 /* 1 when `meta` passes (see metas_ok), 0 when not, -1 with an exception set on a failure. */
 static int meta_ok(PyObject *meta, Py_ssize_t block_size, int tokens) {
-    int ok = hash_field_ok(meta, str_block_hash, 0);
+    int ok = hash_field_ok(meta, META_HASH, 0);
     if (ok == 1) {
-        ok = hash_field_ok(meta, str_parent_hash, 1);
+        ok = hash_field_ok(meta, META_PARENT, 1);
     }
     if (ok != 1) {
         return ok;
     }
-    PyObject *field = PyObject_GetAttr(meta, str_token_ids);
+    PyObject *field = books_meta_field(meta, META_TOKENS);
     if (field == NULL) {
         return -1;
     }
@@ -678,12 +677,6 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__copyrows(void) {
     if (PyType_Ready(&CopierType) < 0) {
-        return NULL;
-    }
-    str_block_hash = PyUnicode_InternFromString("block_hash");
-    str_parent_hash = PyUnicode_InternFromString("parent_hash");
-    str_token_ids = PyUnicode_InternFromString("token_ids");
-    if (str_block_hash == NULL || str_parent_hash == NULL || str_token_ids == NULL) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);

@@ -22,10 +22,12 @@ from kvstore.hashing import BlockHash, ExternalBlockHash, to_external
 from kvstore.tiers.errors import InvalidBlockError, TierError
 
 _metas_ok: Callable[[Sequence[BlockMeta], type, int, bool], bool] | None
+_use_meta_type: Callable[[type], bool] | None
 try:  # the compiled check (tiers/_copyrows.c); without a C compiler the builtin passes below do the same
     from kvstore.tiers._copyrows import metas_ok as _metas_ok
+    from kvstore.tiers._copyrows import use_meta_type as _use_meta_type
 except ImportError:
-    _metas_ok = None
+    _metas_ok = _use_meta_type = None
 
 
 class BlockMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -55,6 +57,9 @@ class BlockMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
             metas.append(cls(to_external(block_hashes[index]), parent, tokens))
         return metas
 
+
+if _use_meta_type is not None:
+    _use_meta_type(BlockMeta)  # the compiled loops read its fields from their slots, not by attribute lookup
 
 _MAX_HASH = (1 << 64) - 1
 _MAX_TOKEN = (1 << 63) - 1

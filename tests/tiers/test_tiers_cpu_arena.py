@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import settings
@@ -77,6 +77,26 @@ def test_the_compiled_loops_refuse_wrong_arguments_with_an_error() -> None:
         native.earliest_grant([object()], None)
     with pytest.raises(ValueError, match="differ in length"):
         native.drop_lru({}, [0], [], 1)
+
+
+def test_the_compiled_loops_read_meta_fields_from_slots_only_for_blockmeta_itself() -> None:
+    native = CpuArena._native
+    if native is None:
+        pytest.skip("the compiled batch loops are not built")
+    assert native.use_meta_type(BlockMeta)  # done at import; doing it again changes nothing
+
+    class Tagged(NamedTuple):  # the same fields, as tuple items behind properties: read by attribute
+        block_hash: int
+        parent_hash: int | None
+        token_ids: tuple[int, ...]
+
+    assert not native.use_meta_type(Tagged) and not native.use_meta_type(int)
+    metas, _ = make_blocks(2)
+    stored = [Tagged(meta.block_hash, meta.parent_hash, meta.token_ids) for meta in metas]
+    index, slot_meta = {metas[0].block_hash: 0, metas[1].block_hash: 1}, [metas[0], stored[1]]
+    assert native.match_prefix(index, slot_meta, [stored[0], metas[1]]) == [(0, metas[0]), (1, stored[1])]
+    with pytest.raises(AttributeError):
+        native.match_prefix(index, slot_meta, [object()])
 
 
 def test_an_arena_dropped_with_leases_held_is_collected(arena_type: type[CpuArena]) -> None:
