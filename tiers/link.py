@@ -137,7 +137,7 @@ class TierLink:
             if not grants:
                 return 0
         taken = cast("list[SlotGrant]", grants)
-        lease_ids = list(map(_LEASE_ID, taken))  # map over itemgetter: no Python frame per grant
+        lease_ids = list(map(_LEASE_ID, taken))
         try:
             self.engine.spill(pool, rows, list(map(_SLOT, taken))).result()
         except BaseException:
