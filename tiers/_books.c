@@ -437,7 +437,7 @@ fail:
 /* ------------------------------------------------------------------ ending leases */
 
 /* The live leases `ids` names, in order (a new list); Py_None (a new reference) when an id is
- * unknown or unhashable, one is named twice, or (`kind` not NULL) a lease is of another kind;
+ * not an int, unknown, named twice, or (`kind` not NULL) a lease is of another kind;
  * NULL with an exception set on a failure. Changes nothing. */
 static PyObject *live_leases(PyObject *held, PyObject *ids, PyObject *kind) {
     PyObject *seq = PySequence_Fast(ids, "lease_ids must be a sequence");
@@ -451,19 +451,19 @@ static PyObject *live_leases(PyObject *held, PyObject *ids, PyObject *kind) {
         Py_DECREF(seq);
         return NULL;
     }
-    /* A lease named twice is found marked. Nothing in this loop runs Python code (the ids are looked up in
-     * a dict of int keys; an id of another type answers refused before any other lease is touched), and
+    /* A lease named twice is found marked. Every id must be an int exactly (anything else is refused here and
+     * left to the arena's Python loop), so looking it up runs no Python code that could see or reuse a mark;
      * every mark is cleared before returning. */
     Py_ssize_t found = 0;
     int twice = 0;
     for (Py_ssize_t i = 0; i < n && !twice; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            goto refused;
+        }
         PyObject *lease = PyDict_GetItemWithError(held, items[i]);
         if (lease == NULL) {
             if (PyErr_Occurred()) {
-                if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
-                    goto fail;
-                }
-                PyErr_Clear(); /* an unhashable id: the arena names it */
+                goto fail;
             }
             goto refused;
         }

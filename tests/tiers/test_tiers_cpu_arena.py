@@ -71,6 +71,11 @@ def test_the_compiled_loops_refuse_wrong_arguments_with_an_error() -> None:
         native.commit_many({}, (), {}, {}, [], None)
     assert native.release_many({}, [], {}, {}, [], [1], None) is None  # an unknown id: refused, nothing changed
     assert native.release_many({}, [], {}, {}, [], [[1]], None) is None  # an unhashable one too
+    # An id that is not an int exactly is left to the Python loop (whose lookup may run Python code).
+    metas, _ = make_blocks(1)
+    held = {1: Lease(None, 1, 0, metas[0], LeaseKind.READ)}  # type: ignore[arg-type]  # no arena needed here
+    assert native.release_many(held, [1], {}, {}, [metas[0]], [True], LeaseKind.WRITE) is None
+    assert 1 in held  # untouched
     with pytest.raises(TypeError, match="tuple type"):
         native.grant_many(list, [], None, 0.0)
     with pytest.raises(TypeError, match="expected a lease"):
