@@ -51,6 +51,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <structmember.h>
 
 #include "_books.h"
@@ -65,7 +67,6 @@ typedef struct {
     PyObject *meta;
     PyObject *kind;
     PyObject *granted_at;
-    int marked; /* set only while live_leases runs: the lease was named already */
 } LeaseCore;
 
 static int LeaseCore_traverse(LeaseCore *self, visitproc visit, void *arg) {
@@ -132,6 +133,24 @@ static PyObject *str_move_to_end;
 static PyObject *field_names[META_FIELDS];
 static PyTypeObject *meta_type; /* NULL until use_meta_type found all three offsets */
 static Py_ssize_t field_offsets[META_FIELDS];
+static PyObject *field_descrs[META_FIELDS]; /* the descriptors the offsets came from (strong references) */
+
+int books_meta_type_intact(void) {
+    if (meta_type == NULL) {
+        return 0;
+    }
+    /* A class attribute reassigned since (a property, say) would be read by Python and not by the slot: stop
+     * reading slots. Three lookups of interned names in the type's dict, which run no Python code. */
+    for (int field = 0; field < META_FIELDS; field++) {
+        PyObject *descr = PyDict_GetItemWithError(meta_type->tp_dict, field_names[field]);
+        if (descr != field_descrs[field]) {
+            PyErr_Clear();
+            Py_CLEAR(meta_type);
+            return 0;
+        }
+    }
+    return 1;
+}
 
 PyObject *books_meta_field(PyObject *meta, int field) {
     if (Py_TYPE(meta) == meta_type) {
@@ -150,26 +169,35 @@ static PyObject *use_meta_type(PyObject *module, PyObject *type) {
         PyErr_SetString(PyExc_TypeError, "use_meta_type: expected a type");
         return NULL;
     }
+    PyTypeObject *candidate = (PyTypeObject *)type;
     Py_ssize_t offsets[META_FIELDS];
+    PyObject *descrs[META_FIELDS];
     for (int field = 0; field < META_FIELDS; field++) {
-        PyObject *descr = PyDict_GetItemWithError(((PyTypeObject *)type)->tp_dict, field_names[field]);
+        PyObject *descr = PyDict_GetItemWithError(candidate->tp_dict, field_names[field]);
         if (descr == NULL && PyErr_Occurred()) {
             return NULL;
         }
-        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
-            Py_RETURN_FALSE; /* not stored in a slot of its own: read by attribute */
+        /* Only the type's own object slots: a descriptor borrowed from another type, or one that is not an
+         * object member inside the instance, is read by attribute. */
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
+            ((PyDescrObject *)descr)->d_type != candidate) {
+            Py_RETURN_FALSE;
         }
         PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-        if (member->type != T_OBJECT_EX && member->type != T_OBJECT) {
+        if ((member->type != T_OBJECT_EX && member->type != T_OBJECT) || member->offset < (Py_ssize_t)sizeof(PyObject) ||
+            member->offset > candidate->tp_basicsize - (Py_ssize_t)sizeof(PyObject *) || candidate->tp_itemsize != 0) {
             Py_RETURN_FALSE;
         }
         offsets[field] = member->offset;
+        descrs[field] = descr;
     }
     for (int field = 0; field < META_FIELDS; field++) {
         field_offsets[field] = offsets[field];
+        Py_INCREF(descrs[field]);
+        Py_XSETREF(field_descrs[field], descrs[field]);
     }
     Py_INCREF(type);
-    Py_XSETREF(meta_type, (PyTypeObject *)type);
+    Py_XSETREF(meta_type, candidate);
     Py_RETURN_TRUE;
 }
 
@@ -186,8 +214,12 @@ static Py_ssize_t slot_number(PyObject *value, Py_ssize_t num_slots) {
     return slot;
 }
 
-/* pins[slot] += delta (slot in range); the new count, or -1 with an exception set. */
+/* pins[slot] += delta; the new count, or -1 with an exception set. */
 static Py_ssize_t pin_add(PyObject *pins, Py_ssize_t slot, Py_ssize_t delta) {
+    if (slot < 0 || slot >= PyList_GET_SIZE(pins)) { /* checked again here: Python code may have run since */
+        PyErr_Format(PyExc_IndexError, "slot %zd is outside the arena's %zd slots", slot, PyList_GET_SIZE(pins));
+        return -1;
+    }
     PyObject *old = PyList_GET_ITEM(pins, slot);
     Py_ssize_t count = PyLong_AsSsize_t(old);
     if (count == -1 && PyErr_Occurred()) {
@@ -250,6 +282,15 @@ static int check_list(const char *name, PyObject *value) {
 
 /* ------------------------------------------------------------------ lease_many */
 
+/* Python code can run inside several calls below (a meta's attribute, an index's move_to_end, a comparison,
+ * a decref): every object a loop goes on using across such a call is held by a strong reference -- the
+ * inputs as tuples of their own (PySequence_Tuple), the fields read, the leases built. */
+
+/* 1 when every field a kernel reads of `lease` is set (a Python caller can `del` one), else 0. */
+static int lease_complete(const LeaseCore *lease) {
+    return lease->lease_id != NULL && lease->slot != NULL && lease->meta != NULL && lease->kind != NULL;
+}
+
 static PyObject *lease_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (check_nargs("lease_many", nargs, 9) < 0) {
@@ -272,38 +313,56 @@ static PyObject *lease_many(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (first_id == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    PyObject *pairs = PySequence_Fast(args[7], "lease_many: pairs must be a sequence");
+    books_meta_type_intact();
+    PyObject *pairs = PySequence_Tuple(args[7]);
     if (pairs == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(pairs), num_slots = PyList_GET_SIZE(pins);
-    PyObject **items = PySequence_Fast_ITEMS(pairs);
-    if (slot_meta != NULL && PyList_GET_SIZE(slot_meta) != num_slots) {
-        PyErr_SetString(PyExc_ValueError, "lease_many: slot_meta and pins differ in length");
-        goto fail_pairs;
+    Py_ssize_t n = PyTuple_GET_SIZE(pairs);
+    PyObject *leases = NULL, *move_to_end = NULL;
+    if (first_id < 0 || first_id > PY_SSIZE_T_MAX - n) {
+        PyErr_SetString(PyExc_OverflowError, "lease_many: lease ids out of range");
+        goto fail;
     }
     /* Every pair is checked before anything changes. */
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyTuple_Check(items[i]) || PyTuple_GET_SIZE(items[i]) != 2) {
+        PyObject *pair = PyTuple_GET_ITEM(pairs, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
             PyErr_SetString(PyExc_TypeError, "lease_many: each pair must be a (slot, meta) tuple");
-            goto fail_pairs;
+            goto fail;
         }
-        if (slot_number(PyTuple_GET_ITEM(items[i], 0), num_slots) < 0) {
-            goto fail_pairs;
+        if (slot_number(PyTuple_GET_ITEM(pair, 0), PyList_GET_SIZE(pins)) < 0) {
+            goto fail;
         }
     }
-    PyObject *move_to_end = index == NULL ? NULL : PyObject_GetAttr(index, str_move_to_end);
-    if (index != NULL && move_to_end == NULL) {
-        goto fail_pairs;
+    /* Reads first: each block moves to the index's end (most recently used) before any lease is granted, so a
+     * block that is no longer there (a KeyError) leaves no lease behind, as the Python loop does. */
+    if (index != NULL) {
+        move_to_end = PyObject_GetAttr(index, str_move_to_end);
+        if (move_to_end == NULL) {
+            goto fail;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *block_hash = books_meta_field(PyTuple_GET_ITEM(PyTuple_GET_ITEM(pairs, i), 1), META_HASH);
+            if (block_hash == NULL) {
+                goto fail;
+            }
+            PyObject *moved = PyObject_CallOneArg(move_to_end, block_hash);
+            Py_DECREF(block_hash);
+            if (moved == NULL) {
+                goto fail;
+            }
+            Py_DECREF(moved);
+        }
     }
-    PyObject *leases = PyList_New(n);
+    leases = PyList_New(n);
     if (leases == NULL) {
-        Py_XDECREF(move_to_end);
-        goto fail_pairs;
+        goto fail;
     }
     Py_ssize_t pinned = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *slot_obj = PyTuple_GET_ITEM(items[i], 0), *meta = PyTuple_GET_ITEM(items[i], 1);
+        PyObject *slot_obj = PyTuple_GET_ITEM(PyTuple_GET_ITEM(pairs, i), 0);
+        PyObject *meta = PyTuple_GET_ITEM(PyTuple_GET_ITEM(pairs, i), 1);
         Py_ssize_t slot = PyLong_AsSsize_t(slot_obj); /* checked above */
         LeaseCore *lease = (LeaseCore *)((PyTypeObject *)cls)->tp_alloc((PyTypeObject *)cls, 0);
         if (lease == NULL) {
@@ -336,26 +395,13 @@ static PyObject *lease_many(PyObject *module, PyObject *const *args, Py_ssize_t 
                 goto fail;
             }
         }
-        if (move_to_end != NULL) {
-            PyObject *block_hash = books_meta_field(meta, META_HASH);
-            if (block_hash == NULL) {
-                goto fail;
-            }
-            PyObject *moved = PyObject_CallOneArg(move_to_end, block_hash);
-            Py_DECREF(block_hash);
-            if (moved == NULL) {
-                goto fail;
-            }
-            Py_DECREF(moved);
-        }
     }
     Py_XDECREF(move_to_end);
     Py_DECREF(pairs);
     return Py_BuildValue("(Nn)", leases, pinned);
 fail:
     Py_XDECREF(move_to_end);
-    Py_DECREF(leases);
-fail_pairs:
+    Py_XDECREF(leases);
     Py_DECREF(pairs);
     return NULL;
 }
@@ -371,7 +417,8 @@ static PyObject *match_prefix(PyObject *module, PyObject *const *args, Py_ssize_
     if (check_dict("index", index) < 0 || check_list("slot_meta", slot_meta) < 0) {
         return NULL;
     }
-    PyObject *metas = PySequence_Fast(args[2], "match_prefix: metas must be a sequence");
+    books_meta_type_intact();
+    PyObject *metas = PySequence_Tuple(args[2]);
     if (metas == NULL) {
         return NULL;
     }
@@ -380,16 +427,15 @@ static PyObject *match_prefix(PyObject *module, PyObject *const *args, Py_ssize_
         Py_DECREF(metas);
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(metas), num_slots = PyList_GET_SIZE(slot_meta);
-    PyObject **items = PySequence_Fast_ITEMS(metas);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *meta = items[i];
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(metas); i++) {
+        PyObject *meta = PyTuple_GET_ITEM(metas, i);
         PyObject *block_hash = books_meta_field(meta, META_HASH);
         if (block_hash == NULL) {
             goto fail;
         }
         /* An OrderedDict reads through the dict's own lookup (its __getitem__ is dict's). */
         PyObject *slot_obj = PyDict_GetItemWithError(index, block_hash);
+        Py_XINCREF(slot_obj);
         Py_DECREF(block_hash);
         if (slot_obj == NULL) {
             if (PyErr_Occurred()) {
@@ -397,26 +443,27 @@ static PyObject *match_prefix(PyObject *module, PyObject *const *args, Py_ssize_
             }
             break;
         }
-        Py_ssize_t slot = slot_number(slot_obj, num_slots);
-        if (slot < 0) {
-            goto fail;
-        }
-        PyObject *stored = PyList_GET_ITEM(slot_meta, slot);
+        Py_ssize_t slot = slot_number(slot_obj, PyList_GET_SIZE(slot_meta));
+        PyObject *stored = slot < 0 ? NULL : PyList_GET_ITEM(slot_meta, slot);
         if (stored == Py_None) {
             PyErr_Format(PyExc_AssertionError, "cached slot %zd holds no block", slot);
+            stored = NULL;
+        }
+        if (stored == NULL) {
+            Py_DECREF(slot_obj);
             goto fail;
         }
+        Py_INCREF(stored);
         int equal = same_field(stored, meta, META_TOKENS);
         if (equal == 1) {
             equal = same_field(stored, meta, META_PARENT);
         }
-        if (equal < 0) {
-            goto fail;
-        }
-        if (!equal) {
+        PyObject *pair = equal == 1 ? PyTuple_Pack(2, slot_obj, stored) : NULL;
+        Py_DECREF(slot_obj);
+        Py_DECREF(stored);
+        if (equal == 0) {
             break;
         }
-        PyObject *pair = PyTuple_Pack(2, slot_obj, stored);
         if (pair == NULL) {
             goto fail;
         }
@@ -436,75 +483,100 @@ fail:
 
 /* ------------------------------------------------------------------ ending leases */
 
-/* The live leases `ids` names, in order (a new list); Py_None (a new reference) when an id is
- * not an int, unknown, named twice, or (`kind` not NULL) a lease is of another kind;
- * NULL with an exception set on a failure. Changes nothing. */
+static int by_address(const void *a, const void *b) {
+    uintptr_t x = (uintptr_t) * (PyObject *const *)a, y = (uintptr_t) * (PyObject *const *)b;
+    return (x > y) - (x < y);
+}
+
+/* The live leases `ids` names, in order (a new list); Py_None (a new reference) when an id is not an int,
+ * unknown, or named twice, a lease has a field deleted, or (`kind` not NULL) a lease is of another kind; NULL
+ * with an exception set on a failure. Changes nothing. The ids must be ints exactly: anything else is left to
+ * the arena's Python loop, whose lookup may run the id's own __eq__. */
 static PyObject *live_leases(PyObject *held, PyObject *ids, PyObject *kind) {
-    PyObject *seq = PySequence_Fast(ids, "lease_ids must be a sequence");
+    PyObject *seq = PySequence_Tuple(ids);
     if (seq == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     PyObject *leases = PyList_New(n);
-    if (leases == NULL) {
-        Py_DECREF(seq);
-        return NULL;
+    PyObject **sorted = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
+    if (leases == NULL || sorted == NULL) {
+        if (sorted == NULL) {
+            PyErr_NoMemory();
+        }
+        goto fail;
     }
-    /* A lease named twice is found marked. Every id must be an int exactly (anything else is refused here and
-     * left to the arena's Python loop), so looking it up runs no Python code that could see or reuse a mark;
-     * every mark is cleared before returning. */
-    Py_ssize_t found = 0;
-    int twice = 0;
-    for (Py_ssize_t i = 0; i < n && !twice; i++) {
-        if (!PyLong_CheckExact(items[i])) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = PyTuple_GET_ITEM(seq, i);
+        if (!PyLong_CheckExact(id)) {
             goto refused;
         }
-        PyObject *lease = PyDict_GetItemWithError(held, items[i]);
+        PyObject *lease = PyDict_GetItemWithError(held, id);
         if (lease == NULL) {
             if (PyErr_Occurred()) {
                 goto fail;
             }
             goto refused;
         }
-        if (!PyObject_TypeCheck(lease, &LeaseCoreType) || (kind != NULL && ((LeaseCore *)lease)->kind != kind)) {
+        if (!PyObject_TypeCheck(lease, &LeaseCoreType) || !lease_complete((LeaseCore *)lease) ||
+            (kind != NULL && ((LeaseCore *)lease)->kind != kind)) {
             goto refused;
         }
-        twice = ((LeaseCore *)lease)->marked;
-        ((LeaseCore *)lease)->marked = 1;
         Py_INCREF(lease);
         PyList_SET_ITEM(leases, i, lease);
-        found = i + 1;
+        sorted[i] = lease;
     }
-    for (Py_ssize_t i = 0; i < found; i++) {
-        ((LeaseCore *)PyList_GET_ITEM(leases, i))->marked = 0;
+    /* One id twice is one lease twice: sorted by address, two neighbours are the same object. */
+    qsort(sorted, (size_t)n, sizeof(PyObject *), by_address);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (sorted[i] == sorted[i - 1]) {
+            goto refused;
+        }
     }
-    if (twice) {
-        goto refused_unmarked;
-    }
+    PyMem_Free(sorted);
     Py_DECREF(seq);
     return leases;
 refused:
-    for (Py_ssize_t i = 0; i < found; i++) {
-        ((LeaseCore *)PyList_GET_ITEM(leases, i))->marked = 0;
-    }
-refused_unmarked:
+    PyMem_Free(sorted);
     Py_DECREF(leases); /* its unfilled items are NULL, which list dealloc skips */
     Py_DECREF(seq);
     Py_RETURN_NONE;
 fail:
-    for (Py_ssize_t i = 0; i < found; i++) {
-        ((LeaseCore *)PyList_GET_ITEM(leases, i))->marked = 0;
-    }
-    Py_DECREF(leases);
+    PyMem_Free(sorted);
+    Py_XDECREF(leases);
     Py_DECREF(seq);
     return NULL;
 }
 
-/* del held[lease.lease_id]; pins[lease.slot] -= 1. The new pin count, or -1 with an exception set. */
-static Py_ssize_t end_lease(PyObject *held, PyObject *pins, LeaseCore *lease) {
-    Py_ssize_t slot = slot_number(lease->slot, PyList_GET_SIZE(pins));
-    if (slot < 0 || PyDict_DelItem(held, lease->lease_id) < 0) {
+/* A lease's fields, each held by a strong reference while Python code may run (see lease_many). */
+typedef struct {
+    PyObject *id, *slot, *meta, *kind;
+} Fields;
+
+/* Takes `lease`'s fields; 0, or -1 with AttributeError set when one was deleted. */
+static int fields_take(const LeaseCore *lease, Fields *fields) {
+    if (!lease_complete(lease)) {
+        PyErr_SetString(PyExc_AttributeError, "a lease is missing a field");
+        return -1;
+    }
+    fields->id = Py_NewRef(lease->lease_id);
+    fields->slot = Py_NewRef(lease->slot);
+    fields->meta = Py_NewRef(lease->meta);
+    fields->kind = Py_NewRef(lease->kind);
+    return 0;
+}
+
+static void fields_drop(Fields *fields) {
+    Py_DECREF(fields->id);
+    Py_DECREF(fields->slot);
+    Py_DECREF(fields->meta);
+    Py_DECREF(fields->kind);
+}
+
+/* del held[id]; pins[slot] -= 1. The new pin count, or -1 with an exception set. */
+static Py_ssize_t end_lease(PyObject *held, PyObject *pins, const Fields *fields) {
+    Py_ssize_t slot = slot_number(fields->slot, PyList_GET_SIZE(pins));
+    if (slot < 0 || PyDict_DelItem(held, fields->id) < 0) {
         return -1;
     }
     return pin_add(pins, slot, -1);
@@ -520,32 +592,45 @@ static PyObject *commit_many(PyObject *module, PyObject *const *args, Py_ssize_t
         check_dict("index", index) < 0) {
         return NULL;
     }
+    books_meta_type_intact();
     PyObject *leases = live_leases(held, args[4], args[5]);
     if (leases == NULL || leases == Py_None) {
         return leases;
     }
     Py_ssize_t unpinned = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(leases); i++) {
-        LeaseCore *lease = (LeaseCore *)PyList_GET_ITEM(leases, i);
-        Py_ssize_t count = end_lease(held, pins, lease);
-        if (count < 0) {
+        Fields fields;
+        if (fields_take((LeaseCore *)PyList_GET_ITEM(leases, i), &fields) < 0) {
             goto fail;
         }
-        unpinned += count == 0;
-        PyObject *block_hash = books_meta_field(lease->meta, META_HASH);
-        if (block_hash == NULL) {
-            goto fail;
-        }
-        int failed = PyObject_DelItem(writing, block_hash) < 0 || PyObject_SetItem(index, block_hash, lease->slot) < 0;
-        Py_DECREF(block_hash);
+        Py_ssize_t count = end_lease(held, pins, &fields);
+        PyObject *block_hash = count < 0 ? NULL : books_meta_field(fields.meta, META_HASH);
+        int failed = block_hash == NULL || PyObject_DelItem(writing, block_hash) < 0 ||
+                     PyObject_SetItem(index, block_hash, fields.slot) < 0;
+        Py_XDECREF(block_hash);
+        fields_drop(&fields);
         if (failed) {
             goto fail;
         }
+        unpinned += count == 0;
     }
     return Py_BuildValue("(Nn)", leases, unpinned);
 fail:
     Py_DECREF(leases);
     return NULL;
+}
+
+/* 1 when a read lease's slot is free once its last lease ends -- its block left the index (detached), or the
+ * index now names another slot for it (stored again) -- 0 when not, -1 with an exception set. */
+static int read_slot_freed(PyObject *index, PyObject *block_hash, PyObject *slot) {
+    PyObject *current = PyDict_GetItemWithError(index, block_hash);
+    if (current == NULL) {
+        return PyErr_Occurred() ? -1 : 1;
+    }
+    Py_INCREF(current);
+    int other = PyObject_RichCompareBool(current, slot, Py_NE);
+    Py_DECREF(current);
+    return other;
 }
 
 static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -559,10 +644,7 @@ static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_
         check_dict("index", index) < 0 || check_list("slot_meta", slot_meta) < 0) {
         return NULL;
     }
-    if (PyList_GET_SIZE(slot_meta) != PyList_GET_SIZE(pins)) {
-        PyErr_SetString(PyExc_ValueError, "release_many: slot_meta and pins differ in length");
-        return NULL;
-    }
+    books_meta_type_intact();
     PyObject *leases = live_leases(held, args[5], NULL);
     if (leases == NULL || leases == Py_None) {
         return leases;
@@ -574,40 +656,37 @@ static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_
     }
     Py_ssize_t unpinned = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(leases); i++) {
-        LeaseCore *lease = (LeaseCore *)PyList_GET_ITEM(leases, i);
-        Py_ssize_t count = end_lease(held, pins, lease);
-        if (count < 0) {
+        Fields fields;
+        if (fields_take((LeaseCore *)PyList_GET_ITEM(leases, i), &fields) < 0) {
             goto fail;
         }
-        if (count > 0) {
-            continue;
-        }
-        unpinned++;
-        PyObject *block_hash = books_meta_field(lease->meta, META_HASH);
-        if (block_hash == NULL) {
-            goto fail;
-        }
-        int free_it;
-        if (lease->kind == write_kind) { /* an abandoned reservation */
-            free_it = PyObject_DelItem(writing, block_hash) < 0 ? -1 : 1;
-        } else { /* a read: its slot is free once the block left the index (detached) */
-            PyObject *current = PyDict_GetItemWithError(index, block_hash);
-            if (current == NULL) {
-                free_it = PyErr_Occurred() ? -1 : 1;
+        Py_ssize_t count = end_lease(held, pins, &fields);
+        int free_it = count < 0 ? -1 : 0;
+        if (count == 0) {
+            unpinned++;
+            PyObject *block_hash = books_meta_field(fields.meta, META_HASH);
+            if (block_hash == NULL) {
+                free_it = -1;
+            } else if (fields.kind == write_kind) { /* an abandoned reservation */
+                free_it = PyObject_DelItem(writing, block_hash) < 0 ? -1 : 1;
             } else {
-                free_it = PyObject_RichCompareBool(current, lease->slot, Py_NE);
+                free_it = read_slot_freed(index, block_hash, fields.slot);
+            }
+            Py_XDECREF(block_hash);
+        }
+        if (free_it == 1) {
+            Py_ssize_t slot = PyLong_AsSsize_t(fields.slot); /* checked by end_lease */
+            if (slot >= PyList_GET_SIZE(slot_meta)) {
+                PyErr_Format(PyExc_IndexError, "slot %zd is outside the arena's slot list", slot);
+                free_it = -1;
+            } else if (PyList_SetItem(slot_meta, slot, Py_NewRef(Py_None)) < 0 ||
+                       PyList_Append(freed, fields.slot) < 0) {
+                free_it = -1;
             }
         }
-        Py_DECREF(block_hash);
+        fields_drop(&fields);
         if (free_it < 0) {
             goto fail;
-        }
-        if (free_it) {
-            Py_ssize_t slot = PyLong_AsSsize_t(lease->slot); /* checked by end_lease */
-            Py_INCREF(Py_None);
-            if (PyList_SetItem(slot_meta, slot, Py_None) < 0 || PyList_Append(freed, lease->slot) < 0) {
-                goto fail;
-            }
         }
     }
     return Py_BuildValue("(NnN)", leases, unpinned, freed);
@@ -619,21 +698,37 @@ fail:
 
 /* ------------------------------------------------------------------ grants and their clocks */
 
-/* `leases` as a sequence of LeaseCore objects (a new reference), or NULL with TypeError set. */
+/* `leases` as a tuple of LeaseCore objects (a new reference), or NULL with TypeError set. */
 static PyObject *lease_sequence(PyObject *leases) {
-    PyObject *seq = PySequence_Fast(leases, "leases must be a sequence");
+    PyObject *seq = PySequence_Tuple(leases);
     if (seq == NULL) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        if (!PyObject_TypeCheck(items[i], &LeaseCoreType)) {
-            PyErr_Format(PyExc_TypeError, "expected a lease, got %.100s", Py_TYPE(items[i])->tp_name);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seq); i++) {
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
+        if (!PyObject_TypeCheck(item, &LeaseCoreType)) {
+            PyErr_Format(PyExc_TypeError, "expected a lease, got %.100s", Py_TYPE(item)->tp_name);
             Py_DECREF(seq);
             return NULL;
         }
     }
     return seq;
+}
+
+/* The deallocator of classes written in Python (CPython's subtype_dealloc), read off a probe class at import. */
+static destructor python_class_dealloc;
+
+/* 1 when instances of `type` are tuples with nothing else to free (a class written in Python deriving from
+ * tuple, as a NamedTuple is), so that tp_alloc and filling the items is what tuple.__new__ does; else 0. A
+ * C-defined tuple type such as a struct sequence keeps fields past the visible ones, which its own
+ * deallocator frees, so tuple.__new__ refuses it too ("is not safe"). */
+static int tuple_layout(PyTypeObject *type) {
+    for (PyTypeObject *t = type; t != &PyTuple_Type; t = t->tp_base) {
+        if (t == NULL || !(t->tp_flags & Py_TPFLAGS_HEAPTYPE) || t->tp_dealloc != python_class_dealloc) {
+            return 0;
+        }
+    }
+    return 1;
 }
 
 static PyObject *grant_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -643,47 +738,42 @@ static PyObject *grant_many(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
     PyTypeObject *grant_type = (PyTypeObject *)args[0];
     PyObject *medium = args[2], *now = args[3];
-    if (!PyType_Check(args[0]) || !PyType_IsSubtype(grant_type, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "grant_many: grant_type must be a tuple type");
+    if (!PyType_Check(args[0]) || !tuple_layout(grant_type)) {
+        PyErr_SetString(PyExc_TypeError, "grant_many: grant_type must be a Python subclass of tuple");
         return NULL;
     }
+    books_meta_type_intact();
     PyObject *seq = lease_sequence(args[1]);
     if (seq == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     PyObject *grants = PyList_New(n);
     if (grants == NULL) {
         Py_DECREF(seq);
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        LeaseCore *lease = (LeaseCore *)items[i];
-        if (lease->lease_id == NULL || lease->slot == NULL || lease->meta == NULL) {
-            PyErr_SetString(PyExc_AttributeError, "grant_many: a lease is missing its fields");
+        LeaseCore *lease = (LeaseCore *)PyTuple_GET_ITEM(seq, i);
+        Fields fields;
+        if (fields_take(lease, &fields) < 0) {
             goto fail;
         }
-        PyObject *block_hash = books_meta_field(lease->meta, META_HASH);
-        if (block_hash == NULL) {
-            goto fail;
-        }
-        /* A tuple subclass's instance, filled as tuple.__new__ fills one. */
-        PyObject *grant = grant_type->tp_alloc(grant_type, 4);
+        PyObject *block_hash = books_meta_field(fields.meta, META_HASH);
+        PyObject *grant = block_hash == NULL ? NULL : grant_type->tp_alloc(grant_type, 4);
         if (grant == NULL) {
-            Py_DECREF(block_hash);
+            Py_XDECREF(block_hash);
+            fields_drop(&fields);
             goto fail;
         }
-        Py_INCREF(lease->lease_id);
-        PyTuple_SET_ITEM(grant, 0, lease->lease_id);
-        Py_INCREF(lease->slot);
-        PyTuple_SET_ITEM(grant, 1, lease->slot);
+        /* The items as tuple.__new__ fills them; each reference is the grant's own. */
+        PyTuple_SET_ITEM(grant, 0, Py_NewRef(fields.id));
+        PyTuple_SET_ITEM(grant, 1, Py_NewRef(fields.slot));
         PyTuple_SET_ITEM(grant, 2, block_hash);
-        Py_INCREF(medium);
-        PyTuple_SET_ITEM(grant, 3, medium);
+        PyTuple_SET_ITEM(grant, 3, Py_NewRef(medium));
         PyList_SET_ITEM(grants, i, grant);
-        Py_INCREF(now);
-        Py_XSETREF(lease->granted_at, now);
+        fields_drop(&fields);
+        Py_XSETREF(lease->granted_at, Py_NewRef(now));
     }
     Py_DECREF(seq);
     return grants;
@@ -703,31 +793,33 @@ static PyObject *earliest_grant(PyObject *module, PyObject *const *args, Py_ssiz
     if (seq == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), count = 0;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *earliest = Py_None; /* borrowed from a lease */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        LeaseCore *lease = (LeaseCore *)items[i];
+    Py_ssize_t count = 0;
+    PyObject *earliest = Py_NewRef(Py_None);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seq); i++) {
+        LeaseCore *lease = (LeaseCore *)PyTuple_GET_ITEM(seq, i);
         if (lease->kind != kind) {
             continue;
         }
         count++;
-        PyObject *granted = lease->granted_at;
-        if (granted == NULL || granted == Py_None) {
+        if (lease->granted_at == NULL || lease->granted_at == Py_None) {
             continue;
         }
+        PyObject *granted = Py_NewRef(lease->granted_at); /* the comparison may run Python code */
         int earlier = earliest == Py_None ? 1 : PyObject_RichCompareBool(granted, earliest, Py_LT);
         if (earlier < 0) {
+            Py_DECREF(granted);
+            Py_DECREF(earliest);
             Py_DECREF(seq);
             return NULL;
         }
         if (earlier) {
-            earliest = granted;
+            Py_SETREF(earliest, granted);
+        } else {
+            Py_DECREF(granted);
         }
     }
-    PyObject *answer = Py_BuildValue("(nO)", count, earliest);
     Py_DECREF(seq);
-    return answer;
+    return Py_BuildValue("(nN)", count, earliest);
 }
 
 /* ------------------------------------------------------------------ drop_lru */
@@ -741,11 +833,11 @@ static PyObject *drop_lru(PyObject *module, PyObject *const *args, Py_ssize_t na
     if (check_dict("index", index) < 0 || check_list("pins", pins) < 0 || check_list("slot_meta", slot_meta) < 0) {
         return NULL;
     }
-    Py_ssize_t count = PyLong_AsSsize_t(args[3]), num_slots = PyList_GET_SIZE(pins);
+    Py_ssize_t count = PyLong_AsSsize_t(args[3]);
     if (count == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (PyList_GET_SIZE(slot_meta) != num_slots) {
+    if (PyList_GET_SIZE(slot_meta) != PyList_GET_SIZE(pins)) {
         PyErr_SetString(PyExc_ValueError, "drop_lru: slot_meta and pins differ in length");
         return NULL;
     }
@@ -761,7 +853,7 @@ static PyObject *drop_lru(PyObject *module, PyObject *const *args, Py_ssize_t na
     PyObject *block_hash;
     while (PyList_GET_SIZE(slots) < count && (block_hash = PyIter_Next(keys)) != NULL) {
         PyObject *slot_obj = PyDict_GetItemWithError(index, block_hash);
-        Py_ssize_t slot = slot_obj == NULL ? -1 : slot_number(slot_obj, num_slots);
+        Py_ssize_t slot = slot_obj == NULL ? -1 : slot_number(slot_obj, PyList_GET_SIZE(pins));
         if (slot < 0) {
             if (!PyErr_Occurred()) {
                 PyErr_SetString(PyExc_RuntimeError, "drop_lru: the index changed while it was read");
@@ -770,7 +862,8 @@ static PyObject *drop_lru(PyObject *module, PyObject *const *args, Py_ssize_t na
             goto fail;
         }
         PyObject *pinned = PyList_GET_ITEM(pins, slot);
-        int unleased = PyLong_Check(pinned) && PyLong_AsSsize_t(pinned) == 0;
+        int overflow = 0; /* a count past 64 bits is leased, not an error */
+        int unleased = PyLong_Check(pinned) && PyLong_AsLongLongAndOverflow(pinned, &overflow) == 0 && !overflow;
         int failed = unleased && (PyList_Append(hashes, block_hash) < 0 || PyList_Append(slots, slot_obj) < 0);
         Py_DECREF(block_hash);
         if (failed) {
@@ -783,6 +876,10 @@ static PyObject *drop_lru(PyObject *module, PyObject *const *args, Py_ssize_t na
     Py_CLEAR(keys);
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(slots); i++) {
         Py_ssize_t slot = PyLong_AsSsize_t(PyList_GET_ITEM(slots, i)); /* checked above */
+        if (slot >= PyList_GET_SIZE(slot_meta)) {
+            PyErr_Format(PyExc_IndexError, "slot %zd is outside the arena's slot list", slot);
+            goto fail;
+        }
         PyObject *meta = PyList_GET_ITEM(slot_meta, slot);
         if (meta == Py_None) {
             PyErr_Format(PyExc_AssertionError, "cached slot %zd holds no block", slot);
@@ -841,6 +938,13 @@ int books_add(PyObject *module) {
     if (PyType_Ready(&LeaseCoreType) < 0 || PyModule_AddFunctions(module, books_methods) < 0) {
         return -1;
     }
+    PyObject *probe = PyObject_CallFunction((PyObject *)&PyType_Type, "s(O){s:()}", "_probe", (PyObject *)&PyTuple_Type,
+                                            "__slots__");
+    if (probe == NULL) {
+        return -1;
+    }
+    python_class_dealloc = ((PyTypeObject *)probe)->tp_dealloc;
+    Py_DECREF(probe);
     Py_INCREF(&LeaseCoreType);
     if (PyModule_AddObject(module, "LeaseCore", (PyObject *)&LeaseCoreType) < 0) {
         Py_DECREF(&LeaseCoreType);

@@ -14,4 +14,8 @@ enum { META_HASH = 0, META_PARENT = 1, META_TOKENS = 2, META_FIELDS = 3 };
  * else by attribute; NULL with an exception set when it cannot be read. */
 PyObject *books_meta_field(PyObject *meta, int field);
 
+/* Call once per kernel call, before reading fields: whether the slots use_meta_type() found are still the
+ * type's fields (a class attribute reassigned since turns slot reads off for good). Never raises. */
+int books_meta_type_intact(void);
+
 #endif

@@ -647,15 +647,15 @@ static PyObject *metas_ok(PyObject *module, PyObject *const *args, Py_ssize_t na
     if (tokens < 0) {
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[0], "metas_ok: blocks must be a sequence");
+    books_meta_type_intact();
+    PyObject *seq = PySequence_Tuple(args[0]); /* its own tuple: a field's getter may change the caller's list */
     if (seq == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     int ok = 1;
-    for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
-        ok = Py_TYPE(items[i]) == (PyTypeObject *)args[1] ? meta_ok(items[i], block_size, tokens) : 0;
+    for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(seq); i++) {
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
+        ok = Py_TYPE(item) == (PyTypeObject *)args[1] ? meta_ok(item, block_size, tokens) : 0;
     }
     Py_DECREF(seq);
     if (ok < 0) {

@@ -236,11 +236,15 @@ class CpuArena:
         taken: dict[int, int] = dict(zip((meta.block_hash for meta in wanted), slots, strict=False))
         native = self._native
         if native is not None and len(taken) == len(metas):  # every block new and given a slot: the common case
-            writing.update(taken)
             pairs = list(zip(slots, metas, strict=True))  # taken's order: the slots ascending, in the batch's order
-            granted, _ = native.lease_many(
-                Lease, self, self._held, self._leases, self._meta, None, self._next_lease, pairs, LeaseKind.WRITE
-            )
+            try:  # it checks every pair before it changes anything
+                granted, _ = native.lease_many(
+                    Lease, self, self._held, self._leases, self._meta, None, self._next_lease, pairs, LeaseKind.WRITE
+                )
+            except BaseException:
+                free.extendleft(reversed(slots))  # the slots go back where they were taken from
+                raise
+            writing.update(taken)
             self._num_leased += len(granted)  # free slots held no lease
             self._next_lease += len(granted)
             return granted
@@ -455,6 +459,8 @@ class CpuArena:
     def drop_lru(self, count: int) -> int:
         """``evict_lru(count, keep=lambda block_hash: False)`` in one pass: up to ``count`` least recently
         used unleased blocks removed (BlockRemoved each) and their slots freed; returns how many."""
+        if count <= 0:
+            return 0
         if self._native is not None:
             with self._lock:
                 freed, dropped = self._native.drop_lru(self._index, self._leases, self._meta, count)

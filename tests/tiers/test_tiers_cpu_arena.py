@@ -7,10 +7,13 @@ loops beside them (``PythonLoopsArena``); a lockstep state machine drives the tw
 from __future__ import annotations
 
 import gc
+import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import msgspec
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -76,8 +79,10 @@ def test_the_compiled_loops_refuse_wrong_arguments_with_an_error() -> None:
     held = {1: Lease(None, 1, 0, metas[0], LeaseKind.READ)}  # type: ignore[arg-type]  # no arena needed here
     assert native.release_many(held, [1], {}, {}, [metas[0]], [True], LeaseKind.WRITE) is None
     assert 1 in held  # untouched
-    with pytest.raises(TypeError, match="tuple type"):
+    with pytest.raises(TypeError, match="subclass of tuple"):
         native.grant_many(list, [], None, 0.0)
+    with pytest.raises(TypeError, match="subclass of tuple"):  # a C tuple type of another layout
+        native.grant_many(time.struct_time, [], None, 0.0)
     with pytest.raises(TypeError, match="expected a lease"):
         native.earliest_grant([object()], None)
     with pytest.raises(ValueError, match="differ in length"):
@@ -102,6 +107,98 @@ def test_the_compiled_loops_read_meta_fields_from_slots_only_for_blockmeta_itsel
     assert native.match_prefix(index, slot_meta, [stored[0], metas[1]]) == [(0, metas[0]), (1, stored[1])]
     with pytest.raises(AttributeError):
         native.match_prefix(index, slot_meta, [object()])
+
+
+def test_hostile_callers_get_errors_not_crashes() -> None:
+    """Python code run from inside a C loop (a field's getter, a comparison) may change or free what the loop
+    reads; deleted lease fields are refused. Each of these crashed the interpreter in a first version."""
+    native = CpuArena._native
+    if native is None:
+        pytest.skip("the compiled batch loops are not built")
+
+    class Meta:
+        def __init__(self, block_hash: int, token_ids: Any = (1, 2, 3, 4), parent_hash: Any = None) -> None:
+            self._hash, self.token_ids, self.parent_hash, self.hook = block_hash, token_ids, parent_hash, None
+
+        @property
+        def block_hash(self) -> int:
+            if self.hook is not None:
+                self.hook()
+            return self._hash
+
+    pairs: list[Any] = []
+    first = Meta(10)
+    first.hook = pairs.clear  # the caller's list emptied mid-loop: the loop reads its own copy
+    pairs += [(0, first)] + [(1, Meta(11 + i)) for i in range(20)]
+    index = OrderedDict((10 + i, 0) for i in range(30))
+    leases, _ = native.lease_many(Lease, None, {}, [0, 0], None, index, 1, pairs, LeaseKind.READ)
+    assert len(leases) == 21
+    slot_meta: list[Any] = [Meta(10, parent_hash=Meta(99))]
+
+    class Tokens(tuple):  # type: ignore[type-arg]
+        def __eq__(self, other: object) -> bool:
+            slot_meta[0] = None  # frees the stored meta the loop is comparing with
+            return True
+
+        __hash__ = tuple.__hash__
+
+    assert native.match_prefix({10: 0}, slot_meta, [Meta(10, token_ids=Tokens((1, 2, 3, 4)))]) == []
+    pins = [0] * 8
+    shrinking = Meta(10)
+    shrinking.hook = pins.clear
+    with pytest.raises(IndexError):
+        native.lease_many(Lease, None, {}, pins, None, OrderedDict([(10, 0)]), 1, [(7, shrinking)], LeaseKind.READ)
+
+
+@pytest.mark.parametrize("field", ["meta", "slot", "kind", "lease_id"])
+def test_a_lease_with_a_deleted_field_is_an_error(arena: CpuArena, field: str) -> None:
+    metas, _ = make_blocks(1)
+    (lease,) = arena.reserve_many(metas)
+    assert lease is not None
+    lease_id = lease.lease_id
+    delattr(lease, field)
+    with pytest.raises(AttributeError):
+        arena.release_many([lease_id])
+
+
+def test_leasing_a_prefix_that_is_no_longer_cached_leaves_no_lease(arena: CpuArena) -> None:
+    metas, _ = make_blocks(2)
+    for fill, meta in enumerate(metas):
+        store(arena, meta, fill)
+    found = arena.match_prefix(metas)
+    arena.remove(metas[1].block_hash)
+    with pytest.raises(KeyError):
+        arena.lease_matched(found)  # a caller's mistake: something changed between the two
+    assert arena.num_leased_slots == 0 and not arena._held
+    arena.check_invariants()
+
+
+def test_slot_reads_follow_only_the_type_they_were_set_up_for() -> None:
+    native = CpuArena._native
+    if native is None:
+        pytest.skip("the compiled batch loops are not built")
+
+    class Borrowed:  # another class's descriptors: they do not describe this one's instances
+        __slots__ = ()
+        block_hash = BlockMeta.block_hash  # type: ignore[assignment]
+        parent_hash = BlockMeta.parent_hash  # type: ignore[assignment]
+        token_ids = BlockMeta.token_ids  # type: ignore[assignment]
+
+    assert not native.use_meta_type(Borrowed)
+
+    class Other(msgspec.Struct, frozen=True, array_like=True, gc=False):
+        block_hash: int
+        parent_hash: int | None
+        token_ids: tuple[int, ...]
+
+    try:
+        assert native.use_meta_type(Other)
+        block = Other(5, None, (1, 2, 3, 4))
+        assert native.match_prefix({5: 0}, [block], [block]) == [(0, block)]
+        Other.block_hash = property(lambda self: 6)  # type: ignore[assignment,method-assign]
+        assert native.match_prefix({5: 0}, [block], [block]) == []  # Python's answer: the slot is no longer read
+    finally:
+        assert native.use_meta_type(BlockMeta)
 
 
 def test_an_arena_dropped_with_leases_held_is_collected(arena_type: type[CpuArena]) -> None:
