@@ -46,27 +46,36 @@ def children() -> list[int]:
     return found
 
 
-def stop_children(timeout_s: float = 10.0) -> list[int]:
+def stop_children(timeout_s: float = 10.0, grace_s: float = 2.0) -> list[int]:
     """Stop every child, adopted ones included, until none is left; returns those signalled.
 
     Call once Ray has shut down: every child left is one Ray failed to stop. A child is sent SIGTERM,
-    then SIGKILL if it is still there half of ``timeout_s`` later; children that appear meanwhile (a
-    process's orphans, adopted as it exits) are handled the same way, until ``timeout_s`` runs out.
+    then SIGKILL if it is still there ``grace_s`` later (at most half of ``timeout_s``); children that
+    appear meanwhile (a process's orphans, adopted as it exits) are handled the same way. When
+    ``timeout_s`` runs out, whatever is left -- an orphan adopted late, its SIGTERM not yet escalated --
+    is sent SIGKILL and reaped for up to a second more, so nothing outlives the caller.
     """
     signalled: dict[int, float] = {}
+    grace_s = min(grace_s, timeout_s / 2)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         alive = _reap(children())
         if not alive:
-            break
+            return list(signalled)
         now = time.monotonic()
         for pid in alive:
             if pid not in signalled:
                 signalled[pid] = now
                 _signal(pid, signal.SIGTERM)
-            elif now - signalled[pid] > timeout_s / 2:
+            elif now - signalled[pid] > grace_s:
                 _signal(pid, signal.SIGKILL)
         time.sleep(0.05)
+    last = time.monotonic() + 1.0
+    while (alive := _reap(children())) and time.monotonic() < last:
+        for pid in alive:
+            signalled.setdefault(pid, time.monotonic())
+            _signal(pid, signal.SIGKILL)
+        time.sleep(0.02)
     return list(signalled)
 
 
