@@ -96,7 +96,9 @@ def _banner(config: Config, deployment: Deployment, url: str, arena: str) -> Non
     count = len(deployment.workers)
     print(f"kvstore is serving {count} worker{'s' if count != 1 else ''} at {url}", flush=True)
     print(f"  model:       {config.router.model_name}", flush=True)
-    print(f"  tiers:       {arena}", flush=True)
+    disk = config.tiers.disk_dir if config.tiers.enabled else None
+    disk_line = f"; disk {config.tiers.disk_capacity_bytes / 1024**3:g} GiB in {disk}" if disk else ""
+    print(f"  tiers:       {arena}{disk_line}", flush=True)
     print(f"  openai api:  {url}/v1  (completions, chat/completions, models)   route: {url}/route", flush=True)
     print(f"  workers:     {url}/workers   health: {url}/healthz   metrics: {url}/metrics", flush=True)
     for worker in deployment.workers:
@@ -104,7 +106,8 @@ def _banner(config: Config, deployment: Deployment, url: str, arena: str) -> Non
     for tier in deployment.tiers:
         print(f"  events tier {tier.node}: {tier.endpoint} (replay {tier.replay_endpoint})", flush=True)
     example = json.dumps({"prompt": "The KV cache makes the second request faster.", "max_tokens": 8})
-    print(f"  try: curl -s {url}/v1/completions -H 'content-type: application/json' -d '{example}'", flush=True)
+    auth = " -H 'authorization: Bearer <router.api_key>'" if config.router.api_key else ""  # the key is not shown
+    print(f"  try: curl -s {url}/v1/completions{auth} -H 'content-type: application/json' -d '{example}'", flush=True)
 
 
 def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -111,3 +111,24 @@ def test_serve_refuses_a_fixed_events_port_in_one_line() -> None:
         check_one_port_per_producer(load_config(overrides=['events.replay_endpoint="tcp://0.0.0.0:5558"'], env={}))
     check_one_port_per_producer(load_config(overrides=['events.endpoint="tcp://0.0.0.0:*"'], env={}))
     check_one_port_per_producer(load_config(overrides=["events.enabled=false", 'events.endpoint="tcp://h:1"'], env={}))
+
+
+def test_the_banner_names_the_disk_tier_and_the_key_its_curl_needs_without_showing_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from types import SimpleNamespace
+
+    from kvstore.deploy.serve_cli import _banner
+
+    deployment = SimpleNamespace(workers=[], tiers=[])
+    plain = load_config(env={})
+    _banner(plain, deployment, "http://127.0.0.1:9", "CPU arena 1 GiB")  # type: ignore[arg-type]
+    text = capsys.readouterr().out
+    assert "tiers:       CPU arena 1 GiB\n" in text and "authorization" not in text
+    keyed = load_config(
+        env={}, overrides=["router.api_key=s3cret", "tiers.disk_dir=/data/kv", "tiers.disk_capacity_bytes=2147483648"]
+    )
+    _banner(keyed, deployment, "http://127.0.0.1:9", "CPU arena 1 GiB")  # type: ignore[arg-type]
+    text = capsys.readouterr().out
+    assert "tiers:       CPU arena 1 GiB; disk 2 GiB in /data/kv\n" in text
+    assert "-H 'authorization: Bearer <router.api_key>'" in text and "s3cret" not in text
