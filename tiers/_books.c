@@ -52,7 +52,6 @@
 #include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <structmember.h>
 
 #include "_books.h"
@@ -483,9 +482,30 @@ fail:
 
 /* ------------------------------------------------------------------ ending leases */
 
-static int by_address(const void *a, const void *b) {
-    uintptr_t x = (uintptr_t) * (PyObject *const *)a, y = (uintptr_t) * (PyObject *const *)b;
-    return (x > y) - (x < y);
+/* 1 when `items[0..n)` holds one pointer twice, 0 when not, -1 with MemoryError set: an open-addressing set of
+ * the pointers, twice as large as n rounded up to a power of two (one pass, no Python objects). */
+static int any_twice(PyObject *const *items, Py_ssize_t n) {
+    size_t size = 16;
+    while (size < 2 * (size_t)n) {
+        size *= 2;
+    }
+    uintptr_t *table = PyMem_Calloc(size, sizeof(uintptr_t));
+    if (table == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int twice = 0;
+    for (Py_ssize_t i = 0; i < n && !twice; i++) {
+        uintptr_t key = (uintptr_t)items[i];
+        size_t at = (size_t)((key >> 4) * 0x9E3779B97F4A7C15ull) & (size - 1);
+        while (table[at] != 0 && table[at] != key) {
+            at = (at + 1) & (size - 1);
+        }
+        twice = table[at] == key;
+        table[at] = key;
+    }
+    PyMem_Free(table);
+    return twice;
 }
 
 /* The live leases `ids` names, in order (a new list); Py_None (a new reference) when an id is not an int,
@@ -499,11 +519,7 @@ static PyObject *live_leases(PyObject *held, PyObject *ids, PyObject *kind) {
     }
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
     PyObject *leases = PyList_New(n);
-    PyObject **sorted = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
-    if (leases == NULL || sorted == NULL) {
-        if (sorted == NULL) {
-            PyErr_NoMemory();
-        }
+    if (leases == NULL) {
         goto fail;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -524,25 +540,22 @@ static PyObject *live_leases(PyObject *held, PyObject *ids, PyObject *kind) {
         }
         Py_INCREF(lease);
         PyList_SET_ITEM(leases, i, lease);
-        sorted[i] = lease;
     }
-    /* One id twice is one lease twice: sorted by address, two neighbours are the same object. */
-    qsort(sorted, (size_t)n, sizeof(PyObject *), by_address);
-    for (Py_ssize_t i = 1; i < n; i++) {
-        if (sorted[i] == sorted[i - 1]) {
-            goto refused;
-        }
+    /* One id twice is one lease twice. */
+    int twice = any_twice(PySequence_Fast_ITEMS(leases), n);
+    if (twice < 0) {
+        goto fail;
     }
-    PyMem_Free(sorted);
+    if (twice) {
+        goto refused;
+    }
     Py_DECREF(seq);
     return leases;
 refused:
-    PyMem_Free(sorted);
     Py_DECREF(leases); /* its unfilled items are NULL, which list dealloc skips */
     Py_DECREF(seq);
     Py_RETURN_NONE;
 fail:
-    PyMem_Free(sorted);
     Py_XDECREF(leases);
     Py_DECREF(seq);
     return NULL;
