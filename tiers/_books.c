@@ -17,7 +17,8 @@
  *                        a lease of `cls` per (slot, meta) pair, ids from first_id up, each
  *                        entered in `held` and counted in pins[slot]; with `slot_meta` (not
  *                        None) slot_meta[slot] = meta; with `index` (not None) each meta's
- *                        hash moved to the index's end (most recently used)
+ *                        hash moved to the index's end (most recently used) first, before
+ *                        any lease is made
  *   match_prefix(index, slot_meta, metas) -> [(slot, stored meta), ...]
  *                        the longest prefix of metas cached with equal tokens and parent
  *   commit_many(held, pins, writing, index, lease_ids, write_kind) -> (leases, unpinned)
