@@ -173,16 +173,15 @@ class ChaosRun:
             prompt = rng.choice(self.prefixes) + [rng.randrange(self.vocab) for _ in range(rng.randint(1, 24))]
             body = json.dumps({"prompt": prompt, "max_tokens": rng.randint(1, 8)})
             phase, sent = self.phase, time.monotonic()
-            status, data = -1, {}
+            status, headers = -1, {}
             try:
                 conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
                 response = conn.getresponse()
-                status, data = response.status, json.loads(response.read())
+                response.read()
+                status, headers = response.status, {k.lower(): v for k, v in response.getheaders()}
             except (OSError, http.client.HTTPException, ValueError):
                 conn.close()
-            ours = data.get("kvstore") or {}
-            answer = _Answer(phase, sent, status, time.monotonic() - sent, ours.get("replica"),
-                             bool(ours.get("retried")), ours.get("route_s"))  # fmt: skip
+            answer = _Answer(phase, sent, status, time.monotonic() - sent, *routing_of(headers))
             with self._lock:
                 self.answers.append(answer)
         conn.close()
@@ -212,6 +211,18 @@ def _pct(values: list[float], q: int) -> float | None:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def routing_of(headers: dict[str, str]) -> tuple[str | None, bool, float | None]:
+    """(replica, retried, route seconds) of an answer, from the router's ``x-kvstore-*`` headers (lower-cased
+    names). The headers, not the body's ``kvstore`` object: a router without a tokenizer relays token-id
+    prompts to the worker as sent, and that answer comes back as the worker wrote it, without the object."""
+    route_s = headers.get("x-kvstore-route-s")
+    return (
+        headers.get("x-kvstore-replica"),
+        headers.get("x-kvstore-retried") == "true",
+        (None if route_s is None else float(route_s)),
+    )
 
 
 def _phase_row(answers: list[_Answer], seconds: float) -> dict[str, Any]:
