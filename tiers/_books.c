@@ -184,8 +184,10 @@ static PyObject *use_meta_type(PyObject *module, PyObject *type) {
             Py_RETURN_FALSE;
         }
         PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-        if ((member->type != T_OBJECT_EX && member->type != T_OBJECT) || member->offset < (Py_ssize_t)sizeof(PyObject) ||
-            member->offset > candidate->tp_basicsize - (Py_ssize_t)sizeof(PyObject *) || candidate->tp_itemsize != 0) {
+        int object = member->type == T_OBJECT_EX || member->type == T_OBJECT;
+        int inside = member->offset >= (Py_ssize_t)sizeof(PyObject) && candidate->tp_itemsize == 0 &&
+                     member->offset <= candidate->tp_basicsize - (Py_ssize_t)sizeof(PyObject *);
+        if (!object || !inside) {
             Py_RETURN_FALSE;
         }
         offsets[field] = member->offset;
@@ -201,23 +203,27 @@ static PyObject *use_meta_type(PyObject *module, PyObject *type) {
     Py_RETURN_TRUE;
 }
 
+/* 0 when `slot` is one of `num_slots`, else -1 with IndexError set. */
+static int slot_in_range(Py_ssize_t slot, Py_ssize_t num_slots) {
+    if (slot < 0 || slot >= num_slots) {
+        PyErr_Format(PyExc_IndexError, "slot %zd is outside the arena's %zd slots", slot, num_slots);
+        return -1;
+    }
+    return 0;
+}
+
 /* The int `value` as a slot of `num_slots`, or -1 with an exception set. */
 static Py_ssize_t slot_number(PyObject *value, Py_ssize_t num_slots) {
     Py_ssize_t slot = PyLong_AsSsize_t(value);
     if (slot == -1 && PyErr_Occurred()) {
         return -1;
     }
-    if (slot < 0 || slot >= num_slots) {
-        PyErr_Format(PyExc_IndexError, "slot %zd is outside the arena's %zd slots", slot, num_slots);
-        return -1;
-    }
-    return slot;
+    return slot_in_range(slot, num_slots) < 0 ? -1 : slot;
 }
 
 /* pins[slot] += delta; the new count, or -1 with an exception set. */
 static Py_ssize_t pin_add(PyObject *pins, Py_ssize_t slot, Py_ssize_t delta) {
-    if (slot < 0 || slot >= PyList_GET_SIZE(pins)) { /* checked again here: Python code may have run since */
-        PyErr_Format(PyExc_IndexError, "slot %zd is outside the arena's %zd slots", slot, PyList_GET_SIZE(pins));
+    if (slot_in_range(slot, PyList_GET_SIZE(pins)) < 0) { /* checked again here: Python code may have run since */
         return -1;
     }
     PyObject *old = PyList_GET_ITEM(pins, slot);
@@ -689,12 +695,9 @@ static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_
             Py_XDECREF(block_hash);
         }
         if (free_it == 1) {
-            Py_ssize_t slot = PyLong_AsSsize_t(fields.slot); /* checked by end_lease */
-            if (slot >= PyList_GET_SIZE(slot_meta)) {
-                PyErr_Format(PyExc_IndexError, "slot %zd is outside the arena's slot list", slot);
-                free_it = -1;
-            } else if (PyList_SetItem(slot_meta, slot, Py_NewRef(Py_None)) < 0 ||
-                       PyList_Append(freed, fields.slot) < 0) {
+            /* An int (end_lease read it); PyList_SetItem checks it against the list's length. */
+            Py_ssize_t slot = PyLong_AsSsize_t(fields.slot);
+            if (PyList_SetItem(slot_meta, slot, Py_NewRef(Py_None)) < 0 || PyList_Append(freed, fields.slot) < 0) {
                 free_it = -1;
             }
         }
@@ -890,8 +893,7 @@ static PyObject *drop_lru(PyObject *module, PyObject *const *args, Py_ssize_t na
     Py_CLEAR(keys);
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(slots); i++) {
         Py_ssize_t slot = PyLong_AsSsize_t(PyList_GET_ITEM(slots, i)); /* checked above */
-        if (slot >= PyList_GET_SIZE(slot_meta)) {
-            PyErr_Format(PyExc_IndexError, "slot %zd is outside the arena's slot list", slot);
+        if (slot_in_range(slot, PyList_GET_SIZE(slot_meta)) < 0) {
             goto fail;
         }
         PyObject *meta = PyList_GET_ITEM(slot_meta, slot);

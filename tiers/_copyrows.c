@@ -671,7 +671,10 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_copyrows", "Host block copies for the copy engine (see Copier), and the batch check of block metas (metas_ok).", -1, module_methods,
+    PyModuleDef_HEAD_INIT, "_copyrows",
+    "Host block copies for the copy engine (see Copier), the batch check of block metas (metas_ok), and the CPU "
+    "arena's batch bookkeeping (LeaseCore and the functions of tiers/_books.c).",
+    -1, module_methods,
     NULL, NULL, NULL, NULL,
 };
 
