@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from operator import attrgetter
 
 from kvstore.config import EventsConfig
 from kvstore.errors import ConfigError
@@ -57,6 +58,8 @@ from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.leases import LeaseBook
 from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
 from kvstore.tiers.stats import DISK_READ, DISK_WRITE, StoreCounters, TierStats, tier_stats
+
+_BLOCK_HASH = attrgetter("block_hash")
 
 
 def default_arena_name(identity: CacheIdentity, owner: str | None = None) -> str:
@@ -190,9 +193,11 @@ class TierStore:
         check_blocks(blocks, self.identity.block_size)
         cpu, counters = self._cpu, self._counters
         admit = None if self._admission.admit_after == 1 else self._admission.admit  # 1: every block
-        held = cpu.held_among([meta.block_hash for meta in blocks])  # one set operation, not a call per block
+        hashes = list(map(_BLOCK_HASH, blocks))
+        held = cpu.held_among(hashes)  # one set operation, not a call per block
+        wanted: Sequence[int]
         if not held and admit is None:  # the common case: every block is new
-            wanted = list(range(len(blocks)))
+            wanted = range(len(blocks))
         else:
             wanted = []
             for index, meta in enumerate(blocks):
@@ -209,12 +214,20 @@ class TierStore:
         now = time.perf_counter()
         # Held or being written by now (a duplicate within the batch, or one that arrived while the
         # room was made): duplicates; the rest get slots while free ones last.
-        taken = cpu.held_among([blocks[index].block_hash for index in wanted], writing=True)
-        fresh = [index for index in wanted if blocks[index].block_hash not in taken]
-        counters.duplicates += len(wanted) - len(fresh)
-        leases = cpu.reserve_many([blocks[index] for index in fresh])
+        taken = cpu.held_among([hashes[index] for index in wanted], writing=True)
+        fresh: Sequence[int] = wanted
+        if taken or len(wanted) < len(blocks):
+            fresh = [index for index in wanted if hashes[index] not in taken]
+            counters.duplicates += len(wanted) - len(fresh)
+            leases = cpu.reserve_many([blocks[index] for index in fresh])
+        else:  # still every block: no index lists
+            leases = cpu.reserve_many(blocks)
         granted = self._leases.grant_many([lease for lease in leases if lease is not None], Medium.CPU, now)
-        if len(granted) == len(fresh):  # the common case: every fresh block got a slot
+        if len(granted) == len(blocks):  # the common case: every block got a slot, in order
+            grants[:] = granted
+            self._publish()
+            return grants
+        if len(granted) == len(fresh):  # every fresh block got a slot
             for index, slot_grant in zip(fresh, granted, strict=True):
                 grants[index] = slot_grant
         else:

@@ -182,6 +182,23 @@ def test_admission_after_the_second_spill(tmp_path: Path) -> None:
         assert spill_all(link, metas[:2], data[:2]) == 0 and client.stats().duplicates == 2
 
 
+def test_a_batch_with_a_block_twice_or_one_held_grants_the_others_in_place(tmp_path: Path) -> None:
+    with linked_tier(tier_config(tmp_path, cpu_blocks=8)) as (client, _link):
+        metas, _ = make_blocks(4)
+        a, b, c, d = metas
+        grants = client.reserve([a, b, a])  # the second a is the same block earlier in this batch
+        assert [g is not None for g in grants] == [True, True, False]
+        assert [g.block_hash for g in grants if g is not None] == [a.block_hash, b.block_hash]
+        assert client.stats().duplicates == 1
+        client.commit([g.lease_id for g in grants if g is not None])
+        grants = client.reserve([c, a, d])  # a is held now: skipped, its neighbours granted in their places
+        assert [g.block_hash if g is not None else None for g in grants] == [c.block_hash, None, d.block_hash]
+        assert client.stats().duplicates == 2
+        client.commit([g.lease_id for g in grants if g is not None])
+        assert client.lookup(hashes(metas)).num_blocks == 4
+        client.check_invariants()
+
+
 def test_write_through_puts_every_block_on_disk_at_once(tmp_path: Path) -> None:
     with linked_tier(tier_config(tmp_path, cpu_blocks=8, disk_blocks=8, write_through=True)) as (client, link):
         store = client.store
