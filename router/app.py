@@ -245,7 +245,8 @@ async def _run(service: RouterService, request: Request, batch: list[ParsedReque
     routed, run and retried on its own, and their outputs are joined (:mod:`kvstore.openai.batch`)."""
     first = batch[0]
     prefix = "chatcmpl" if first.kind == "chat" else "cmpl"
-    request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+    # vLLM's form: the prefix, then the client's x-request-id if it sent one
+    request_id = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
     prompts = [Prompt(p.token_ids, p.cache_salt, p.lora_name) for p in batch]
     routes = [service.route(prompt) for prompt in prompts]
     generates = [

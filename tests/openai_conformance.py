@@ -215,6 +215,20 @@ def batched_prompts(base_url: str, model: str) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[1]", bad.text
 
 
+def client_request_id_is_prefixed(base_url: str, model: str) -> None:
+    """A client's ``x-request-id`` names the answer as vLLM names it: ``cmpl-<id>`` / ``chatcmpl-<id>``."""
+    c = client(base_url)
+    headers = {"x-request-id": "probe-7"}
+    plain = c.completions.create(model=model, prompt="ids", max_tokens=2, temperature=0, extra_headers=headers)
+    assert plain.id == "cmpl-probe-7", plain.id
+    chat = c.chat.completions.create(model=model, messages=CHAT, max_tokens=2, temperature=0, extra_headers=headers)
+    assert chat.id == "chatcmpl-probe-7", chat.id
+    streamed = c.completions.create(
+        model=model, prompt="ids", max_tokens=2, temperature=0, stream=True, extra_headers=headers
+    )
+    assert {event.id for event in streamed} == {"cmpl-probe-7"}
+
+
 def every_behaviour() -> list[Behaviour]:
     """The checks every front must pass (disconnect_mid_stream needs a way to see the cancel: run it apart)."""
     return [
@@ -227,6 +241,7 @@ def every_behaviour() -> list[Behaviour]:
         unsupported_fields_are_named,
         openai_fields_that_change_nothing_are_accepted,
         batched_prompts,
+        client_request_id_is_prefixed,
     ]
 
 

@@ -55,7 +55,8 @@ def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None, tru
 
     async def serve(request: Request, batch: list[ParsedRequest], prefix: str) -> Response:
         """Run each prompt of ``batch`` (one, unless a completions request sent several) as its own request."""
-        request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+        # vLLM's form: the prefix, then the client's x-request-id if it sent one
+        request_id = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
         streams = []
         try:
             for parsed, rid in zip(batch, batch_ids(request_id, len(batch)), strict=True):
