@@ -138,6 +138,7 @@ def unknown_model_is_404(base_url: str, model: str) -> None:
     ):
         error = response.json().get("error")
         assert response.status_code == status and error and error["code"] == status, (response, response.text)
+    assert response.json()["error"]["type"] == "Method Not Allowed"  # the phrase, as vLLM types the framework's
 
 
 def unsupported_fields_are_named(base_url: str, model: str) -> None:

@@ -8,6 +8,7 @@ field wherever there is one.
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 _TYPES = {
@@ -32,10 +33,19 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.kind = kind or _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+        self.kind = kind or _TYPES.get(status) or _phrase(status)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def _phrase(status: int) -> str:
+    """The type of an error with no name of vLLM's own: its HTTP reason phrase ("Method Not Allowed"), as
+    vLLM's server types the framework's HTTP errors."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "BadRequestError" if status < 500 else "InternalServerError"
 
 
 def model_not_found(model: str) -> ApiError:
