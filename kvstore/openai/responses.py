@@ -132,9 +132,15 @@ class ResponseBuilder:
                 opened = {"role": self._prompt_of(index).role, "content": ""}
                 role = {"index": index, "delta": opened, "logprobs": None, "finish_reason": None}
                 out.append(self._envelope([role], usage=self._running_usage(index, 0)))
+            for index in range(self.num_choices):  # then a chat's echo, a chunk of its own per choice
+                echo = self._prompt_of(index).echo_text
+                if echo:
+                    echoed = {"index": index, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
+                    out.append(self._envelope([echoed], usage=self._running_usage(index, 0)))
         if first:
             self._started.add(delta.index)
-            text = (self._prompt_of(delta.index).echo_text or "") + text
+            if not self.chat:  # a completion's echo opens its choice's first chunk, as vLLM sends it
+                text = (self._prompt_of(delta.index).echo_text or "") + text
         logprobs = self._logprobs(delta.index, delta.logprobs)
         if not text and not delta.token_ids and delta.finish_reason is None and logprobs is None:
             return out

@@ -103,6 +103,24 @@ def test_without_a_generation_prompt_the_answer_continues_the_last_messages_role
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "ac"}  # type: ignore[index]
 
 
+def test_a_streamed_chat_echo_is_a_chunk_of_its_own_and_a_completion_echo_opens_the_text() -> None:
+    """vLLM's streams: a chat's echoed message follows the role chunks, one chunk per choice (continuous usage:
+    no token generated yet); a completion's echo is the start of each choice's first text."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    out = events(chat(add_generation_prompt=False, echo=True, n=2, stream=True, stream_options=options), CHUNKS)
+    assert [e["choices"][0]["delta"] for e in out[:4]] == [  # type: ignore[index]
+        {"role": "user", "content": ""}, {"role": "user", "content": ""}, {"content": "hi"}, {"content": "hi"},
+    ]  # fmt: skip
+    assert [e["choices"][0]["index"] for e in out[:4]] == [0, 1, 0, 1]  # type: ignore[index]
+    assert [e["usage"]["completion_tokens"] for e in out[:4]] == [0, 0, 0, 0]  # type: ignore[index]
+    assert out[4]["choices"][0]["delta"] == {"content": "a"}  # type: ignore[index]
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in out if e["choices"])  # type: ignore[index]
+    plain = chat(add_generation_prompt=False, echo=True).body(fold_stream(CHUNKS, 1))
+    assert streamed == "hi" * 2 + "ac" and plain["choices"][0]["message"]["content"] == "hiac"  # type: ignore[index]
+    texts = [e["choices"][0]["text"] for e in events(completion(echo=True, stream=True), CHUNKS) if e["choices"]]  # type: ignore[index]
+    assert texts == ["helloa", "c"]
+
+
 def test_continuous_usage_puts_the_usage_so_far_in_every_chunk() -> None:
     """vLLM's ``continuous_usage_stats``: each chunk carries the prompt and the tokens its own choice has generated
     so far (a chat stream's role chunks, all before any content: none yet), a token held back (no text yet) in a
