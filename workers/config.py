@@ -7,6 +7,7 @@ from typing import Annotated, Any, Protocol, TypeVar, cast
 import msgspec
 
 from kvstore.config import CacheConfig, EventsConfig, NonNegativeInt, PoolConfig, PositiveInt
+from kvstore.openai.tokenizer import ByteTokenizer
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.workers.device import DeviceChoice, DtypeChoice, resolve_device
@@ -71,6 +72,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.model and not self.shape and self.vocab_size < ByteTokenizer.vocab_size:
+            raise ValueError(
+                f"vocab_size must be at least {ByteTokenizer.vocab_size} for the built-in model, whose tokenizer reads"
+                f" text as byte ids 0..255; got {self.vocab_size}"
+            )
 
 
 class WorkerSettings(Protocol):

@@ -109,6 +109,7 @@ def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
         ({"overrides": ["cache=1"]}, r"field cache\b"),
         ({"overrides": ["events.buffer_bytes=0"]}, r"events\.buffer_bytes.*>= 1"),
         ({"overrides": ["worker.offload_wait_s=0"]}, r"worker\.offload_wait_s.*> 0"),
+        ({"overrides": ["worker.vocab_size=1"]}, r"field worker: vocab_size must be at least 256 for the built-in"),
         ({"env": {"KVSTORE_EVENTS__BUFFER_BYTES": "lots"}}, r"events\.buffer_bytes.*int"),
         ({"overrides": ['events.curve_allowed_client_keys=["' + "k" * 40 + '"]']}, r"needs CURVE on"),
         ({"overrides": ["events.endpoint=garbage"]}, r"field events: endpoint must be a ZeroMQ endpoint.*'garbage'"),
