@@ -66,6 +66,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
+    # vLLM's bad_words, as token sequences (the front tokenises the words): a sequence's last token is never
+    # sampled right after the output's last tokens equal the rest of it (a one-token sequence: never)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):

@@ -1,8 +1,9 @@
 """Picking each choice's next token from the model's logits, with vLLM's sampling semantics.
 
 Per row (one choice that reached the end of its sequence this step), in
-vLLM's order: tokens outside ``allowed_token_ids`` are masked; ``logit_bias`` is added; EOS and the stop token ids are
-masked while fewer than ``min_tokens`` tokens exist; the repetition
+vLLM's order: tokens outside ``allowed_token_ids`` are masked; so is the last token of each ``bad_words``
+sequence whose other tokens the output ends with (a one-token sequence always); ``logit_bias`` is added;
+EOS and the stop token ids are masked while fewer than ``min_tokens`` tokens exist; the repetition
 penalty (prompt and output tokens: divide a positive logit, multiply a
 negative one) and the frequency and presence penalties (output tokens,
 OpenAI's subtraction) apply; then temperature 0 takes the argmax, and any
@@ -21,7 +22,7 @@ above), as vLLM reports them by default.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -70,6 +71,9 @@ class ChoiceSampling:
         self.min_tokens = params.min_tokens
         self.logit_bias = dict(params.logit_bias or {})
         self._allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long) if params.allowed_token_ids else None
+        self._bad_words = params.bad_words_token_ids
+        # The output's last tokens, as many as the longest bad word's prefix (none without bad words).
+        self._recent: deque[int] = deque(maxlen=max((len(w) - 1 for w in self._bad_words), default=0))
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.stop_token_ids = tuple(params.stop_token_ids)
         self._blocked = sorted({*self.eos_token_ids, *self.stop_token_ids})
@@ -90,12 +94,15 @@ class ChoiceSampling:
             and not self.frequency_penalty
             and not self.logit_bias
             and self._allowed is None
+            and not self._bad_words
             and not (self._blocked and self.num_output < self.min_tokens)
         )
 
     def record(self, token_id: int) -> None:
         self.output_counts[token_id] += 1
         self.num_output += 1
+        if self._recent.maxlen:
+            self._recent.append(token_id)
 
     def process(self, row: torch.Tensor) -> None:
         """Allowed tokens, bias, min_tokens and penalties, in place on one row of float32 logits."""
@@ -103,6 +110,13 @@ class ChoiceSampling:
             kept = row[self._allowed]
             row.fill_(float("-inf"))
             row[self._allowed] = kept
+        if self._bad_words:
+            banned = self._banned()
+            if banned:
+                kept = row[banned]
+                row[banned] = float("-inf")
+                if not bool(torch.isfinite(row).any()):  # every allowed token is banned: the ban gives way
+                    row[banned] = kept
         if self.logit_bias:
             ids = torch.tensor(list(self.logit_bias), dtype=torch.long)
             row.index_add_(0, ids, torch.tensor(list(self.logit_bias.values()), dtype=row.dtype))
@@ -117,6 +131,17 @@ class ChoiceSampling:
             ids = torch.tensor(list(self.output_counts), dtype=torch.long)
             counts = torch.tensor(list(self.output_counts.values()), dtype=row.dtype)
             row[ids] -= self.frequency_penalty * counts + self.presence_penalty
+
+    def _banned(self) -> list[int]:
+        """The last token of every bad word whose other tokens end the output so far (vLLM's rule: the output
+        only, not the prompt)."""
+        recent = list(self._recent)
+        banned = []
+        for word in self._bad_words:
+            prefix = len(word) - 1
+            if prefix <= len(recent) and (prefix == 0 or recent[-prefix:] == list(word[:-1])):
+                banned.append(word[-1])
+        return banned
 
     def draw(self, row: torch.Tensor, shared: torch.Generator) -> int:
         """Temperature, min_p, top_k and top_p on processed logits, then one draw."""

@@ -64,6 +64,8 @@ def validate_request(request: Any, limits: RequestLimits) -> GenerateRequest:
 
 _MAX_N = 16
 _MAX_LOGPROBS = 20
+_MAX_BAD_SEQUENCES = 128  # the HTTP front's 64 words, each with and without a leading space
+_MAX_BAD_TOKENS = 4096
 
 
 def _validate_sampling(sampling: Any, max_tokens: int, limits: RequestLimits) -> None:
@@ -87,6 +89,10 @@ def _validate_sampling(sampling: Any, max_tokens: int, limits: RequestLimits) ->
     check(0 <= s.min_tokens <= max_tokens, f"min_tokens must be in [0, max_tokens], got {s.min_tokens}")
     check(s.logprobs is None or 0 <= s.logprobs <= _MAX_LOGPROBS, f"logprobs must be in [0, {_MAX_LOGPROBS}]")
     check(all(isinstance(x, str) and x for x in s.stop), "stop must hold non-empty strings")
-    ids = [*s.stop_token_ids, *(s.logit_bias or {})]
+    check(s.allowed_token_ids is None or len(s.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
+    words = s.bad_words_token_ids
+    check(len(words) <= _MAX_BAD_SEQUENCES, f"bad_words_token_ids: at most {_MAX_BAD_SEQUENCES} sequences")
+    check(all(0 < len(w) <= _MAX_BAD_TOKENS for w in words), f"bad_words_token_ids: 1..{_MAX_BAD_TOKENS} ids each")
+    ids = [*s.stop_token_ids, *(s.logit_bias or {}), *(s.allowed_token_ids or ()), *(t for w in words for t in w)]
     check(all(type(t) is int and 0 <= t < limits.vocab_size for t in ids), "token ids must be in the vocabulary")
     check(all(-100 <= v <= 100 for v in (s.logit_bias or {}).values()), "logit_bias values must be in [-100, 100]")

@@ -52,6 +52,7 @@ Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 StopString = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 64  # words; each gives one or two token sequences (see _bad_words)
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -90,6 +91,7 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool | None = None
     allowed_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[StopString], Meta(max_length=MAX_BAD_WORDS)] | None = None
     # OpenAI's fields about the account, storage, billing or caching of a request: nothing to do here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -99,7 +101,6 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     # vLLM fields this server does not implement: refused by name when set.
     use_beam_search: bool = False
     length_penalty: float | None = None
-    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     response_format: Any = None
     structured_outputs: Any = None
@@ -160,7 +161,6 @@ class ChatCompletionRequest(_GenerationFields, forbid_unknown_fields=True, kw_on
 _UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": None,
-    "bad_words": None,
     "prompt_logprobs": None,
     "response_format": None,
     "structured_outputs": None,
@@ -264,7 +264,7 @@ def parse_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Model
             kept = keep_special_tokens(token_ids, tokenizer.encode(text, add_special_tokens=False), len(kept))
         token_ids, text = kept, None  # echo shows what the model read
     max_tokens = _capped(16 if req.max_tokens is None else req.max_tokens, limits)
-    sampling = _sampling(req, req.logprobs, limits)
+    sampling = _sampling(req, req.logprobs, limits, tokenizer)
     _check_lengths(token_ids, max_tokens, sampling, limits)
     echo = None
     if req.echo:
@@ -385,7 +385,7 @@ def parse_chat(
         raise ApiError(400, "the rendered conversation is empty", param="messages")
     token_ids = truncated(token_ids, req.truncate_prompt_tokens, limits.max_context)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    sampling = _sampling(req, top, limits)
+    sampling = _sampling(req, top, limits, tokenizer)
     explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if explicit is None and limits.max_context is not None:
         explicit = limits.max_context - len(token_ids)
@@ -574,7 +574,9 @@ def _plain_text_format(value: Any) -> bool:
     return isinstance(value, dict) and value.get("type") == "text" and set(value) == {"type"}
 
 
-def _sampling(req: _GenerationFields, logprobs: int | None, limits: ModelLimits) -> SamplingParams:
+def _sampling(
+    req: _GenerationFields, logprobs: int | None, limits: ModelLimits, tokenizer: Tokenizer
+) -> SamplingParams:
     def bounded(field: str, value: float | None, low: float, high: float, *, low_open: bool = False) -> None:
         if value is None:
             return
@@ -623,7 +625,28 @@ def _sampling(req: _GenerationFields, logprobs: int | None, limits: ModelLimits)
         logit_bias=_logit_bias(req.logit_bias, vocab),
         skip_special_tokens=req.skip_special_tokens,
         allowed_token_ids=_allowed(req.allowed_token_ids, vocab),
+        bad_words_token_ids=_bad_words(req.bad_words, tokenizer, vocab),
     )
+
+
+def _bad_words(words: list[str] | None, tokenizer: Tokenizer, vocab: int | None) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as token sequences the output may not complete, tokenised as vLLM does: each
+    word (leading spaces stripped) as it reads at the start of a text and, where a leading space makes a
+    different first token in as many tokens, as it reads after a space -- so the word is refused both at the
+    start and in the middle of a text."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words or ():
+        bare = tuple(tokenizer.encode(word.lstrip()))
+        if not bare:
+            raise ApiError(400, f"bad_words: {word!r} has no tokens", param="bad_words")
+        sequences.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    bad = next((t for seq in sequences for t in seq if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        raise ApiError(400, f"bad_words: token {bad} is outside this model's vocabulary", param="bad_words")
+    return tuple(sequences)
 
 
 def _allowed(ids: list[int] | None, vocab: int | None) -> tuple[int, ...] | None:

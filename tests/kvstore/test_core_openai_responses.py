@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import pytest
 
@@ -239,3 +240,38 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id() -> None:
     entry = chat(logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True).body(fold_stream(CHUNKS, 1))
     first = entry["choices"][0]["logprobs"]["content"][0]  # type: ignore[index]
     assert first["token"] == "token_id:97" and first["bytes"] == list(b"token_id:97")
+
+
+class _WordTokenizer(ByteTokenizer):
+    """Bytes, except for a few words a leading space tokenises differently (as BPE vocabularies do)."""
+
+    WORDS: ClassVar[dict[str, list[int]]] = {
+        "foo": [300], " foo": [301], "bar baz": [302, 32, 303], " bar baz": [304, 32, 303],
+        "qux": [305, 306], " qux": [32, 305, 306],
+    }  # fmt: skip
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return self.WORDS.get(text) or super().encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_bad_words_are_tokenised_as_vllm_does_at_the_start_and_after_a_space() -> None:
+    """Each word, leading spaces stripped, as it reads at a text's start; and after a space where that makes a
+    different first token in as many tokens (vLLM's rule). Bad words the model cannot hold are refused."""
+    body = {"prompt": "hi", "bad_words": ["foo", "  bar baz", "qux", "ab"]}
+    parsed = parse_completion(decode_completion(json.dumps(body).encode()), _WordTokenizer(), LIMITS)
+    assert parsed.sampling.bad_words_token_ids == ((300,), (301,), (302, 32, 303), (304, 32, 303), (305, 306),
+                                                   (97, 98))  # fmt: skip
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "bad_words": ["ab"]}
+    assert parse_chat(decode_chat(json.dumps(chat_body).encode()), TOK, LIMITS).sampling.bad_words_token_ids == (
+        (97, 98),
+    )
+    for words, message in ((["  "], "has no tokens"), (["ok", ""], "has no tokens")):
+        with pytest.raises(ApiError, match=message) as info:
+            parse_completion(decode_completion(json.dumps({"prompt": "hi", "bad_words": words}).encode()), TOK, LIMITS)
+        assert info.value.param == "bad_words"
+    small = ModelLimits(100, 2048)
+    with pytest.raises(ApiError, match="token 122 is outside"):  # "z"
+        parse_completion(decode_completion(b'{"prompt": "hi", "bad_words": ["z"]}'), TOK, small)
+    with pytest.raises(ApiError, match="length <= 64") as info:
+        decode_completion(json.dumps({"prompt": "hi", "bad_words": ["w"] * 65}).encode())
+    assert info.value.param == "bad_words"

@@ -114,3 +114,16 @@ def test_a_checkpoints_max_new_tokens_caps_what_the_front_generates(
     finally:
         server.stop()
         worker.shutdown()
+
+
+def test_bad_words_over_http_keep_a_word_out_of_the_answer(served: tuple[str, KVWorker]) -> None:
+    """vLLM's ``bad_words`` through the OpenAI front, sent as the official client sends vLLM's extensions."""
+    client = check.client(served[0])
+    plain = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    ids = plain.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert ord("5") in ids, "the toy model writes a '5' here: the ban has work to do"
+    banned = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0, extra_body={"bad_words": ["5"]}
+    )
+    assert ord("5") not in banned.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert "5" not in banned.choices[0].text and banned.choices[0].text != plain.choices[0].text

@@ -72,6 +72,40 @@ def test_allowed_token_ids_are_all_that_is_sampled(make_worker: WorkerFactory, r
     assert only == [300] * 16  # a bias cannot bring back a masked token
 
 
+def test_bad_words_ban_a_sequence_s_last_token_only_after_the_rest(make_worker: WorkerFactory) -> None:
+    """vLLM's bad_words on a real worker: a one-token word is never sampled; a two-token word's last token is
+    refused only right after its first, which itself stays allowed."""
+    worker = make_worker()
+    greedy = run(worker).output_token_ids  # type: ignore[attr-defined]
+    first, second = greedy[0], greedy[1]
+    banned = run(worker, bad_words_token_ids=((first,),)).output_token_ids  # type: ignore[attr-defined]
+    assert first not in banned and banned != greedy
+    pair = run(worker, bad_words_token_ids=((first, second),)).output_token_ids  # type: ignore[attr-defined]
+    assert pair[0] == first and pair[1] != second
+    assert all(pair[i + 1] != second for i in range(len(pair) - 1) if pair[i] == first)
+    sampled = run(worker, temperature=1.0, seed=3, bad_words_token_ids=((first,),)).output_token_ids  # type: ignore[attr-defined]
+    assert first not in sampled
+
+
+def test_bad_words_give_way_when_they_would_ban_every_allowed_token() -> None:
+    """A ban that leaves no token to sample is not applied: the allowed tokens stay (never a row of -inf)."""
+    params = SamplingParams(allowed_token_ids=(2, 3), bad_words_token_ids=((2,), (3,), (1, 4)))
+    choice = ChoiceSampling(params, GREEDY, index=0, prompt_ids=[0], eos_token_ids=())
+    row = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    choice.process(row)
+    assert row.tolist() == [float("-inf"), float("-inf"), 3.0, 4.0, float("-inf")]
+    params = SamplingParams(bad_words_token_ids=((2,), (1, 4), (0, 1, 3)))
+    choice = ChoiceSampling(params, GREEDY, index=0, prompt_ids=[1, 4], eos_token_ids=())  # the prompt never counts
+    row = torch.zeros(5)
+    choice.process(row)
+    assert row.tolist() == [0.0, 0.0, float("-inf"), 0.0, 0.0]
+    choice.record(0)
+    choice.record(1)
+    row = torch.zeros(5)
+    choice.process(row)
+    assert row.tolist() == [0.0, 0.0, float("-inf"), float("-inf"), float("-inf")]
+
+
 def test_penalty_arithmetic_is_vllms() -> None:
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={4: 1.0})
     choice = ChoiceSampling(params, GREEDY, index=0, prompt_ids=[0, 1], eos_token_ids=())

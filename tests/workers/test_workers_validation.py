@@ -8,7 +8,7 @@ import pytest
 from workers_testlib import WorkerFactory
 
 from kvstore.errors import InvalidRequestError
-from kvstore.worker_api import GenerateRequest
+from kvstore.worker_api import GenerateRequest, SamplingParams
 
 BAD_REQUESTS: list[tuple[Any, str]] = [
     (GenerateRequest([], 4), "must not be empty"),
@@ -24,6 +24,11 @@ BAD_REQUESTS: list[tuple[Any, str]] = [
     (GenerateRequest([1] * 2000, 49), r"prompt \(2000 tokens\) \+ max_tokens \(49\) = 2049 exceeds the model's"),
     (GenerateRequest([1], 1, request_id=7), "request_id must be a string"),  # type: ignore[arg-type]
     ({"token_ids": [1], "max_tokens": 1}, "expected a GenerateRequest, got dict"),
+    (GenerateRequest([1], 2, sampling=SamplingParams(allowed_token_ids=(3, 512))), "must be in the vocabulary"),
+    (GenerateRequest([1], 2, sampling=SamplingParams(allowed_token_ids=())), "allowed_token_ids must not be empty"),
+    (GenerateRequest([1], 2, sampling=SamplingParams(bad_words_token_ids=((5, 600),))), "must be in the vocabulary"),
+    (GenerateRequest([1], 2, sampling=SamplingParams(bad_words_token_ids=((),))), r"1\.\.4096 ids each"),
+    (GenerateRequest([1], 2, sampling=SamplingParams(bad_words_token_ids=((1,),) * 129)), "at most 128 sequences"),
 ]
 
 
