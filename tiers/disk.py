@@ -334,8 +334,8 @@ class DiskTier:
         try:
             for block in blocks:
                 entry, gone = self._index.end_write(block.meta, stored=ok, untouched=untouched)
-                if gone is not None:
-                    self._events.removed(gone.meta)
+                for removed in gone:
+                    self._events.removed(removed.meta)
                     self.counters.evictions += 1
                 if entry is not None:
                     self._events.stored(block.meta)

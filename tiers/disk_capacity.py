@@ -12,7 +12,11 @@ Data structures
 - ``_displaced``: slot -> the block evicted for the write now filling that
   slot. It is not served (the slot is being overwritten); if the write is
   refused before it touched the slot (a read-only file system, a deadline
-  before it started) the block comes back, else it is gone for good.
+  before it started) the block comes back, else it is gone for good --
+  unless a later write is storing the same block again by then: stored
+  again (in the index), it is not gone; still being written, it is gone
+  only if that write fails (``_gone_unless_stored``: block hash -> its
+  displaced entry, decided when that block's write settles).
 - ``_reading``: slot -> reads in flight. ``_releasing``: slots out of the
   index with reads still in flight; free once the reads end.
 
@@ -76,6 +80,7 @@ class SlotIndex:
         self._slots = 0
         self._writing: dict[int, int] = {}
         self._displaced: dict[int, Entry] = {}
+        self._gone_unless_stored: dict[int, Entry] = {}
         self._reading: Counter[int] = Counter()
         self._releasing: set[int] = set()
         self._generation = 0
@@ -187,21 +192,30 @@ class SlotIndex:
         assert block_hash not in self._writing and block_hash not in self._index, f"{block_hash:#x} written twice"
         self._writing[block_hash] = slot
 
-    def end_write(self, meta: BlockMeta, *, stored: bool, untouched: bool) -> tuple[Entry | None, Entry | None]:
+    def end_write(self, meta: BlockMeta, *, stored: bool, untouched: bool) -> tuple[Entry | None, list[Entry]]:
         """The write of ``meta`` settled: ``stored`` in its slot, or not (``untouched``: the slot was not
-        written at all). Returns (the new entry or None, the displaced block now gone for good or None)."""
+        written at all). Returns (the new entry or None, the blocks now gone for good: the one this write
+        displaced, and -- when this write failed -- this block's own earlier copy if its slot was overwritten
+        while this write ran)."""
         slot = self._writing.pop(meta.block_hash)
         victim = self._displaced.pop(slot, None)
+        earlier = self._gone_unless_stored.pop(meta.block_hash, None)
+        if victim is not None:
+            again = victim.meta.block_hash
+            if again in self._writing:  # being stored again elsewhere: gone only if that write fails
+                self._gone_unless_stored[again] = victim
+            if again in self._index or again in self._writing:
+                victim = None
         if stored:
-            return self.insert(meta, slot), victim
-        back = victim if untouched else None
-        if back is not None and back.meta.block_hash not in self._index and back.meta.block_hash not in self._writing:
+            return self.insert(meta, slot), [victim] if victim is not None else []
+        gone = [earlier] if earlier is not None else []
+        if untouched and victim is not None:  # its bytes are still in the slot: it comes back, next in line
             with self._lock:
-                self._index[back.meta.block_hash] = back
-                self._index.move_to_end(back.meta.block_hash, last=False)  # next in line again
-            return None, None
+                self._index[victim.meta.block_hash] = victim
+                self._index.move_to_end(victim.meta.block_hash, last=False)
+            return None, gone
         bisect.insort(self._free, slot)
-        return None, victim
+        return None, [*gone, *([victim] if victim is not None else [])]
 
     def insert(self, meta: BlockMeta, slot: int) -> Entry:
         """Index ``meta`` in ``slot`` as the most recently used block."""
@@ -281,6 +295,7 @@ class SlotIndex:
         assert sorted(places) == list(range(self._slots)), "a slot is lost or out of range"
         assert self._free == sorted(self._free), "the free list is out of order"
         assert set(self._displaced) <= set(self._writing.values()), "a displaced block whose slot no write fills"
+        assert set(self._gone_unless_stored) <= set(self._writing), "a removal waiting on a write not in flight"
         for slot in self._writing.values():
             assert slot not in self._reading, f"slot {slot} is written while it is read"
 

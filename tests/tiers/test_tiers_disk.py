@@ -967,3 +967,51 @@ def test_a_refused_slot_is_not_taken_up_by_a_restart_and_is_reused(tmp_path: Pat
         await tier.aclose()
 
     asyncio.run(second_life())
+
+
+@pytest.mark.parametrize("second", ["stored", "failed before", "failed after"])
+def test_a_block_written_again_while_its_slot_is_overwritten_is_removed_only_if_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second: str
+) -> None:
+    """Write 1 (C) evicts A and is slow; meanwhile write 2 stores A again in another slot (evicting B). When
+    write 1 settles A is not gone: no BlockRemoved A. If write 2 fails -- before write 1 settles, or after
+    -- A is gone, and removed then: the events a subscriber sees always end where the index does."""
+    import kvstore.tiers.disk as disk_module
+
+    real_write_run = disk_module.write_run
+    first_gate, second_gate = threading.Event(), threading.Event()
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=2, direct_io=False)
+        (a, b, c), views = payloads(3)
+        assert all(await tier.write_many([(a, views[0], Settles()), (b, views[1], Settles())]))
+        tier.take_events()
+
+        def write_run(path: Any, offset: int, blocks: Any, *args: Any) -> None:
+            if blocks[0].meta.block_hash == c.block_hash:
+                assert first_gate.wait(10)
+            elif second != "stored":
+                assert second_gate.wait(10)
+                raise OSError(errno.EIO, "Input/output error")
+            real_write_run(path, offset, blocks, *args)
+
+        monkeypatch.setattr(disk_module, "write_run", write_run)
+        first = asyncio.create_task(tier.write(c, views[2]))  # evicts A (the LRU block) and waits at its gate
+        await loop_until(lambda: a.block_hash not in tier.lru_hashes())
+        again = asyncio.create_task(tier.write(a, views[0]))  # A again: evicts B
+        (first_gate if second == "failed after" else second_gate).set()
+        done, _ = await asyncio.wait([first, again], return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1
+        first_gate.set()
+        second_gate.set()
+        assert await first and await again is (second == "stored")
+        held: set[int] = set()
+        for event in tier.take_events():
+            (held.add if isinstance(event, BlockStored) else held.discard)(event.block_hashes[0])
+        assert held == set(tier.lru_hashes())
+        assert held == ({a.block_hash, c.block_hash} if second == "stored" else {c.block_hash})
+        assert tier.counters.evictions == (1 if second == "stored" else 2)  # B; and A, when its new copy failed
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
