@@ -23,8 +23,13 @@ Server (:class:`ControlServer`, in the tier actor)
     one client (one socket identity) run one at a time in the order sent --
     which Ray does not promise an async actor's calls -- while calls from
     other clients interleave, as Ray's do. A malformed request is answered
-    with an error, never crashes the reader. The socket file is unlinked at
-    close; a new server removes its dead predecessors' files.
+    with an error, never crashes the reader. Bounded: a message over
+    ``MAX_MESSAGE_BYTES`` disconnects its sender (ZeroMQ's own limit, so it
+    is never held whole), and a client with ``MAX_QUEUED`` calls unanswered
+    has any more answered at once with an error instead of queued (a client
+    that keeps sending while one of its calls waits on the disk cannot grow
+    the tier's memory). The socket file is unlinked at close; a new server
+    removes its dead predecessors' files.
 
 Client (:class:`ControlChannel`, in a worker's ``RayTierClient``)
     A DEALER socket, replies matched by ``seq`` (calls sent without waiting
@@ -63,6 +68,9 @@ logger = logging.getLogger(__name__)
 OPS = ("lookup", "reserve", "commit", "acquire", "release")
 SUFFIX = ".ctl"
 MAX_PATH = 100  # a Unix socket path must fit sockaddr_un (108 bytes on Linux)
+# A reserve or acquire of 65,536 blocks of 16 tokens packs to about 8 MiB; nothing legitimate comes near this.
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_QUEUED = 256  # calls one client may have unanswered (a worker has a few: one awaited, some sent without waiting)
 
 Handler = Callable[..., Awaitable[Any]]
 _ENCODE = msgspec.msgpack.Encoder().encode
@@ -104,6 +112,7 @@ class ControlServer:
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._socket.bind(self.endpoint)
         os.chmod(path, 0o600)  # the node's workers run as the tier's user; no one else
         self._queues: dict[bytes, deque[list[bytes]]] = {}  # client identity -> its requests not yet run
@@ -120,6 +129,9 @@ class ControlServer:
             frames = await self._socket.recv_multipart()
             identity = frames[0]
             queue = self._queues.get(identity)
+            if queue is not None and len(queue) >= MAX_QUEUED:
+                await self._refuse(frames, TierError(f"more than {MAX_QUEUED} control calls waiting from one client"))
+                continue
             if queue is not None:  # a runner is working through this client's calls: it takes this one in turn
                 queue.append(frames)
                 continue
@@ -132,16 +144,27 @@ class ControlServer:
         queue = self._queues[identity]
         try:
             while queue:
-                frames = queue.popleft()
-                if len(frames) != 4:
-                    logger.warning("tier control socket: dropped a message of %d frames", len(frames))
-                    continue
-                _, seq, op, args = frames
-                reply = await self._answer(op, args)
-                with contextlib.suppress(zmq.ZMQError):  # closed meanwhile
-                    await self._socket.send_multipart([identity, seq, *reply])
+                frames = queue[0]  # left in the queue while it runs: the queue holds every call not answered
+                try:
+                    if len(frames) != 4:
+                        await self._refuse(frames, TierError(f"a control message has {len(frames) - 1} frames, not 3"))
+                        continue
+                    _, seq, op, args = frames
+                    reply = await self._answer(op, args)
+                    with contextlib.suppress(zmq.ZMQError):  # closed meanwhile
+                        await self._socket.send_multipart([identity, seq, *reply])
+                finally:
+                    queue.popleft()
         finally:
             del self._queues[identity]
+
+    async def _refuse(self, frames: list[bytes], exc: TierError) -> None:
+        """Answer a message that is not run with ``exc``, when it names a seq to answer (else log it)."""
+        if len(frames) < 2 or len(frames[1]) != 8:
+            logger.warning("tier control socket: dropped a message of %d frames", len(frames))
+            return
+        with contextlib.suppress(zmq.ZMQError):  # closed meanwhile
+            await self._socket.send_multipart([frames[0], frames[1], *_error_frames(exc)])
 
     async def _answer(self, op: bytes, args: bytes) -> list[bytes]:
         try:

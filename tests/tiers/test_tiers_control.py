@@ -163,6 +163,52 @@ def test_garbage_is_answered_or_dropped_and_the_reader_keeps_serving(served: Ser
         channel.close()
 
 
+def test_a_flood_from_one_client_is_refused_past_the_queue_and_an_oversized_message_disconnects_it(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client's calls are held up to MAX_QUEUED unanswered (the one running included) and answered with an
+    error beyond it; a wrong frame count is answered when it names a seq; a message over
+    MAX_MESSAGE_BYTES never reaches the reader (ZeroMQ drops its sender). Others are served throughout."""
+    import kvstore.tiers.control as control_module
+
+    monkeypatch.setattr(control_module, "MAX_QUEUED", 4)
+    context = zmq.Context.instance()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(served.server.endpoint)
+    other = ControlChannel(served.server.endpoint, timeout_s=30)
+    try:
+        raw.send_multipart([(0).to_bytes(8, "little"), b"stall", msgspec.msgpack.encode([])])
+        for seq in range(1, 11):
+            raw.send_multipart([seq.to_bytes(8, "little"), b"note", msgspec.msgpack.encode([seq, 0.0])])
+        refused = []
+        while len(refused) < 7 and raw.poll(10_000):
+            seq, status, payload = raw.recv_multipart()
+            assert status == b"err" and "more than 4 control calls waiting" in msgspec.msgpack.decode(payload)[1]
+            refused.append(int.from_bytes(seq, "little"))
+        assert refused == list(range(4, 11))  # the stalled call and three queued behind it are kept
+        assert other.call("lookup", [[1], 0]) == [0, []]
+        served.later(served.gate.set)
+        answered = sorted(int.from_bytes(raw.recv_multipart()[0], "little") for _ in range(4) if raw.poll(10_000))
+        assert answered == [0, 1, 2, 3]
+        raw.send_multipart([b"\x07" * 8, b"lookup"])  # two frames: answered with an error naming the count
+        assert raw.poll(10_000)
+        seq, status, payload = raw.recv_multipart()
+        assert (seq, status) == (b"\x07" * 8, b"err") and "2 frames, not 3" in msgspec.msgpack.decode(payload)[1]
+    finally:
+        raw.close(0)
+    huge = context.socket(zmq.DEALER)
+    huge.setsockopt(zmq.LINGER, 0)
+    huge.connect(served.server.endpoint)
+    try:
+        huge.send_multipart([b"\x08" * 8, b"lookup", b"\x00" * (control_module.MAX_MESSAGE_BYTES + 1)])
+        assert not huge.poll(1_000)  # never read, never answered
+        assert other.call("lookup", [[1], 0]) == [0, []]
+    finally:
+        huge.close(0)
+        other.close()
+
+
 def test_a_server_that_goes_away_fails_the_waiting_call_at_once_not_at_its_timeout(served: Served) -> None:
     channel = ControlChannel(served.server.endpoint, timeout_s=60)
     try:
