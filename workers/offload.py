@@ -148,6 +148,13 @@ class Offloader:
         """A waiting ``request`` is dropped: forget its lookup/load (a running job's blocks are freed when it ends)."""
         self._loads.abort(request)
 
+    def release_ready(self, keep: CacheRequest) -> int:
+        """Drop the holds of loaded requests waiting to be admitted, but ``keep``'s; how many references went.
+
+        For a scheduler whose head request cannot be allocated while nothing runs (see
+        :mod:`~kvstore.workers.offload_loads`)."""
+        return self._loads.release_ready(keep)
+
     def launch_stores(self) -> None:
         """Hold cached free blocks not yet stored, from the free queue's head, and queue one store job."""
         started = time.perf_counter()

@@ -44,6 +44,16 @@ Failure modes
     dropped while loading leaves its blocks to be freed the same way. While
     any job has waited past ``wait_s``, or the tier is down, no lookup is
     queued: requests are admitted with their GPU hit.
+
+    A READY request waits for its admission with its blocks held; a load is
+    sized to the blocks free when it starts, so the request may need more
+    than are free by then. If the request at the head of the queue cannot be
+    allocated and nothing is running (so nothing else will free a block),
+    the scheduler gives up the other requests' READY holds
+    (:meth:`LoadPath.release_ready`): their loaded blocks stay cached (a
+    later GPU hit still finds them unless they are evicted first), and the
+    head gets the room. Without that, such holds could keep the head out,
+    and so every request behind it, forever.
 """
 
 from __future__ import annotations
@@ -155,6 +165,16 @@ class LoadPath:
         admission = self.admissions.pop(request.request_id, None)
         if admission is not None:
             self._give_up(admission)
+
+    def release_ready(self, keep: CacheRequest) -> int:
+        """Give up every READY admission but ``keep``'s, dropping its holds (it is admitted with its GPU hit
+        later). Returns how many pool references were dropped."""
+        dropped = 0
+        for key, admission in self.admissions.items():
+            if key != keep.request_id and admission.phase is Phase.READY and admission.held:
+                dropped += len(admission.gpu_blocks) + len(admission.new_blocks)
+                self._give_up(admission)
+        return dropped
 
     def give_up_all(self) -> None:
         """Forget every admission: READY ones' holds go now, LOADING ones' when their jobs are collected."""

@@ -61,6 +61,7 @@ class Admissions(Protocol):
     def admitted(self, request: CacheRequest) -> None: ...
     def abort(self, request: CacheRequest) -> None: ...
     def held_refs(self) -> Mapping[int, int]: ...
+    def release_ready(self, keep: CacheRequest) -> int: ...
     @property
     def store_held_blocks(self) -> int: ...
 
@@ -79,6 +80,9 @@ class NoAdmissions:
 
     def held_refs(self) -> Mapping[int, int]:
         return {}
+
+    def release_ready(self, keep: CacheRequest) -> int:
+        return 0
 
     @property
     def store_held_blocks(self) -> int:
@@ -237,6 +241,10 @@ class Scheduler:
             hit = promotion.hit
             num_new = min(state.num_tokens - hit.num_tokens, budget)
             if self.manager.allocate_slots(state.cache_request, num_new, hit) is None:
+                # Nothing runs, so nothing will free a block: loaded requests behind this one must not keep
+                # their blocks from it (it would wait forever, and everything behind it).
+                if not self.running and self.offloader.release_ready(state.cache_request):
+                    continue
                 break
             self.offloader.admitted(state.cache_request)
             self.waiting.popleft()

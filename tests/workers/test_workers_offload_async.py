@@ -104,6 +104,34 @@ def test_a_loading_request_waits_while_others_step(reference: Reference) -> None
         worker.shutdown()
 
 
+def test_a_loaded_request_that_cannot_be_admitted_yet_never_locks_out_the_queue(reference: Reference) -> None:
+    """A partial load leaves a READY request holding half a small pool; a long decode then runs the pool dry,
+    preempts itself and cannot come back while those holds stand. With nothing running, the scheduler drops
+    them: both requests finish, with exact outputs (before: both waited forever)."""
+    rng = random.Random(1)
+    doc = random_tokens(rng, 18 * 16 + 5)
+    long_decode = random_tokens(rng, 8 * 16)
+    tier = DictTier()
+    warm = KVWorker("warm", make_config(num_blocks=64))
+    warm.attach_offload(tier)
+    try:
+        warm.generate(GenerateRequest(doc, 1))
+        assert warm.drain_offload() and len(tier.blocks) == 18
+    finally:
+        warm.shutdown()
+    worker = KVWorker("small", make_config(num_blocks=24))
+    worker.attach_offload(tier, wait_s=60.0)
+    try:
+        first, second = GenerateRequest(long_decode, 200), GenerateRequest(doc, 4)
+        streams = [worker.submit(first), worker.submit(second)]
+        results = [stream.result(timeout=60) for stream in streams]
+        assert [r.output_token_ids for r in results] == [reference(first), reference(second)]
+        assert worker.drain_offload()
+        worker.check_invariants()
+    finally:
+        worker.shutdown()
+
+
 @pytest.mark.parametrize("fault", ["slow", "failing"])
 def test_a_slow_or_failing_load_recomputes_and_frees_its_blocks(
     reference: Reference, fault: str, caplog: pytest.LogCaptureFixture
