@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import ray
@@ -141,10 +142,14 @@ class RayTierClient:
                 logger.warning("the tier's control socket %s is not visible here: calling it through Ray", path)
         return self._channel
 
-    def _get(self, ref: Any) -> Any:
+    def _get(self, ref: Any, *, leases_of: Callable[[Any], list[int]] | None = None) -> Any:
+        """``ref``'s value; ``leases_of`` as for :meth:`ControlChannel.wait`: a call that grants leases and times
+        out has them released when its answer comes."""
         try:
             return ray.get(ref, timeout=self._timeout_s)
         except ray.exceptions.GetTimeoutError:
+            if leases_of is not None:
+                ref.future().add_done_callback(partial(self._hand_back, leases_of))
             raise TierTimeoutError(f"the tier actor did not answer within {self._timeout_s} s") from None
         except ray.exceptions.RayActorError as exc:  # dead, or unreachable (ActorUnavailableError)
             raise TierUnavailableError(f"the tier actor is gone ({type(exc).__name__})") from exc
@@ -152,6 +157,15 @@ class RayTierClient:
             if isinstance(exc.cause, TierError):
                 raise exc.cause from None
             raise
+
+    def _hand_back(self, leases_of: Callable[[Any], list[int]], answer: concurrent.futures.Future[Any]) -> None:
+        """A timed-out call's answer came through Ray: release the leases it granted (a call not waited for)."""
+        try:
+            lease_ids = leases_of(answer.result())
+        except Exception:  # it failed, or the tier is gone: no leases to hand back
+            return
+        if lease_ids:
+            self._handle.release.remote(lease_ids)
 
     def arena_info(self) -> ArenaInfo:
         return self._get(self._handle.arena_info.remote())  # type: ignore[no-any-return]
@@ -170,8 +184,10 @@ class RayTierClient:
         # Packed both ways: Ray's own serialization of the metas and grants cost more than the round trip.
         channel = self._fast()
         if channel is None:
-            return decode_grants(self._get(self._handle.reserve_packed.remote(encode_metas(blocks), arena)))
-        return decode_grants(channel.call("reserve", [encode_metas(blocks), arena]))
+            packed = self._get(self._handle.reserve_packed.remote(encode_metas(blocks), arena), leases_of=_packed_ids)
+        else:
+            packed = channel.call("reserve", [encode_metas(blocks), arena], leases_of=_packed_ids)
+        return decode_grants(packed)
 
     def commit(self, lease_ids: Sequence[int]) -> int:
         channel = self._fast()
@@ -194,9 +210,9 @@ class RayTierClient:
     def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
         channel = self._fast()
         if channel is None:
-            packed = self._get(self._handle.acquire_packed.remote(encode_metas(blocks), arena))
+            packed = self._get(self._handle.acquire_packed.remote(encode_metas(blocks), arena), leases_of=_packed_ids)
         else:
-            packed = channel.call("acquire", [encode_metas(blocks), arena])
+            packed = channel.call("acquire", [encode_metas(blocks), arena], leases_of=_packed_ids)
         grants = decode_grants(packed)
         if None in grants:
             raise TierError("the tier's acquire answered a slot-less grant")
@@ -274,7 +290,7 @@ class LocalTierClient:
         return self._call(lambda: self._store.lookup(block_hashes, start))
 
     def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
-        return self._run(self._store.reserve(blocks, arena))
+        return self._run(self._store.reserve(blocks, arena), leases_of=_grant_ids)
 
     def commit(self, lease_ids: Sequence[int]) -> int:
         return self._run(self._store.commit(lease_ids))
@@ -285,7 +301,7 @@ class LocalTierClient:
         return self._send(self._store.commit(list(lease_ids)))
 
     def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
-        return self._run(self._store.acquire(blocks, arena))
+        return self._run(self._store.acquire(blocks, arena), leases_of=_grant_ids)
 
     def release(self, lease_ids: Sequence[int]) -> None:
         self._call(lambda: self._store.release(lease_ids))
@@ -331,7 +347,10 @@ class LocalTierClient:
 
         return self._run(on_loop())
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T], *, leases_of: Callable[[Any], list[int]] | None = None) -> T:
+        """``coro``'s result, run on the caller's thread (direct) or the loop. On a timeout the call is
+        cancelled -- or, when it grants leases (``leases_of`` reads their ids from its result), left to finish
+        and its leases released then: a cancel racing its last step could drop grants nobody would end."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("LocalTierClient called from its own loop thread: await the store instead")
@@ -349,8 +368,20 @@ class LocalTierClient:
         except concurrent.futures.CancelledError:  # sent as the client closed: cancelled before it ran
             raise TierUnavailableError("the tier store closed before answering") from None
         except TimeoutError:
-            future.cancel()
+            if leases_of is None:
+                future.cancel()
+            else:
+                future.add_done_callback(partial(self._hand_back, leases_of))
             raise TierTimeoutError(f"the tier store did not answer within {self._timeout_s} s") from None
+
+    def _hand_back(self, leases_of: Callable[[Any], list[int]], answer: concurrent.futures.Future[Any]) -> None:
+        """A timed-out call finished (on the loop thread, which runs this): release the leases it granted."""
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        lease_ids = leases_of(answer.result())
+        if lease_ids:
+            with contextlib.suppress(TierError):  # closed meanwhile: its leases went with the arena
+                self._store.release(lease_ids)
 
     def _to_loop(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop, unless the client is closing (then it is closed, never run)."""
@@ -449,3 +480,13 @@ async def _build(
     config: TierConfig, identity: CacheIdentity, events: EventsConfig | None, arena_name: str | None
 ) -> TierStore:
     return TierStore(config, identity, events=events, arena_name=arena_name)
+
+
+def _grant_ids(grants: Sequence[SlotGrant | None]) -> list[int]:
+    """The lease ids of a reserve's or acquire's grants."""
+    return [grant.lease_id for grant in grants if grant is not None]
+
+
+def _packed_ids(packed: Any) -> list[int]:
+    """The lease ids of a reserve's or acquire's packed answer."""
+    return _grant_ids(decode_grants(packed))

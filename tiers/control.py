@@ -39,7 +39,11 @@ Client (:class:`ControlChannel`, in a worker's ``RayTierClient``)
     (a restarted tier binds a new path, so no call can reach it by mistake);
     no answer within the timeout raises
     :class:`~kvstore.tiers.errors.TierTimeoutError`. The tier's own errors are
-    raised as their own types. Thread-safe (one lock).
+    raised as their own types. Thread-safe (one lock). A call that grants
+    leases (``reserve``, ``acquire``) and times out names how to read the
+    lease ids from its answer (``leases_of``): when that answer comes late,
+    the channel releases them (a ``release`` sent without waiting), so a
+    timeout never pins arena slots for good.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ SUFFIX = ".ctl"
 MAX_PATH = 100  # a Unix socket path must fit sockaddr_un (108 bytes on Linux)
 # A reserve or acquire of 65,536 blocks of 16 tokens packs to about 8 MiB; nothing legitimate comes near this.
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_LATE = 1024  # timed-out lease-granting calls a channel remembers, to hand back their leases if answered
 MAX_QUEUED = 256  # calls one client may have unanswered (a worker has a few: one awaited, some sent without waiting)
 
 Handler = Callable[..., Awaitable[Any]]
@@ -212,6 +217,8 @@ class ControlChannel:
         self._seq = 0
         self._waiting: set[int] = set()  # sent, answer not yet taken: an answer to anything else is dropped
         self._answers: dict[int, list[bytes]] = {}
+        # Timed-out calls that grant leases -> how to read the lease ids from their answer, to release them.
+        self._late: dict[int, Callable[[Any], list[int]]] = {}
         self._gone: str | None = None  # why the tier's end is gone, once it is
         self._closed = False
 
@@ -219,14 +226,18 @@ class ControlChannel:
         """Send one call; returns its seq, for :meth:`wait`."""
         with self._lock:
             self._check()
-            self._seq += 1
-            seq = self._seq
-            self._socket.send_multipart([seq.to_bytes(8, "little"), op.encode("ascii"), _ENCODE(args)])
+            seq = self._send_locked(op, args)
             self._waiting.add(seq)
             return seq
 
-    def call(self, op: str, args: list[Any]) -> Any:
-        return self.wait(self.send(op, args))
+    def _send_locked(self, op: str, args: list[Any]) -> int:
+        self._seq += 1
+        seq = self._seq
+        self._socket.send_multipart([seq.to_bytes(8, "little"), op.encode("ascii"), _ENCODE(args)])
+        return seq
+
+    def call(self, op: str, args: list[Any], *, leases_of: Callable[[Any], list[int]] | None = None) -> Any:
+        return self.wait(self.send(op, args), leases_of=leases_of)
 
     def done(self, seq: int) -> bool:
         """Whether ``seq``'s answer has arrived (or the tier is gone: waiting would not block)."""
@@ -236,8 +247,10 @@ class ControlChannel:
             self._pump(0)
             return seq in self._answers or self._gone is not None
 
-    def wait(self, seq: int) -> Any:
-        """``seq``'s result; raises the tier's error, TierUnavailableError or TierTimeoutError."""
+    def wait(self, seq: int, *, leases_of: Callable[[Any], list[int]] | None = None) -> Any:
+        """``seq``'s result; raises the tier's error, TierUnavailableError or TierTimeoutError. ``leases_of``:
+        for a call that grants leases, reads their ids from its result, so that an answer arriving after a
+        timeout has them released."""
         with self._lock:
             try:
                 deadline = time.monotonic() + self._timeout_s
@@ -245,6 +258,10 @@ class ControlChannel:
                     self._check(pump=False)  # not reading here: an answer taken now would wait out _pump(left)
                     left = deadline - time.monotonic()
                     if left <= 0:
+                        if leases_of is not None:
+                            if len(self._late) >= MAX_LATE:
+                                self._late.pop(next(iter(self._late)))
+                            self._late[seq] = leases_of
                         raise TierTimeoutError(f"the tier did not answer within {self._timeout_s} s")
                     self._pump(left)
                 status, payload = self._answers.pop(seq)
@@ -294,3 +311,18 @@ class ControlChannel:
                 seq = int.from_bytes(frames[0], "little")
                 if seq in self._waiting:
                     self._answers[seq] = frames[1:]
+                elif seq in self._late:
+                    self._hand_back(self._late.pop(seq), frames[1:])
+
+    def _hand_back(self, leases_of: Callable[[Any], list[int]], answer: list[bytes]) -> None:
+        """A timed-out call's answer came: release the leases it granted (nobody will copy or end them)."""
+        status, payload = answer
+        if status != b"ok":
+            return
+        try:
+            lease_ids = leases_of(_DECODE(payload))
+        except Exception as exc:  # a malformed late answer: nothing to hand back that can be read
+            logger.warning("tier control socket: a late answer could not be read to release its leases: %s", exc)
+            return
+        if lease_ids:
+            self._send_locked("release", [lease_ids])  # its answer is nobody's: dropped when it comes

@@ -292,7 +292,14 @@ class TierStore:
                 from_disk.append(meta)
             else:
                 break
-        promoted = await self._promote_from_disk(from_disk) if from_disk else {}
+        try:
+            promoted = await self._promote_from_disk(from_disk) if from_disk else {}
+        except BaseException:  # cancelled (the caller gave up) or failed: the CPU hits' leases are nobody's now
+            if not self._closed:
+                for item in found:
+                    if isinstance(item, Lease):
+                        item.release()
+            raise
         self._check_open()  # closed while the disk read: its leases went with the arena
         now = time.perf_counter()
         if not from_disk:  # all from CPU: granted as a batch

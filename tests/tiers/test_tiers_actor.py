@@ -12,7 +12,7 @@ import torch
 from tiers_helpers import IDENTITY, LOOPBACK, all_events, hashes, make_blocks, promote_all, spill_all, tier_config
 
 from kvstore.config import EventsConfig
-from kvstore.events import BlockStored
+from kvstore.events import BlockStored, Medium
 from kvstore.tiers.actor import TIER_NAMESPACE, get_or_create_tier_actor, tier_actor_name
 from kvstore.tiers.client import RayTierClient
 from kvstore.tiers.errors import InvalidBlockError
@@ -134,3 +134,43 @@ def test_a_killed_tiers_socket_file_is_removed_by_the_next_tier_of_its_arena(ray
         for handle in (first, second):
             if handle is not None:
                 ray.kill(handle, no_restart=True)
+
+
+def test_a_ray_call_that_times_out_has_its_late_grants_released(ray_session: Any) -> None:
+    """Through Ray (no control socket), a reserve the client stopped waiting for still grants its leases:
+    when its answer comes, the client releases them on the actor."""
+    ray = ray_session
+    from kvstore.tiers.blocks import SlotGrant, encode_grants
+    from kvstore.tiers.errors import TierTimeoutError
+
+    @ray.remote(num_cpus=0)
+    class SlowTier:
+        """Answers reserve late with two grants, and records what is released."""
+
+        def __init__(self) -> None:
+            self.released: list[list[int]] = []
+
+        def control_endpoint(self) -> None:
+            return None
+
+        def reserve_packed(self, packed: bytes, arena: int | None) -> bytes:
+            time.sleep(1.0)
+            grant = SlotGrant(lease_id=7, slot=0, block_hash=1, medium=Medium.CPU)
+            return encode_grants([grant, None, grant._replace(lease_id=8, slot=1, block_hash=2)])
+
+        def release(self, lease_ids: list[int]) -> None:
+            self.released.append(list(lease_ids))
+
+        def seen(self) -> list[list[int]]:
+            return self.released
+
+    actor = SlowTier.remote()  # type: ignore[attr-defined]
+    client = RayTierClient(actor, timeout_s=0.3)
+    metas, _ = make_blocks(3)
+    with pytest.raises(TierTimeoutError):
+        client.reserve(metas)
+    deadline = time.monotonic() + 30
+    while not ray.get(actor.seen.remote(), timeout=30) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(actor.seen.remote(), timeout=30) == [[7, 8]]
+    ray.kill(actor)

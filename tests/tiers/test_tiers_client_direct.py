@@ -121,3 +121,42 @@ def test_calls_racing_close_end_cleanly(tmp_path: Path, round_: int) -> None:
         gc.collect()  # a coroutine left behind is reported when the closed loop's queue lets it go
     assert outcomes == ["closed"] * 4
     assert not [w for w in caught if "never awaited" in str(w.message) or "destroyed" in str(w.message)]
+
+
+def test_an_acquire_that_times_out_on_a_slow_disk_gives_its_leases_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller gives up on an acquire waiting for a disk read: the call is left to finish (a cancel racing
+    its last step could drop grants) and every lease it granted -- the CPU hit's and the block read from
+    disk -- is released when it does, so no slot stays pinned."""
+    import msgspec
+
+    import kvstore.tiers.disk as disk_module
+    from kvstore.tiers.errors import TierTimeoutError
+
+    config = msgspec.structs.replace(tier_config(tmp_path, cpu_blocks=4, disk_blocks=16), io_deadline_s=5.0)
+    client = LocalTierClient(config, IDENTITY, arena_name=arena_name(), timeout_s=0.3)
+    try:
+        metas, _ = make_blocks(6)
+        arena = client.arena_info().incarnation
+        for meta in metas:  # the first two end up on disk only, the last four in CPU
+            client.commit([grant.lease_id for grant in client.reserve([meta], arena) if grant is not None])
+        real_read_run = disk_module.read_run
+        reading = threading.Event()
+
+        def slow_read(*args: object, **kwargs: object) -> object:
+            reading.set()
+            time.sleep(0.8)
+            return real_read_run(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(disk_module, "read_run", slow_read)
+        with pytest.raises(TierTimeoutError):
+            client.acquire([metas[5], metas[0]], arena)  # a CPU hit, then a block on disk
+        assert reading.is_set()
+        deadline = time.monotonic() + 10
+        while client.store.cpu.num_leased_slots and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.store.cpu.num_leased_slots == 0
+        client.check_invariants()
+    finally:
+        client.close()

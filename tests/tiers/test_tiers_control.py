@@ -65,9 +65,13 @@ class Served:
         async def stall() -> None:  # until the gate opens
             await self.gate.wait()
 
+        async def slow_reserve(packed: bytes, delay_s: float) -> bytes:  # grants leases, late
+            await asyncio.sleep(delay_s)
+            return encode_grants(await store.reserve(decode_metas(packed)))
+
         handlers: dict[str, Handler] = {
             "lookup": lookup, "reserve": reserve, "commit": commit, "acquire": acquire, "release": release,
-            "note": note, "stall": stall,
+            "note": note, "stall": stall, "slow_reserve": slow_reserve,
         }  # fmt: skip
         self.server = self.run(self._start(handlers))
 
@@ -235,6 +239,29 @@ def test_no_answer_in_time_is_a_timeout_and_the_late_answer_is_dropped(served: S
         time.sleep(0.5)  # its answer arrives now, and must not be taken for the next call's
         assert channel.call("note", [2, 0.0]) == 2
         assert channel._answers == {} and channel._waiting == set()
+    finally:
+        channel.close()
+
+
+def test_leases_granted_after_a_timeout_are_released_when_the_late_answer_comes(served: Served) -> None:
+    """A reserve that times out still grants its leases on the tier: its late answer is read for their ids and
+    a release is sent, so no slot stays pinned by a call nobody waits for any more."""
+    from kvstore.tiers.client import _packed_ids
+
+    metas, _ = make_blocks(3)
+    channel = ControlChannel(served.server.endpoint, timeout_s=0.3)
+    try:
+        with pytest.raises(TierTimeoutError):
+            channel.call("slow_reserve", [encode_metas(metas), 0.6], leases_of=_packed_ids)
+        time.sleep(0.5)  # the answer is in by now
+        assert channel.call("lookup", [[1], 0]) == [0, []]  # reads it, and sends the release behind this call
+        assert channel.call("lookup", [[1], 0]) == [0, []]  # one client's calls run in order: released by now
+
+        async def leased() -> int:
+            return served.store.cpu.num_leased_slots
+
+        assert served.run(leased()) == 0
+        assert channel._late == {} and channel._answers == {}
     finally:
         channel.close()
 

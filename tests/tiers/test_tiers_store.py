@@ -451,3 +451,44 @@ def test_check_blocks_rejects_token_ids_outside_the_range_at_any_position(token:
             check_blocks([*metas[:position], bad, *metas[position + 1 :]], IDENTITY.block_size)
         with pytest.raises(InvalidBlockError, match="token id"):
             check_tokens([bad], IDENTITY.block_size)
+
+
+def test_an_acquire_cancelled_during_its_disk_read_leaves_no_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled while it waits for a disk read (its caller gone), an acquire releases the CPU hits it had
+    leased; the read, when it settles, leaves its block cached and unleased."""
+    import threading
+    import time
+
+    import kvstore.tiers.disk as disk_module
+
+    real_read_run = disk_module.read_run
+    reading = threading.Event()
+
+    def slow_read(*args: Any, **kwargs: Any) -> Any:
+        reading.set()
+        time.sleep(0.5)
+        return real_read_run(*args, **kwargs)
+
+    async def scenario() -> None:
+        store = new_store(tier_config(tmp_path, cpu_blocks=4, disk_blocks=16))
+        metas, _ = make_blocks(6)
+        for meta in metas:  # the first two end up on disk only, the last four in CPU
+            await store.commit([grant.lease_id for grant in await store.reserve([meta]) if grant is not None])
+        monkeypatch.setattr(disk_module, "read_run", slow_read)
+        task = asyncio.create_task(store.acquire([metas[5], metas[0]]))
+        while not reading.is_set():
+            await asyncio.sleep(0.01)
+        assert store.cpu.num_leased_slots >= 1  # the CPU hit, and the slot the read fills
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 10
+        while store.cpu.num_leased_slots and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert store.cpu.num_leased_slots == 0
+        store.check_invariants()
+        await store.aclose()
+
+    asyncio.run(scenario())
