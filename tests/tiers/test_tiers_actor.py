@@ -165,7 +165,9 @@ def test_a_ray_call_that_times_out_has_its_late_grants_released(ray_session: Any
             return self.released
 
     actor = SlowTier.remote()  # type: ignore[attr-defined]
+    assert ray.get(actor.seen.remote(), timeout=60) == []  # started: only the reserve may be slow
     client = RayTierClient(actor, timeout_s=0.3)
+    assert client.channel is None  # no control socket: the call goes through Ray
     metas, _ = make_blocks(3)
     with pytest.raises(TierTimeoutError):
         client.reserve(metas)
