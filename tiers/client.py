@@ -375,13 +375,20 @@ class LocalTierClient:
             raise TierTimeoutError(f"the tier store did not answer within {self._timeout_s} s") from None
 
     def _hand_back(self, leases_of: Callable[[Any], list[int]], answer: concurrent.futures.Future[Any]) -> None:
-        """A timed-out call finished (on the loop thread, which runs this): release the leases it granted."""
+        """A timed-out call finished: release the leases it granted, on the loop (this runs on the loop thread,
+        or on the caller's when the call had finished by the time it gave up)."""
         if answer.cancelled() or answer.exception() is not None:
             return
         lease_ids = leases_of(answer.result())
-        if lease_ids:
+        if not lease_ids:
+            return
+
+        def release() -> None:
             with contextlib.suppress(TierError):  # closed meanwhile: its leases went with the arena
                 self._store.release(lease_ids)
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed: so is the store, and its arena
+            self._loop.call_soon_threadsafe(release)
 
     def _to_loop(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop, unless the client is closing (then it is closed, never run)."""
