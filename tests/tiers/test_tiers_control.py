@@ -146,11 +146,16 @@ def test_one_clients_calls_run_in_the_order_sent_while_another_clients_interleav
         second.close()
 
 
-def test_garbage_is_answered_or_dropped_and_the_reader_keeps_serving(served: Served) -> None:
-    context = zmq.Context.instance()
-    raw = context.socket(zmq.DEALER)
+def raw_dealer(endpoint: str) -> zmq.Socket[bytes]:
+    """A bare DEALER socket on the server, to send what a ControlChannel never would."""
+    raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(served.server.endpoint)
+    raw.connect(endpoint)
+    return raw
+
+
+def test_garbage_is_answered_or_dropped_and_the_reader_keeps_serving(served: Served) -> None:
+    raw = raw_dealer(served.server.endpoint)
     channel = ControlChannel(served.server.endpoint, timeout_s=30)
     try:
         raw.send_multipart([b"one frame"])  # dropped: no seq to answer to
@@ -176,10 +181,7 @@ def test_a_flood_from_one_client_is_refused_past_the_queue_and_an_oversized_mess
     import kvstore.tiers.control as control_module
 
     monkeypatch.setattr(control_module, "MAX_QUEUED", 4)
-    context = zmq.Context.instance()
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(served.server.endpoint)
+    raw = raw_dealer(served.server.endpoint)
     other = ControlChannel(served.server.endpoint, timeout_s=30)
     try:
         raw.send_multipart([(0).to_bytes(8, "little"), b"stall", msgspec.msgpack.encode([])])
@@ -201,9 +203,7 @@ def test_a_flood_from_one_client_is_refused_past_the_queue_and_an_oversized_mess
         assert (seq, status) == (b"\x07" * 8, b"err") and "2 frames, not 3" in msgspec.msgpack.decode(payload)[1]
     finally:
         raw.close(0)
-    huge = context.socket(zmq.DEALER)
-    huge.setsockopt(zmq.LINGER, 0)
-    huge.connect(served.server.endpoint)
+    huge = raw_dealer(served.server.endpoint)
     try:
         huge.send_multipart([b"\x08" * 8, b"lookup", b"\x00" * (control_module.MAX_MESSAGE_BYTES + 1)])
         assert not huge.poll(1_000)  # never read, never answered
