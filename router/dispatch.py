@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from typing import NamedTuple, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 from kvstore.openai.errors import ApiError
 from kvstore.router.backends import (
@@ -131,27 +132,33 @@ class Dispatcher:
         received, name, retried = await self._try(prompt, routed, attempt)
         return Opened(name, retried, self._relay_chunks(name, received[0], _replay(received[1:])))
 
-    async def _relay_chunks(
+    def _relay_chunks(
         self, name: str, first: StreamChunk, rest: AsyncGenerator[StreamChunk, None]
     ) -> AsyncGenerator[StreamChunk, None]:
-        outcome = "cancelled"
-        try:
-            chunk = first
-            while True:
-                if chunk.stats is not None:
-                    self._learn(name, chunk)
-                yield chunk
-                try:
-                    chunk = await anext(rest)
-                except StopAsyncIteration:
-                    outcome = "ok"
-                    return
-        except ReplicaUnavailable as exc:
-            outcome = "failed"
-            raise ApiError(502, f"replica {name} failed during the stream: {public_reason(exc)}") from None
-        finally:
+        async def settle(outcome: str) -> None:
             self._metrics.finished(outcome)  # type: ignore[arg-type]
             await rest.aclose()
+
+        async def relay() -> AsyncGenerator[StreamChunk, None]:
+            outcome = "cancelled"
+            try:
+                chunk = first
+                while True:
+                    if chunk.stats is not None:
+                        self._learn(name, chunk)
+                    yield chunk
+                    try:
+                        chunk = await anext(rest)
+                    except StopAsyncIteration:
+                        outcome = "ok"
+                        return
+            except ReplicaUnavailable as exc:
+                outcome = "failed"
+                raise ApiError(502, f"replica {name} failed during the stream: {public_reason(exc)}") from None
+            finally:
+                await settle(outcome)
+
+        return _Settling(relay(), partial(settle, "cancelled"))
 
     def _learn(self, name: str, last: StreamChunk) -> None:
         stats = last.stats
@@ -191,28 +198,34 @@ class Dispatcher:
             raise
         return Relayed(name, retried, upstream)
 
-    async def _relay_bytes(
+    def _relay_bytes(
         self, replica: Replica, prefill: int, upstream: Forwarded, started: float
-    ) -> AsyncIterator[bytes]:
-        pending = True  # prefill still counted as in flight
-        outcome = "cancelled"
-        try:
-            async for data in upstream.body:
-                if pending:
-                    pending = False
-                    replica.prefill.finished(prefill)
-                    if _is_event_stream(upstream.headers):
-                        replica.prefill.observe(prefill, time.monotonic() - started)
-                yield data
-            outcome = "ok" if upstream.status < 400 else "rejected"
-        except Exception:  # the answer broke off (not the client leaving: that closes or cancels this generator)
-            outcome = "failed"
-            raise
-        finally:
-            if pending:
+    ) -> AsyncGenerator[bytes, None]:
+        async def settle(pending: bool, outcome: str) -> None:
+            if pending:  # the prefill still counted as in flight
                 replica.prefill.finished(prefill)
             self._metrics.finished(outcome)  # type: ignore[arg-type]
             await upstream.close()
+
+        async def relay() -> AsyncGenerator[bytes, None]:
+            pending = True
+            outcome = "cancelled"
+            try:
+                async for data in upstream.body:
+                    if pending:
+                        pending = False
+                        replica.prefill.finished(prefill)
+                        if _is_event_stream(upstream.headers):
+                            replica.prefill.observe(prefill, time.monotonic() - started)
+                    yield data
+                outcome = "ok" if upstream.status < 400 else "rejected"
+            except Exception:  # the answer broke off (not the client leaving: that closes or cancels this generator)
+                outcome = "failed"
+                raise
+            finally:
+                await settle(pending, outcome)
+
+        return _Settling(relay(), partial(settle, True, "cancelled"))
 
     # ------------------------------------------------------------------ shared
 
@@ -268,6 +281,38 @@ def public_reason(exc: BaseException) -> str:
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     return first if len(first) <= 300 else first[:297] + "..."
+
+
+class _Settling(AsyncGenerator[T, None]):
+    """A relay generator whose clean-up also runs when it is closed before its first step.
+
+    An async generator closed unstarted never runs its body, ``finally`` included: a client gone before
+    the first chunk was read (or the other prompts of a batch one of which failed) would leave the
+    replica's in-flight load counted for good, the request uncounted in the metrics and the upstream
+    connection open. ``unstarted`` is that clean-up, run by :meth:`aclose` in that case (once).
+    """
+
+    def __init__(self, gen: AsyncGenerator[T, None], unstarted: Callable[[], Awaitable[None]]) -> None:
+        self._gen = gen
+        self._unstarted: Callable[[], Awaitable[None]] | None = unstarted
+
+    async def asend(self, value: None) -> T:
+        self._unstarted = None  # from its first step on, the generator's own finally settles it
+        return await self._gen.asend(value)
+
+    async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> T:
+        unstarted, self._unstarted = self._unstarted, None
+        try:
+            return await self._gen.athrow(typ, val, tb)
+        finally:
+            if unstarted is not None:  # thrown into before its first step: its body never ran
+                await unstarted()
+
+    async def aclose(self) -> None:
+        unstarted, self._unstarted = self._unstarted, None
+        await self._gen.aclose()
+        if unstarted is not None:
+            await unstarted()
 
 
 async def _replay(chunks: list[StreamChunk]) -> AsyncGenerator[StreamChunk, None]:
