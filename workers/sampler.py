@@ -18,6 +18,13 @@ serves it. Unseeded choices share the sampler's generator.
 
 Logprobs are those of the raw model distribution (before any of the
 above), as vLLM reports them by default.
+
+Any valid request samples (the step loop must never fail on one):
+a temperature under ``SAMPLING_EPS`` is greedy, as in vLLM (dividing by
+1e-39 made every logit infinite); logits a penalty made infinite are the
+only candidates, drawn among by their raw values; and when the constraints
+leave no token at all (``min_tokens`` blocking the only allowed ones), the
+row falls back to the raw logits of the allowed tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class SamplingDefaults(NamedTuple):
 
 
 GREEDY = SamplingDefaults(temperature=0.0)
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 
 
 class ChoiceSampling:
@@ -60,6 +68,8 @@ class ChoiceSampling:
             return float(default if value is None else value)
 
         self.temperature = pick(params.temperature, defaults.temperature)
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
         self.top_p = pick(params.top_p, defaults.top_p)
         top_k = int(pick(params.top_k, defaults.top_k))
         self.top_k = top_k if top_k > 0 else 0
@@ -143,11 +153,30 @@ class ChoiceSampling:
                 banned.append(word[-1])
         return banned
 
+    def usable(self, row: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """A processed row something can be drawn from (see the module docstring): infinite logits alone when
+        there are any, else the row, else -- its constraints leave nothing -- the raw logits of the allowed
+        tokens."""
+        row = torch.nan_to_num(row, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        infinite = torch.isposinf(row)
+        if bool(infinite.any()):
+            return torch.where(infinite, raw, torch.full_like(raw, float("-inf")))
+        if bool(torch.isfinite(row).any()):
+            return row
+        if self._allowed is None:
+            return raw.clone()
+        fallback = torch.full_like(raw, float("-inf"))
+        fallback[self._allowed] = raw[self._allowed]
+        return fallback
+
     def draw(self, row: torch.Tensor, shared: torch.Generator) -> int:
-        """Temperature, min_p, top_k and top_p on processed logits, then one draw."""
+        """Temperature, min_p, top_k and top_p on processed logits (see :meth:`usable`), then one draw."""
         if self.temperature == 0.0:
             return int(row.argmax())
         row = row / self.temperature
+        overflow = torch.isposinf(row)  # finite logits too large for the temperature: the largest ones alone
+        if bool(overflow.any()):
+            row = torch.where(overflow, 0.0, float("-inf"))
         if self.min_p > 0.0:
             probs = torch.softmax(row, dim=-1)
             row = row.masked_fill(probs < self.min_p * probs.max(), float("-inf"))
@@ -192,7 +221,7 @@ class Sampler:
                     continue
                 row = logits[index].clone()
                 choice.process(row)
-                tokens.append(choice.draw(row, self._shared))
+                tokens.append(choice.draw(choice.usable(row, logits[index]), self._shared))
         out: list[tuple[int, TokenLogprob | None]] = []
         for index, (choice, token) in enumerate(zip(rows, tokens, strict=True)):
             choice.record(token)

@@ -9,7 +9,8 @@ request within one step and frees its blocks.
 
 Invariants: chunks arrive in order, each exactly once; after ``close`` or
 ``fail`` nothing more is put. The producer never blocks (the buffer is
-unbounded, and a request's output is bounded by its ``max_tokens``).
+unbounded, and a request's output is bounded by its ``max_tokens``) and
+never fails: an asyncio reader whose loop was closed under it is forgotten.
 """
 
 from __future__ import annotations
@@ -64,8 +65,14 @@ class RequestStream:
             self._items.append(item)
             self._cond.notify_all()
             wakers = list(self._wakers)
-        for loop, event in wakers:
-            loop.call_soon_threadsafe(event.set)
+        for waker in wakers:
+            loop, event = waker
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # its loop is closed, the reader gone with it: forget it, never fail the producer
+                with self._cond:
+                    if waker in self._wakers:
+                        self._wakers.remove(waker)
 
     # ------------------------------------------------------------- consumer
 
@@ -122,7 +129,8 @@ class RequestStream:
                 yield item
         finally:
             with self._cond:
-                self._wakers.remove(waker)
+                if waker in self._wakers:  # (the producer drops a waker whose loop closed)
+                    self._wakers.remove(waker)
 
     async def aresult(self) -> GenerateResult:
         """:meth:`result` for an asyncio consumer."""

@@ -55,7 +55,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -67,7 +67,15 @@ from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.metrics import render
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.publisher import EventEndpoints, NullEventPublisher, Snapshot, ZmqEventPublisher
-from kvstore.worker_api import ChoiceDelta, GenerateRequest, GenerateResult, ModelInfo, WorkerLoad, WorkerShutdownError
+from kvstore.worker_api import (
+    ChoiceDelta,
+    GenerateRequest,
+    GenerateResult,
+    ModelInfo,
+    TokenLogprob,
+    WorkerLoad,
+    WorkerShutdownError,
+)
 from kvstore.workers.config import WorkerSettings
 from kvstore.workers.device import resolve_device
 from kvstore.workers.kv_tensor_pool import KVTensorPool
@@ -75,7 +83,7 @@ from kvstore.workers.metrics import LoopGauges, OffloadState, WorkerCounters
 from kvstore.workers.model_runner import ModelRunner
 from kvstore.workers.offload_backend import NoOffload, OffloadBackend
 from kvstore.workers.offload_slot import OffloadSlot
-from kvstore.workers.output import RequestGroup
+from kvstore.workers.output import ChoiceRecord, RequestGroup
 from kvstore.workers.request_table import (
     RequestTable,
     choice_record,
@@ -85,7 +93,7 @@ from kvstore.workers.request_table import (
     sampling_defaults,
 )
 from kvstore.workers.sampler import Sampler
-from kvstore.workers.scheduler import Scheduler, SchedulerOutput
+from kvstore.workers.scheduler import RequestState, Scheduler, SchedulerOutput
 from kvstore.workers.stream import RequestStream
 from kvstore.workers.validation import RequestLimits, validate_request
 from kvstore.workers.worker_telemetry import STEP_LOG, StepRecord, worker_registry
@@ -95,6 +103,16 @@ __all__ = ["KVWorker", "StepRecord"]
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.01
+
+
+class Sampled(NamedTuple):
+    """A step's sampled rows: the scheduled rows that computed their sequence's last token, their choices,
+    and each one's token and logprobs."""
+
+    rows: list[int]
+    states: list[RequestState]
+    records: list[ChoiceRecord]
+    tokens: list[tuple[int, TokenLogprob | None]]
 
 
 class KVWorker:
@@ -378,17 +396,27 @@ class KVWorker:
             logger.exception("worker %s: model step failed; dropping running requests and the prefix cache", self.name)
             self._recover_from_model_failure(exc)
             return True
-        self._finish_step(output, logits)
+        try:
+            sampled = self._sample(output, logits)
+        except (
+            Exception
+        ) as exc:  # a bug, not a request's fault (the sampler copes with any valid one): as a model failure
+            logger.exception("worker %s: sampling failed; dropping running requests and the prefix cache", self.name)
+            self._recover_from_model_failure(exc)
+            return True
+        self._finish_step(output, sampled)
         return True
 
-    def _finish_step(self, output: SchedulerOutput, logits: torch.Tensor) -> None:
+    def _sample(self, output: SchedulerOutput, logits: torch.Tensor) -> Sampled:
         rows = [row for row, work in enumerate(output.scheduled) if work.samples]
         states = [output.scheduled[row].state for row in rows]
         records = [choice_record(state) for state in states]
-        sampled = self._sampler.sample(logits[rows], [record.sampling for record in records])
+        return Sampled(rows, states, records, self._sampler.sample(logits[rows], [r.sampling for r in records]))
+
+    def _finish_step(self, output: SchedulerOutput, sampled: Sampled) -> None:
         deltas: dict[int, tuple[RequestGroup, list[ChoiceDelta]]] = {}
         tokens: dict[int, int] = {}
-        for row, state, record, (token, logprob) in zip(rows, states, records, sampled, strict=True):
+        for row, state, record, (token, logprob) in zip(*sampled, strict=True):
             tokens[row] = token
             delta = record.accept(state, token, logprob)
             deltas.setdefault(id(record.group), (record.group, []))[1].append(delta)
@@ -429,8 +457,11 @@ class KVWorker:
             self._closed = True
             self._last_error = f"step loop died: {exc!r}"
             groups = self._requests.take_all()
-        for group in groups:
-            group.stream.fail(WorkerShutdownError(f"worker {self.name}: step loop died ({exc!r})"))
+        for group in groups:  # each one, whatever another raises: no reader may be left waiting
+            try:
+                group.stream.fail(WorkerShutdownError(f"worker {self.name}: step loop died ({exc!r})"))
+            except Exception:
+                logger.exception("worker %s: could not end request %r", self.name, group.request_id)
 
     # ------------------------------------------------------------- internals
 

@@ -54,6 +54,27 @@ def test_a_failing_model_step_fails_running_requests_drops_the_cache_and_the_wor
     assert 'kvstore_requests_total{outcome="failed",replica="w0"} 1.0' in worker.metrics_text().decode()
 
 
+def test_a_sampler_fault_is_recovered_from_as_a_failed_model_step(
+    make_worker: WorkerFactory, reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampling runs outside the model step; a fault there (a bug: any valid request samples) fails the running
+    requests as a failed model step does, and the worker serves on (before: the step loop died)."""
+    worker = make_worker()
+    real_sample = worker._sampler.sample
+
+    def fail_once(*args: object) -> object:
+        monkeypatch.setattr(worker._sampler, "sample", real_sample)
+        raise RuntimeError("injected sampler fault")
+
+    monkeypatch.setattr(worker._sampler, "sample", fail_once)
+    with pytest.raises(RuntimeError, match=r"model step failed .*injected sampler fault"):
+        worker.generate(GenerateRequest([1, 2, 3, 4], 4))
+    assert worker.health()["alive"]
+    again = GenerateRequest([1, 2, 3, 4], 4)
+    assert worker.generate(again).output_token_ids == reference(again)
+    worker.check_invariants()
+
+
 def test_info_health_and_endpoints(make_worker: WorkerFactory) -> None:
     worker = make_worker(events=True)
     assert worker.info() == ModelInfo(model_name="kvstore-toy", vocab_size=512, max_context=2048, block_size=16,

@@ -195,3 +195,29 @@ def test_n_choices_share_the_prompt_blocks_and_each_equals_its_seed(make_worker:
         assert choice.token_ids == single
     assert result.stats.completion_tokens == 36 and result.prompt_tokens == 64
     worker.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1e-39},  # logits / temperature: every one infinite
+        {"temperature": 1.0, "repetition_penalty": 1e-39},  # the prompt's positive logits infinite
+        {"temperature": 1.0, "allowed_token_ids": (7,), "stop_token_ids": (7,), "min_tokens": 2},  # nothing left
+        {"allowed_token_ids": (7, 9), "bad_words_token_ids": ((7,), (9,)), "min_tokens": 1, "stop_token_ids": (9,)},
+    ],
+    ids=["tiny temperature", "tiny repetition penalty", "min_tokens blocks every allowed token", "all banned"],
+)
+def test_extreme_but_valid_sampling_never_stops_the_worker(make_worker: WorkerFactory, sampling: dict) -> None:
+    """Requests that pass every check but leave the sampler with infinite logits or nothing to draw are
+    answered (before: torch.multinomial raised on the step loop, and the worker died)."""
+    worker = make_worker()
+    out = run(worker, 6, **sampling).output_token_ids  # type: ignore[attr-defined]
+    assert 1 <= len(out) <= 6
+    if "allowed_token_ids" in sampling:
+        assert set(out) <= set(sampling["allowed_token_ids"])
+    assert worker.health()["alive"] and len(run(worker, 2).output_token_ids) == 2  # type: ignore[attr-defined]
+
+
+def test_a_temperature_below_vllms_epsilon_is_greedy(reference: Reference, make_worker: WorkerFactory) -> None:
+    worker = make_worker()
+    assert run(worker, temperature=1e-6, seed=1).output_token_ids == reference(GenerateRequest(PROMPT, 16))  # type: ignore[attr-defined]

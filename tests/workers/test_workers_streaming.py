@@ -8,7 +8,7 @@ import time
 
 from workers_testlib import WorkerFactory, random_tokens
 
-from kvstore.worker_api import FinishReason, GenerateRequest, SamplingParams
+from kvstore.worker_api import FinishReason, GenerateRequest, SamplingParams, StreamChunk
 
 PROMPT = random_tokens(random.Random(5), 50)
 
@@ -70,3 +70,27 @@ def test_cancel_of_a_waiting_request_and_after_the_end_are_harmless(make_worker:
     done.cancel()  # already finished: nothing happens
     worker.check_invariants()
     assert worker.load().running == 0
+
+
+def test_a_reader_whose_event_loop_closed_never_stops_the_worker(make_worker: WorkerFactory) -> None:
+    """An asyncio reader that read one chunk and closed its loop without finishing the stream leaves a waker
+    behind; the next chunk must not fail the step loop (before: the worker died, every request with it)."""
+    worker = make_worker()
+    stream = worker.submit(
+        GenerateRequest(random_tokens(random.Random(3), 8), 40, sampling=SamplingParams(ignore_eos=True))
+    )
+    readers = []
+
+    async def first_chunk() -> StreamChunk:
+        reader = stream.__aiter__()
+        readers.append(reader)  # kept alive: never finalized, its waker stays registered
+        return await anext(reader)
+
+    loop = asyncio.new_event_loop()
+    first = loop.run_until_complete(first_chunk())
+    loop.close()
+    rest = stream.result(timeout=60).choices[0].token_ids  # the rest, read on this thread
+    assert len(first.deltas[0].token_ids) + len(rest) == 40
+    assert worker.health()["alive"] and worker.health()["last_error"] is None
+    assert len(worker.generate(GenerateRequest([1, 2, 3], 3)).choices[0].token_ids) == 3
+    worker.check_invariants()
