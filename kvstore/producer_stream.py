@@ -45,6 +45,14 @@ stale and skipped. Likewise, a live batch that a replay already applied
 connection: it is stale, not a restart.
 A producer that answers a snapshot with nothing (plain vLLM) cannot be
 recovered exactly: we resume at the oldest buffered batch and mark it lossy.
+Unless that snapshot was asked for after a disconnect: then the producer
+has most likely restarted, and the old incarnation's blocks would stay in
+the consumer's view for good (the new one never removes what it never
+held). So the state is reset and the history replayed from 0 -- exact
+while the new incarnation's replay buffer still holds its first batch;
+otherwise the next snapshot comes back empty too and we resume lossy, from
+the reset state: blocks missing from the view cost a hit, blocks it holds
+wrongly draw requests to a replica that lacks them.
 
 A resync that does not complete never throws away what the consumer holds.
 A snapshot is held back until its end marker and then replaces the state in
@@ -117,6 +125,7 @@ class ProducerStream:
         self._disconnected = False  # the live connection dropped since the last live batch
         self._sync_cut = False  # ... while a replay or snapshot was in flight
         self._initial = False  # the replay asked for on subscribing is in flight
+        self._maybe_restarted = False  # the snapshot in flight was asked for after a disconnect
         self.gaps = 0
         self.restarts = 0
         self.replays = 0
@@ -130,6 +139,7 @@ class ProducerStream:
         # Batches wait only for a sync in flight: the end of each sync drains or re-buffers them.
         assert self.syncing is not None or not self._pending, "buffered batches with no sync to wait for"
         assert self._snapshot_seq is None or self.syncing is SyncState.SNAPSHOT, "a snapshot seq outside a snapshot"
+        assert not self._maybe_restarted or self.syncing is SyncState.SNAPSHOT, "a restart guess with no snapshot"
         assert (self._snapshot_seq is None) == (not self._snapshot), "snapshot batches without their seq, or vice versa"
         assert not self._initial or self.syncing is SyncState.REPLAY, "the initial replay is not in flight"
         assert not self._disconnected or self.started, "a disconnect counted before the stream started"
@@ -171,7 +181,9 @@ class ProducerStream:
                 # Maybe a new incarnation that outran our seq: only a snapshot tells its state exactly.
                 self.gaps += seq > self.next_seq
                 self._buffer(seq, payload)
-                return self._start_snapshot()
+                actions = self._start_snapshot()
+                self._maybe_restarted = True
+                return actions
             # seq == next: the same stream, nothing missed; seq < next: a restart (below).
         if self._stale_through is not None:
             if seq <= self._stale_through:
@@ -218,6 +230,7 @@ class ProducerStream:
             self.started = True  # it applied a true prefix of the history: handled as a cut-off sync below
             self._initial = False
         self._disconnected = True
+        self._maybe_restarted = False
         self._pending.clear()
         self._stale_through = None
         self._replayed.clear()
@@ -262,6 +275,12 @@ class ProducerStream:
             self.syncing = None
             seq, batches = self._snapshot_seq, self._snapshot
             self._drop_snapshot()
+            maybe_restarted, self._maybe_restarted = self._maybe_restarted, False
+            if seq is None and maybe_restarted:  # no snapshot to tell (plain vLLM): rebuild from 0 (module doc)
+                self.restarts += 1
+                self.next_seq = 0
+                self._stale_through = None
+                return [Reset(), *self._start_replay()]
             if seq is None:
                 return self._give_up()
             self.next_seq = seq + 1
@@ -304,6 +323,7 @@ class ProducerStream:
 
     def _start_snapshot(self) -> list[Action]:
         self.syncing = SyncState.SNAPSHOT
+        self._maybe_restarted = False
         self._drop_snapshot()
         self._replayed.clear()  # the snapshot's seq decides what is stale from now on
         self.snapshots += 1

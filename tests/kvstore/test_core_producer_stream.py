@@ -206,6 +206,31 @@ def test_snapshot_answered_with_nothing_resumes_lossy_at_oldest_buffered() -> No
     assert s.next_seq == 9 and s.syncing is None
 
 
+def test_an_empty_snapshot_after_a_disconnect_resets_and_replays_from_zero() -> None:
+    """After a disconnect a seq ahead may be a restarted producer; one that answers the snapshot with nothing
+    (plain vLLM) has its state reset and its history replayed from 0 -- not the new batches grafted onto the
+    old incarnation's blocks, which it would never remove."""
+    s = streaming_at(3)
+    s.on_disconnect()
+    assert s.on_live(5, p(5)) == [RequestSnapshot()]
+    assert s.on_sync_end() == [Reset(), RequestReplay(0)]  # nothing came: rebuild from the start
+    for seq in range(5):
+        assert s.on_sync_item(seq, b"new-%d" % seq) == [Apply(seq, b"new-%d" % seq)]
+    assert s.on_sync_end() == [Apply(5, p(5))]  # then the buffered live batch
+    assert s.next_seq == 6 and s.lossy == 0 and s.restarts == 1
+    s.check_invariants()
+    # A new incarnation whose buffer no longer reaches 0: reset all the same, then resumed lossy.
+    t = streaming_at(3)
+    t.on_disconnect()
+    assert t.on_live(9, p(9)) == [RequestSnapshot()]
+    assert t.on_sync_end() == [Reset(), RequestReplay(0)]
+    assert t.on_sync_item(4, b"r4") == []  # the replay starts past 0
+    assert t.on_sync_end() == [RequestSnapshot()]
+    assert t.on_sync_end() == [Apply(9, p(9))]  # empty again: lossy, from the reset state
+    assert t.lossy == 1 and t.next_seq == 10
+    t.check_invariants()
+
+
 def test_live_copies_of_replayed_batches_are_stale_not_a_restart() -> None:
     # The replay (ROUTER/DEALER) can overtake the live stream (PUB/SUB): live copies of batches
     # the replay applied then arrive with seq < next.
