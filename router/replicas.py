@@ -79,19 +79,28 @@ class ReplicaSet(Mapping[str, Replica]):
         return len(self._replicas)
 
     def add(self, spec: ReplicaSpec) -> None:
-        """Register (or replace) a replica and subscribe to its event stream."""
+        """Register (or replace) a replica and subscribe to its event stream.
+
+        Registered in the index first: a registration it refuses leaves no replica routable without events.
+        """
         if spec.name in self._replicas:
             self.remove(spec.name)
-        self._replicas[spec.name] = Replica(spec, self._prefill_tps)
         self._index.add_producer(spec.events.name, "gpu", [spec.name], spec.node, rekey=spec.events.rekey)
+        self._replicas[spec.name] = Replica(spec, self._prefill_tps)
         subscribe(self._listener, spec.events)
 
     def remove(self, name: str) -> None:
-        """Forget a replica and its blocks (its producer's registration removes the replica from the index)."""
+        """Forget a replica and its blocks (its producer's registration removes the replica from the index).
+
+        The listener unsubscribes on its own thread, and may deliver a batch of the old subscription
+        before it does; were the replica re-added under the same name meanwhile, that batch would land in
+        the new registration (and the new stream's replay from 0 count its blocks twice). So the
+        listener also resets the producer once it has unsubscribed: anything that slipped in goes.
+        """
         replica = self._replicas.pop(name, None)
         if replica is None:
             return
-        self._listener.remove_producer(replica.spec.events.name)
+        self._listener.remove_producer(replica.spec.events.name, reset=True)
         self._index.remove_producer(replica.spec.events.name)
 
     def healthy(self) -> list[Replica]:

@@ -54,3 +54,39 @@ def test_stream_times_are_utc_iso_8601_and_the_lag_histogram_stays_on_metrics() 
     never = health._replace(last_batch_at=None, lag_s=None)
     (summary,) = replicas.summary({"w0/gpu": never})
     assert summary["events"]["last_batch_at"] is None
+
+
+def test_a_batch_of_the_old_stream_delivered_after_a_replacement_is_dropped_with_it() -> None:
+    """A replica re-added under its name (a restarted worker): a batch the listener was still delivering from
+    the old subscription lands in the new registration before the listener unsubscribes. The listener then
+    resets the producer, so the old block goes (before: it stayed, and the new stream's replay counted its
+    blocks twice, so a later eviction left them in the index)."""
+    from kvstore.events import BlockStored, EventBatch
+
+    index = PrefixIndex(CacheConfig())
+    listener = EventListener(index)
+    replicas = ReplicaSet(index, listener, RouterConfig())
+    events = ProducerSpec("w0/gpu", "tcp://127.0.0.1:1", None)
+    spec = ReplicaSpec("w0", "node-a", IdleBackend(), events)  # type: ignore[arg-type]
+    stored = BlockStored(
+        block_hashes=[77],
+        parent_block_hash=None,
+        token_ids=[0] * 16,
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    try:
+        replicas.add(spec)
+        replicas.add(spec)  # replaced: the old subscription's removal is queued for the listener thread
+        index.apply_batch("w0/gpu", 5, EventBatch(0.0, [stored]))  # what that thread delivers meanwhile
+        assert index.lookup([77]) != {}
+        listener.start()
+        deadline = time.monotonic() + 10
+        while index.lookup([77]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert index.lookup([77]) == {}
+        assert [r.spec.name for r in replicas.healthy()] == ["w0"]
+    finally:
+        listener.close()
