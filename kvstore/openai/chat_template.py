@@ -109,7 +109,7 @@ class ChatTemplate:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
         variables: dict[str, Any] = {**special_tokens, **overrides}
         variables.update(
-            messages=[dict(m) for m in messages],
+            messages=_tagged_final(messages) if continue_final_message else [dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             tools=list(tools) if tools is not None else None,
             documents=list(documents) if documents is not None else None,
@@ -124,7 +124,7 @@ class ChatTemplate:
             problem = f"{type(exc).__name__}: {exc}"
             raise ChatTemplateError(f"the chat template failed on these messages: {problem}") from None
         if continue_final_message:
-            rendered = _cut_after_final_message(rendered, messages)
+            rendered = _cut_at_tag(rendered)
         return rendered
 
 
@@ -164,19 +164,42 @@ def request_template(fields: Mapping[str, Any]) -> Any:
     return template
 
 
-def _cut_after_final_message(rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:
+# continue_final_message, as transformers' apply_chat_template does it (and so vLLM): the final message's text
+# (its last text part) is rendered with this marker after it, and the prompt is cut where the marker lands -- not
+# where the text itself last occurs, which the template's own closing markup can repeat ("e", "", "{").
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged_final(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``messages``, the final one's text marked with ``_CONTINUE_TAG``."""
     if not messages:
         raise ChatTemplateError("continue_final_message needs at least one message")
-    final = messages[-1].get("content")
-    if isinstance(final, list):
-        final = final[-1].get("text") if final and isinstance(final[-1], Mapping) else None
-    if not isinstance(final, str):
-        raise ChatTemplateError("continue_final_message needs the last message to have text content")
-    for needle in (final, final.strip()):
-        index = rendered.rfind(needle)
-        if index >= 0:
-            return rendered[: index + len(needle)]
-    raise ChatTemplateError("continue_final_message: the template does not render the final message's text")
+    copied = [dict(m) for m in messages]
+    final = copied[-1]
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + _CONTINUE_TAG
+        return copied
+    if isinstance(content, list):
+        for position in range(len(content) - 1, -1, -1):
+            part = content[position]
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                parts = list(content)
+                parts[position] = {**part, "text": part["text"] + _CONTINUE_TAG}
+                final["content"] = parts
+                return copied
+    raise ChatTemplateError("continue_final_message needs the last message to have text content")
+
+
+def _cut_at_tag(rendered: str) -> str:
+    """The rendering cut where the final message's marker landed (see ``_CONTINUE_TAG``)."""
+    tag = _CONTINUE_TAG.strip()
+    where = rendered.rfind(tag)
+    if where < 0:
+        raise ChatTemplateError("continue_final_message: the template does not render the final message's text")
+    if rendered.startswith(_CONTINUE_TAG, where):
+        return rendered[:where]
+    return rendered[:where].rstrip()  # the template trimmed the text's trailing space: trim what came before too
 
 
 # The built-in model reads UTF-8 bytes; its conversations use ChatML markers, written out as text.
