@@ -6,9 +6,10 @@ states (:class:`~kvstore.workers.scheduler.RequestState`), each carrying a
 model step the worker hands every sampled token to :meth:`ChoiceRecord.accept`,
 which decides, as vLLM does, whether the choice ends:
 
-- an EOS id (unless ``ignore_eos``) or one of ``stop_token_ids`` ends it
-  with ``stop``; the token stays in ``token_ids`` but, as vLLM's v1
-  detokenizer does, is left out of the text unless
+- the tokenizer's EOS id (unless ``ignore_eos``) ends it with ``stop`` and
+  no stop reason; one of ``stop_token_ids`` -- the generation config's
+  other EOS ids among them, as vLLM adds them -- with ``stop`` and the id;
+  the token stays in ``token_ids`` but, as vLLM's v1 detokenizer does, is left out of the text unless
   ``include_stop_str_in_output`` (then it is rendered like any other,
   specials subject to ``skip_special_tokens``);
 - a stop string ends it with ``stop``, the text cut before it (after it
@@ -45,12 +46,14 @@ class ChoiceRecord:
         tokenizer: Tokenizer,
         eos_token_ids: Sequence[int],
         prompt_ids: Sequence[int],
+        other_eos_ids: Sequence[int] = (),
     ) -> None:
         self.group = group
         self.index = index
         self.sampling = ChoiceSampling(
-            params, defaults, index=index, prompt_ids=prompt_ids, eos_token_ids=eos_token_ids
-        )
+            params, defaults, index=index, prompt_ids=prompt_ids, eos_token_ids=eos_token_ids,
+            other_eos_ids=other_eos_ids,
+        )  # fmt: skip
         self.detokenizer = IncrementalDetokenizer(
             tokenizer,
             stop=params.stop,

@@ -50,6 +50,7 @@ def new_group(
     tokenizer: Tokenizer,
     eos_token_ids: Sequence[int],
     on_cancel: Callable[[RequestStream], None],
+    other_eos_ids: Sequence[int] = (),
 ) -> RequestGroup:
     """A validated request as a group of ``n`` choices, one scheduler entry each, and its stream."""
     request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
@@ -59,7 +60,7 @@ def new_group(
     for index in range(request.sampling.n):
         state = RequestState(request, request_id, arrival)
         state.output = ChoiceRecord(
-            group, index, request.sampling, defaults, tokenizer, eos_token_ids, request.token_ids
+            group, index, request.sampling, defaults, tokenizer, eos_token_ids, request.token_ids, other_eos_ids
         )
         group.choices.append(state)
     return group

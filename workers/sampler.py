@@ -52,6 +52,14 @@ GREEDY = SamplingDefaults(temperature=0.0)
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 
 
+def eos_split(tokenizer_eos: Sequence[int], generation_eos: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """vLLM's EOS rule: the tokenizer's EOS ids always end a choice (as EOS: no stop reason); the other ids a
+    model's ``generation_config`` lists (Llama 3's ``<|eot_id|>``, a Qwen's ``<|endoftext|>``) are added to
+    each request's stop token ids, so ending on one reports it as ``stop_reason``. Returns (EOS, the others)."""
+    primary = tuple(dict.fromkeys(tokenizer_eos))
+    return primary, tuple(t for t in dict.fromkeys(generation_eos) if t not in primary)
+
+
 class ChoiceSampling:
     """One choice's resolved parameters and the state penalties need. Owned by the step loop."""
 
@@ -63,7 +71,12 @@ class ChoiceSampling:
         index: int,
         prompt_ids: Sequence[int],
         eos_token_ids: Sequence[int],
+        other_eos_ids: Sequence[int] = (),
     ) -> None:
+        """``eos_token_ids``: the tokenizer's EOS, which ends a choice with no stop reason; ``other_eos_ids``: the
+        other ids of the model's ``generation_config``, which vLLM makes stop token ids (unless ``ignore_eos``),
+        so that ending on one names it as the stop reason (see :func:`eos_split`)."""
+
         def pick(value: float | int | None, default: float | int) -> float:
             return float(default if value is None else value)
 
@@ -85,7 +98,8 @@ class ChoiceSampling:
         # The output's last tokens, as many as the longest bad word's prefix (none without bad words).
         self._recent: deque[int] = deque(maxlen=max((len(w) - 1 for w in self._bad_words), default=0))
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
-        self.stop_token_ids = tuple(params.stop_token_ids)
+        others = () if params.ignore_eos else tuple(t for t in other_eos_ids if t not in params.stop_token_ids)
+        self.stop_token_ids = (*params.stop_token_ids, *others)
         self._blocked = sorted({*self.eos_token_ids, *self.stop_token_ids})
         self.generator: torch.Generator | None = None
         if params.seed is not None:

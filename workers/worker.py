@@ -92,7 +92,7 @@ from kvstore.workers.request_table import (
     new_group,
     sampling_defaults,
 )
-from kvstore.workers.sampler import Sampler
+from kvstore.workers.sampler import Sampler, eos_split
 from kvstore.workers.scheduler import RequestState, Scheduler, SchedulerOutput
 from kvstore.workers.stream import RequestStream
 from kvstore.workers.validation import RequestLimits, validate_request
@@ -157,7 +157,7 @@ class KVWorker:
         self._step_lock = threading.Lock()
         self.tokenizer: Tokenizer = tokenizer or default_tokenizer(self.served)
         self._defaults = sampling_defaults(self.served)
-        self._eos = self.served.generation.eos_token_ids or self.tokenizer.eos_token_ids
+        self._eos, self._other_eos = eos_split(self.tokenizer.eos_token_ids, self.served.generation.eos_token_ids)
         self._sampler = Sampler()
         self._counters = WorkerCounters()
         self._requests = RequestTable(self._scheduler, self._counters)
@@ -225,7 +225,7 @@ class KVWorker:
             with self._lock:
                 self._counters.rejected += 1
             raise
-        group = new_group(request, self._defaults, self.tokenizer, self._eos, self._cancel)
+        group = new_group(request, self._defaults, self.tokenizer, self._eos, self._cancel, self._other_eos)
         with self._lock:
             if self._closed:
                 raise WorkerShutdownError(f"worker {self.name} is shut down; send the request to another replica")

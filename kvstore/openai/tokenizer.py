@@ -38,7 +38,7 @@ class Tokenizer(Protocol):
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        """Ids that end a generation unless ``ignore_eos``."""
+        """The tokenizer's own EOS: ends a generation (no stop reason) unless ``ignore_eos``."""
         ...
 
     @property
@@ -103,8 +103,7 @@ class HFTokenizer:
             if (text := _token_text(config.get(key))) is not None
         }
         self._template = _find_template(directory, config) if path.is_dir() else None
-        generation = read_json_object(directory / "generation_config.json") if path.is_dir() else {}
-        self._eos = _eos_ids(generation.get("eos_token_id"), self._special.get("eos_token"), self._tok)
+        self._eos = _eos_ids(self._special.get("eos_token"), self._tok)
 
     @property
     def vocab_size(self) -> int:
@@ -180,11 +179,9 @@ def _find_template(directory: Path, config: dict[str, Any]) -> ChatTemplate | No
     return ChatTemplate(source) if isinstance(source, str) else None
 
 
-def _eos_ids(generation: Any, eos_token: str | None, tok: Any) -> tuple[int, ...]:
-    if isinstance(generation, int):
-        return (generation,)
-    if isinstance(generation, list) and all(isinstance(i, int) for i in generation):
-        return tuple(generation)
+def _eos_ids(eos_token: str | None, tok: Any) -> tuple[int, ...]:
+    """The tokenizer's own EOS (its config's ``eos_token``), as vLLM takes it: the generation config's other EOS
+    ids are the worker's to add, as stop token ids (``kvstore.workers.sampler.eos_split``)."""
     if eos_token is not None and (token_id := tok.token_to_id(eos_token)) is not None:
         return (int(token_id),)
     return ()

@@ -24,7 +24,7 @@ from kvstore.errors import InvalidRequestError
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.link import TierLink
-from kvstore.worker_api import GenerateRequest, SamplingParams
+from kvstore.worker_api import FinishReason, GenerateRequest, SamplingParams
 from kvstore.workers.config import cache_identity
 from kvstore.workers.tier_offload import TierOffload
 from kvstore.workers.worker import KVWorker
@@ -128,5 +128,34 @@ def test_the_worker_takes_its_limits_from_the_checkpoint(qwen2_checkpoint: TinyC
             worker.generate(GenerateRequest([5, 320], 1))
         with pytest.raises(InvalidRequestError, match="512"):
             worker.generate(GenerateRequest([5] * 500, 13))
+    finally:
+        worker.shutdown()
+
+
+def test_the_generation_configs_other_eos_ids_stop_with_their_id_as_vllm_reports_them(
+    qwen2_checkpoint: TinyCheckpoint,
+) -> None:
+    """vLLM's rule: the tokenizer's EOS (Qwen's <|im_end|>) ends a choice with no stop reason; the generation
+    config's other EOS ids (<|endoftext|>) are stop token ids, so ending on one reports it; ``ignore_eos``
+    lifts both."""
+    config = config_from_dict({
+        "cache": {"block_size": BLOCK}, "pool": {"num_blocks": 64}, "events": {"enabled": False},
+        "worker": {"device": "cpu", "model": str(qwen2_checkpoint.path)},
+    })  # fmt: skip
+    worker = KVWorker("eos", config)
+    endoftext, im_end = qwen2_checkpoint.eos_token_ids
+    assert worker.tokenizer.eos_token_ids == (im_end,)
+    try:
+
+        def forced(token: int, **sampling: object) -> tuple[object, object, int]:
+            params = SamplingParams(temperature=0.0, logit_bias={token: 100.0}, **sampling)  # type: ignore[arg-type]
+            result = worker.generate(GenerateRequest([5, 6, 7], 3, sampling=params))
+            choice = result.choices[0]
+            return choice.finish_reason, choice.stop_reason, len(choice.token_ids)
+
+        assert forced(im_end) == (FinishReason.STOP, None, 1)
+        assert forced(endoftext) == (FinishReason.STOP, endoftext, 1)
+        assert forced(endoftext, ignore_eos=True) == (FinishReason.LENGTH, None, 3)
+        assert forced(im_end, ignore_eos=True) == (FinishReason.LENGTH, None, 3)
     finally:
         worker.shutdown()
