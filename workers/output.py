@@ -15,7 +15,8 @@ which decides, as vLLM does, whether the choice ends:
 - a stop string ends it with ``stop``, the text cut before it (after it
   with ``include_stop_str_in_output``);
 - none of these count before ``min_tokens`` tokens exist (the sampler
-  masks EOS and stop ids until then; stop strings are not searched);
+  masks EOS and stop ids until then), and stop strings must end in the
+  text of a later token, as vLLM's detokenizer searches them;
 - ``max_tokens`` tokens end it with ``length``.
 
 Not thread-safe: the step loop owns every record.
@@ -76,7 +77,10 @@ class ChoiceRecord:
         if state.is_finished and not self.text_of_stop_token:  # ended by this token: none of its text
             text, stop = "", None
         else:
-            text, stop = self.detokenizer.push([token], search_stop=counts and not state.is_finished)
+            # As vLLM's detokenizer: stop strings only in text past the first min_tokens tokens' (that token's own
+            # text is not searched, though EOS and stop ids count from it on).
+            search = count > self.sampling.min_tokens and not state.is_finished
+            text, stop = self.detokenizer.push([token], search_stop=search)
         if stop is not None:
             state.finish(FinishReason.STOP, stop)
         elif count >= state.max_tokens:

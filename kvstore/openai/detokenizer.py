@@ -72,10 +72,10 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += self._decode_new()
         if self._stop and search_stop:
-            # A stop string may straddle the old text and the new: search from where one could start.
-            start = max(0, before - self._reach)
+            # A stop string may straddle the old text and the new, but must end in the new (vLLM's window):
+            # search from where one could start, each by its own length.
             for stop in self._stop:
-                found = self.text.find(stop, start)
+                found = self.text.find(stop, max(0, before - len(stop) + 1))
                 if found >= 0:
                     end = found + len(stop) if self._include_stop else found
                     self.text = self.text[:end]

@@ -12,6 +12,7 @@ from workers_testlib import Reference, WorkerFactory, make_config, random_tokens
 from kvstore.openai.tokenizer import ByteTokenizer
 from kvstore.worker_api import FinishReason, GenerateRequest, SamplingParams
 from kvstore.workers.sampler import GREEDY, ChoiceSampling
+from kvstore.workers.scheduler import RequestState
 from kvstore.workers.worker import KVWorker
 
 PROMPT = random_tokens(random.Random(7), 40)
@@ -221,3 +222,22 @@ def test_extreme_but_valid_sampling_never_stops_the_worker(make_worker: WorkerFa
 def test_a_temperature_below_vllms_epsilon_is_greedy(reference: Reference, make_worker: WorkerFactory) -> None:
     worker = make_worker()
     assert run(worker, temperature=1e-6, seed=1).output_token_ids == reference(GenerateRequest(PROMPT, 16))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("min_tokens", "text", "count"), [(0, "x", 2), (2, "xey", 4), (4, "xeyex", 6)])
+def test_stop_strings_are_searched_past_the_min_tokens_tokens_text_as_vllm_does(
+    min_tokens: int, text: str, count: int
+) -> None:
+    """vLLM's detokenizer searches stop strings once more than ``min_tokens`` tokens exist, and only for one
+    that ends in a later token's text: a stop string inside the ``min_tokens``-th token does not stop it."""
+    from kvstore.workers.output import ChoiceRecord
+
+    params = SamplingParams(stop=("e",), min_tokens=min_tokens)
+    state = RequestState(GenerateRequest([1, 2], 10, sampling=params), "r", 0.0)
+    record = ChoiceRecord(None, 0, params, GREEDY, ByteTokenizer(), (), [1, 2])  # type: ignore[arg-type]
+    shown = ""
+    for token in b"xeyexez":
+        shown += record.accept(state, token, None).text
+        if state.is_finished:
+            break
+    assert (shown, len(state.output_token_ids), state.stop_reason) == (text, count, "e")
