@@ -11,6 +11,10 @@ Two ways a worker dies, two repairs:
 - it dies for good (killed without restarts, its node lost): Ray says
   ``ActorDiedError``. The supervisor starts a new worker under the same name
   on a live node -- the one holding the fewest workers -- and registers it.
+- its process lives on but its step loop died (a fault outside the model
+  step): ``health()`` says it is not alive, and its ``load()`` fails so the
+  router's health poll keeps it out of routing. The supervisor kills the
+  process for Ray to restart, and follows the restart as above.
 
 A worker that does not answer in time (starting, restarting, busy) is left
 alone until the next check. This is the model of
@@ -55,6 +59,7 @@ class WorkerSupervisor:
         self._tiers = tiers if tiers is not None else {t.node: t for t in deployment.tiers}
         self.restarts_followed = 0
         self.replaced = 0
+        self.engines_restarted = 0  # workers whose process answered with its step loop dead: killed for Ray to restart
 
     async def run(self, interval_s: float | None = None) -> None:
         """Check every ``interval_s`` (default ``router.health_interval_s``) until cancelled."""
@@ -81,6 +86,12 @@ class WorkerSupervisor:
             # else: the same worker, or one not answering yet (restarting, starting, busy): next check
 
     async def _probe(self, worker: PlacedWorker) -> tuple[str, str]:
+        health = await asyncio.wait_for(worker.handle.health.remote(), _CALL_S)
+        if not health["alive"]:  # the process answers but its step loop died: have Ray restart it, then follow
+            logger.warning("worker %s stopped serving (%s); restarting its process", worker.name, health["last_error"])
+            ray.kill(worker.handle, no_restart=False)
+            self.engines_restarted += 1
+            return worker.endpoint, worker.replay_endpoint  # the restarted process is followed at a later check
         endpoints = await asyncio.wait_for(worker.handle.event_endpoints.remote(), _CALL_S)
         return endpoints.endpoint, endpoints.replay_endpoint
 

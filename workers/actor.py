@@ -32,7 +32,14 @@ from kvstore.publisher import EventEndpoints
 from kvstore.tiers.actor import TIER_NAMESPACE
 from kvstore.tiers.client import RayTierClient
 from kvstore.tiers.link import TierLink
-from kvstore.worker_api import GenerateRequest, GenerateResult, ModelInfo, StreamChunk, WorkerLoad
+from kvstore.worker_api import (
+    GenerateRequest,
+    GenerateResult,
+    ModelInfo,
+    StreamChunk,
+    WorkerLoad,
+    WorkerShutdownError,
+)
 from kvstore.workers.config import WorkerSettings, cache_identity, replace_sections
 from kvstore.workers.tier_offload import TierOffload
 from kvstore.workers.worker import KVWorker
@@ -137,6 +144,12 @@ class KVWorkerActor:
             stream.cancel()
 
     async def load(self) -> WorkerLoad:
+        """Raises WorkerShutdownError once the step loop is gone, so that the router's health poll fails: a
+        process that answers while its engine is dead must not be routed to (the supervisor restarts it)."""
+        if not self._worker.alive:
+            raise WorkerShutdownError(
+                f"worker {self._worker.name} is not serving: {self._worker.health()['last_error']}"
+            )
         return self._worker.load()
 
     async def info(self) -> ModelInfo:

@@ -245,6 +245,11 @@ class KVWorker:
 
     # -------------------------------------------------------------- queries
 
+    @property
+    def alive(self) -> bool:
+        """The step loop runs (False once shut down, or once it died)."""
+        return self._thread.is_alive() and not self._closed
+
     def load(self) -> WorkerLoad:
         with self._lock:
             return WorkerLoad(

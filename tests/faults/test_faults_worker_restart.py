@@ -9,6 +9,9 @@ worker supervisor as ``kvstore serve`` does (``create_app(tasks=...)``).
   its new event ports and the router follows it.
 - A worker dies for good (``ray.kill(no_restart=True)``, as when its node is
   lost): the supervisor places a new one under the same name.
+- A worker's step loop dies while its process lives on (a fault outside the
+  model step): its health poll fails, and the supervisor has Ray restart the
+  process, then follows it.
 
 Either way the router must be back at full capacity -- both replicas healthy,
 both taking requests, each one's events reaching the index -- within a bound;
@@ -32,7 +35,12 @@ from kvstore.deploy.supervisor import WorkerSupervisor
 from kvstore.router.app import create_app
 from tests.http_servers import ServerThread
 
-FULL_CAPACITY_S = 60.0  # bound: a new worker loads its model on a busy 2-core machine
+FULL_CAPACITY_S = 60.0
+FAULTS = {
+    "crash": "crash (Ray restarts it)",
+    "dead": "dead for good (re-placed)",
+    "engine": "step loop died (its process restarted)",
+}  # bound: a new worker loads its model on a busy 2-core machine
 
 
 def serves_on(client: httpx.Client, name: str, rng: random.Random) -> bool:
@@ -58,10 +66,13 @@ def serves_on(client: httpx.Client, name: str, rng: random.Random) -> bool:
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("restart", [True, False], ids=["crashed-restarted-by-ray", "dead-for-good-re-placed"])
-def test_a_dead_worker_is_replaced_and_the_router_follows_it(ray_session: Any, restart: bool) -> None:
+@pytest.mark.parametrize(
+    "fault", list(FAULTS), ids=["crashed-restarted-by-ray", "dead-for-good-re-placed", "step-loop-died"]
+)
+def test_a_dead_worker_is_replaced_and_the_router_follows_it(ray_session: Any, fault: str) -> None:
+    restart = fault != "dead"
     config = fault_config(router={"health_interval_s": 0.25, "unhealthy_after": 2})
-    workers = place_workers(config, 2, start_index=800 + 10 * restart)
+    workers = place_workers(config, 2, start_index=800 + 10 * list(FAULTS).index(fault))
     service = build_service(config, workers)
     deployment = Deployment(config, workers, service, owns_ray=False)
     supervisor = WorkerSupervisor(deployment)
@@ -72,7 +83,21 @@ def test_a_dead_worker_is_replaced_and_the_router_follows_it(ray_session: Any, r
         victim = workers[0]
         assert wait_for(lambda: serves_on(client, victim.name, rng), timeout=20)
         killed_at = time.monotonic()
-        ray.kill(victim.handle, no_restart=not restart)
+        if fault == "engine":
+
+            def kill_the_step_loop(actor: Any) -> bool:  # runs in the worker actor (defined here: pickled by value)
+                def broken(*args: object, **kwargs: object) -> None:
+                    raise RuntimeError("injected: the step loop's scheduler failed")
+
+                from kvstore.worker_api import GenerateRequest
+
+                actor._worker._scheduler.schedule = broken  # the next step raises, the process lives on
+                actor._worker.submit(GenerateRequest([1, 2, 3], 1))  # and this request makes it step
+                return True
+
+            assert ray.get(victim.handle.__ray_call__.remote(kill_the_step_loop), timeout=30)
+        else:
+            ray.kill(victim.handle, no_restart=not restart)
         # Out of routing -- unless Ray brought a crashed worker back before two failed polls (0.5 s) could
         # say so, and the supervisor already followed it there: then there was never a dead replica to route
         # around (seen in a clean CI run; a restart usually takes longer than detection, so both orders happen).
@@ -96,12 +121,13 @@ def test_a_dead_worker_is_replaced_and_the_router_follows_it(ray_session: Any, r
         full_s = time.monotonic() - killed_at
         current = next(w for w in deployment.workers if w.name == victim.name)
         print(
-            f"\n{'crash (Ray restarts it)' if restart else 'dead for good (re-placed)'}: out of routing "
+            f"\n{FAULTS[fault]}: out of routing "
             f"{down_s:.2f} s after the kill; full capacity (2 healthy replicas, the new {victim.name} serving and "
             f"routed to by its events) {full_s:.1f} s after it; followed {supervisor.restarts_followed}, "
             f"re-placed {supervisor.replaced}"
         )
         assert (supervisor.restarts_followed, supervisor.replaced) == ((1, 0) if restart else (0, 1))
+        assert supervisor.engines_restarted == (fault == "engine")
         assert current.endpoint != victim.endpoint  # a new incarnation, on new ports
         for worker in deployment.workers:
             ray.get(worker.handle.check_invariants.remote(), timeout=30)
