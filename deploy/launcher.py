@@ -364,8 +364,12 @@ def start_worker(config: Config, name: str, node: str, tiers: dict[str, PlacedTi
 
 
 def placed_worker(name: str, handle: Any, timeout_s: float) -> PlacedWorker:
-    """Worker ``name`` once it answers: where it runs and publishes. Raises a Ray error past ``timeout_s``."""
-    endpoints, health = ray.get([handle.event_endpoints.remote(), handle.health.remote()], timeout=timeout_s)
+    """Worker ``name`` once it answers: where it runs and publishes. Raises a Ray error past ``timeout_s``, and
+    ConfigError, in one line, when the worker could not start (its model, its memory: not Ray's trace)."""
+    try:
+        endpoints, health = ray.get([handle.event_endpoints.remote(), handle.health.remote()], timeout=timeout_s)
+    except ray.exceptions.RayActorError as exc:  # its constructor failed
+        raise ConfigError(f"worker {name} could not start: {_last_line(exc)}") from None
     return PlacedWorker(name, handle, health["node_id"], endpoints.endpoint, endpoints.replay_endpoint)
 
 

@@ -39,7 +39,12 @@ def check_one_port_per_producer(config: Config) -> None:
     """kvstore serve starts several event publishers on a node (its tier and each worker), all from one
     ``[events]`` section: a fixed port would be bound by the first and refused to the rest."""
     events = config.events
-    if not (events.enabled and events.bind):
+    if not events.enabled:
+        raise ConfigError(
+            "events.enabled = false: kvstore serve's router builds its prefix index from the workers' and tiers' "
+            "KV events, so they must be on (a router in front of replicas without events: kvstore router)"
+        )
+    if not events.bind:
         return
     for field, endpoint in (("endpoint", events.endpoint), ("replay_endpoint", events.replay_endpoint)):
         if not endpoint.endswith("*"):

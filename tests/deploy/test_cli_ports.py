@@ -110,7 +110,16 @@ def test_serve_refuses_a_fixed_events_port_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"events\.replay_endpoint"):
         check_one_port_per_producer(load_config(overrides=['events.replay_endpoint="tcp://0.0.0.0:5558"'], env={}))
     check_one_port_per_producer(load_config(overrides=['events.endpoint="tcp://0.0.0.0:*"'], env={}))
-    check_one_port_per_producer(load_config(overrides=["events.enabled=false", 'events.endpoint="tcp://h:1"'], env={}))
+    check_one_port_per_producer(load_config(overrides=["events.bind=false", 'events.endpoint="tcp://h:1"'], env={}))
+
+
+def test_serve_refuses_events_off_in_one_line() -> None:
+    """serve's router is built from the KV events: with them off, its tiers had no stream and serve died in an
+    AttributeError traceback (found by a review)."""
+    from kvstore.deploy.serve_cli import check_one_port_per_producer
+
+    with pytest.raises(ConfigError, match=r"events\.enabled = false: kvstore serve's router builds its prefix index"):
+        check_one_port_per_producer(load_config(overrides=["events.enabled=false"], env={}))
 
 
 def test_the_banner_names_the_disk_tier_and_the_key_its_curl_needs_without_showing_it(

@@ -88,3 +88,27 @@ def test_spilled_prefix_is_promoted_into_another_worker_exactly(
         for actor in [*(w.handle for w in workers), *(t.handle for t in tiers.values())]:
             ray.get(actor.shutdown.remote(), timeout=30)
             ray.kill(actor, no_restart=True)
+
+
+@pytest.mark.ray
+def test_a_worker_that_cannot_start_is_one_line_not_rays_trace(ray_session: Any) -> None:
+    """A worker actor whose constructor fails (a model that does not load, no memory for its pool) is reported
+    in one line naming it and the cause (a review saw a 61-line Ray traceback)."""
+    from kvstore.deploy.launcher import placed_worker
+    from kvstore.errors import ConfigError
+
+    @ray.remote(num_cpus=0)
+    class Broken:
+        def __init__(self) -> None:
+            raise MemoryError("cannot allocate 12 GiB for the KV pool")
+
+        def event_endpoints(self) -> None: ...
+
+        def health(self) -> None: ...
+
+    handle = Broken.remote()  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError) as info:
+        placed_worker("worker-x", handle, 60.0)
+    message = str(info.value)
+    assert message.startswith("worker worker-x could not start: ") and "cannot allocate 12 GiB" in message
+    assert "\n" not in message
