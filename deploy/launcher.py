@@ -172,6 +172,8 @@ def launch(config: Config, *, address: str | None = None, num_workers: int | Non
     workers: list[PlacedWorker] = []
     try:
         local_node = ray.get_runtime_context().get_node_id() if owns_ray else None
+        if not owns_ray:
+            check_no_deployment()
         if config.tiers.enabled:
             tiers = place_tiers(config)
         count = num_workers or default_num_workers(config)
@@ -186,6 +188,25 @@ def launch(config: Config, *, address: str | None = None, num_workers: int | Non
     deployment = Deployment(config, workers, service, owns_ray, local_node=local_node)
     deployment.tiers = list(tiers.values())
     return deployment
+
+
+def check_no_deployment() -> None:
+    """ConfigError when a kvstore deployment already runs on the Ray cluster (its workers exist by name).
+
+    A second one would be handed the first one's tier actors (one per node, found by name), fail on its
+    workers' names, and in tearing itself down shut those tiers down: the running deployment's arenas
+    would go with them (a review saw it).
+    """
+    running = sorted(
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith("kvstore-worker-")
+    )
+    if running:
+        raise ConfigError(
+            f"a kvstore deployment already runs on this Ray cluster (its workers {', '.join(running[:3])}"
+            f"{', ...' if len(running) > 3 else ''}): stop it before starting another"
+        )
 
 
 def start_ray(address: str | None) -> bool:

@@ -8,6 +8,7 @@ exactly the output computed with no cache at all.
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,34 @@ def test_a_worker_that_cannot_start_is_one_line_not_rays_trace(ray_session: Any)
     message = str(info.value)
     assert message.startswith("worker worker-x could not start: ") and "cannot allocate 12 GiB" in message
     assert "\n" not in message
+
+
+@pytest.mark.ray
+def test_a_second_deployment_on_the_cluster_is_refused_before_it_touches_the_first(ray_session: Any) -> None:
+    """A kvstore deployment's workers exist by name: a second launch on the same cluster is refused in one
+    line before it places anything (it used to adopt the first one's tier actors, fail on the workers'
+    names, and shut those tiers down as it tore itself down)."""
+    from kvstore.deploy.launcher import NAMESPACE, check_no_deployment
+    from kvstore.errors import ConfigError
+
+    @ray.remote(num_cpus=0)
+    class Running:
+        def ready(self) -> bool:
+            return True
+
+    check_no_deployment()
+    handle = Running.options(name="kvstore-worker-77", namespace=NAMESPACE).remote()  # type: ignore[attr-defined]
+    try:
+        assert ray.get(handle.ready.remote(), timeout=60)
+        with pytest.raises(ConfigError, match=r"already runs on this Ray cluster \(its workers kvstore-worker-77\)"):
+            check_no_deployment()
+    finally:
+        ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            check_no_deployment()
+            break
+        except ConfigError:
+            time.sleep(0.1)
+    check_no_deployment()
