@@ -172,11 +172,11 @@ def launch(config: Config, *, address: str | None = None, num_workers: int | Non
     workers: list[PlacedWorker] = []
     try:
         local_node = ray.get_runtime_context().get_node_id() if owns_ray else None
+        count = num_workers or default_num_workers(config)
         if not owns_ray:
-            check_no_deployment()
+            check_no_deployment(count)
         if config.tiers.enabled:
             tiers = place_tiers(config)
-        count = num_workers or default_num_workers(config)
         workers = place_workers(config, count, tiers=tiers)
         service = build_service(config, workers, tiers)
     except BaseException:
@@ -190,17 +190,19 @@ def launch(config: Config, *, address: str | None = None, num_workers: int | Non
     return deployment
 
 
-def check_no_deployment() -> None:
-    """ConfigError when a kvstore deployment already runs on the Ray cluster (its workers exist by name).
+def check_no_deployment(count: int) -> None:
+    """ConfigError when the workers a launch of ``count`` would name (worker-0 ...) already run on the cluster:
+    another deployment's.
 
-    A second one would be handed the first one's tier actors (one per node, found by name), fail on its
-    workers' names, and in tearing itself down shut those tiers down: the running deployment's arenas
-    would go with them (a review saw it).
+    Such a launch would be handed the running deployment's tier actors (one per node, found by name), fail
+    on its workers' names, and in tearing itself down shut those tiers down: the running deployment's
+    arenas would go with them (a review saw it). So it is refused before it places anything.
     """
+    names = {f"kvstore-worker-{index}" for index in range(count)}
     running = sorted(
         actor["name"]
         for actor in ray.util.list_named_actors(all_namespaces=True)
-        if actor["namespace"] == NAMESPACE and actor["name"].startswith("kvstore-worker-")
+        if actor["namespace"] == NAMESPACE and actor["name"] in names
     )
     if running:
         raise ConfigError(

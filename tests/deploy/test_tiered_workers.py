@@ -128,19 +128,20 @@ def test_a_second_deployment_on_the_cluster_is_refused_before_it_touches_the_fir
         def ready(self) -> bool:
             return True
 
-    check_no_deployment()
-    handle = Running.options(name="kvstore-worker-77", namespace=NAMESPACE).remote()  # type: ignore[attr-defined]
+    check_no_deployment(2)
+    handle = Running.options(name="kvstore-worker-1", namespace=NAMESPACE).remote()  # type: ignore[attr-defined]
     try:
         assert ray.get(handle.ready.remote(), timeout=60)
-        with pytest.raises(ConfigError, match=r"already runs on this Ray cluster \(its workers kvstore-worker-77\)"):
-            check_no_deployment()
+        with pytest.raises(ConfigError, match=r"already runs on this Ray cluster \(its workers kvstore-worker-1\)"):
+            check_no_deployment(2)
+        check_no_deployment(1)  # a launch of one worker names only worker-0
     finally:
         ray.kill(handle, no_restart=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            check_no_deployment()
+            check_no_deployment(2)
             break
         except ConfigError:
             time.sleep(0.1)
-    check_no_deployment()
+    check_no_deployment(2)
