@@ -35,6 +35,11 @@ drops, whatever was buffered or being fetched is dropped, and the next live
 batch decides: below ``next`` is a restart, ``next`` itself continues the
 stream, above ``next`` (or any batch after a sync was cut off) is resolved by
 a snapshot, which replaces the producer's state whichever incarnation it is.
+``next`` itself is checked first, when the batch before it is known: a
+replay from ``next - 1`` must return that batch as it was applied (same
+payload). A different one is a new incarnation that happened to reach our
+seq: reset, replay from 0. No answer, or one that starts later (no replay
+socket, a buffer that moved on), proves nothing: the stream continues.
 
 A replay that does not start at ``next`` (the producer's buffer no longer
 holds it, or the reply is empty) falls back to a snapshot: reset, apply the
@@ -126,6 +131,9 @@ class ProducerStream:
         self._sync_cut = False  # ... while a replay or snapshot was in flight
         self._initial = False  # the replay asked for on subscribing is in flight
         self._maybe_restarted = False  # the snapshot in flight was asked for after a disconnect
+        self._tail: tuple[int, int] | None = None  # (seq, hash of payload) of the batch at next - 1, when known
+        self._verify: tuple[int, int] | None = None  # the replay in flight checks this batch first
+        self._mismatch = False  # ... and found another one there: a new incarnation
         self.gaps = 0
         self.restarts = 0
         self.replays = 0
@@ -140,6 +148,8 @@ class ProducerStream:
         assert self.syncing is not None or not self._pending, "buffered batches with no sync to wait for"
         assert self._snapshot_seq is None or self.syncing is SyncState.SNAPSHOT, "a snapshot seq outside a snapshot"
         assert not self._maybe_restarted or self.syncing is SyncState.SNAPSHOT, "a restart guess with no snapshot"
+        assert self._verify is None or self.syncing is SyncState.REPLAY, "a continuity check with no replay"
+        assert not self._mismatch or self.syncing is SyncState.REPLAY, "a restart found with no replay"
         assert (self._snapshot_seq is None) == (not self._snapshot), "snapshot batches without their seq, or vice versa"
         assert not self._initial or self.syncing is SyncState.REPLAY, "the initial replay is not in flight"
         assert not self._disconnected or self.started, "a disconnect counted before the stream started"
@@ -171,7 +181,7 @@ class ProducerStream:
             self.started = True
             if seq == 0:
                 self.next_seq = 1
-                return [Apply(seq, payload)]
+                return [self._apply(seq, payload)]
             self._buffer(seq, payload)
             return self._start_replay()
         if self._disconnected:
@@ -184,7 +194,13 @@ class ProducerStream:
                 actions = self._start_snapshot()
                 self._maybe_restarted = True
                 return actions
-            # seq == next: the same stream, nothing missed; seq < next: a restart (below).
+            if seq == self.next_seq and self._tail is not None and self._tail[0] == seq - 1:
+                # Most likely the same stream, nothing missed -- unless a restarted producer reached our seq:
+                # its batch before this one tells (module docstring).
+                self._buffer(seq, payload)
+                self._verify = self._tail
+                return self._start_replay(seq - 1)
+            # seq == next (nothing to check it against): the same stream; seq < next: a restart (below).
         if self._stale_through is not None:
             if seq <= self._stale_through:
                 self.stale += 1
@@ -197,7 +213,7 @@ class ProducerStream:
             self._replayed.clear()  # live seqs only grow: older in-flight copies have all arrived
         if seq == self.next_seq:
             self.next_seq += 1
-            return [Apply(seq, payload)]
+            return [self._apply(seq, payload)]
         if seq > self.next_seq:
             self.gaps += 1
             self._buffer(seq, payload)
@@ -208,7 +224,7 @@ class ProducerStream:
         self._pending.clear()
         if seq == 0:
             self.next_seq = 1
-            return [Reset(), Apply(seq, payload)]
+            return [Reset(), self._apply(seq, payload)]
         self._buffer(seq, payload)
         return [Reset(), *self._start_replay()]
 
@@ -231,6 +247,8 @@ class ProducerStream:
             self._initial = False
         self._disconnected = True
         self._maybe_restarted = False
+        self._verify = None
+        self._mismatch = False
         self._pending.clear()
         self._stale_through = None
         self._replayed.clear()
@@ -242,6 +260,14 @@ class ProducerStream:
     def on_sync_item(self, seq: int, payload: bytes) -> list[Action]:
         """One reply (not the terminator) to our replay or snapshot request."""
         if self.syncing is SyncState.REPLAY:
+            if self._verify is not None:
+                checked, self._verify = self._verify, None
+                if seq == checked[0]:
+                    if hash(payload) != checked[1]:  # another batch where ours was: a new incarnation
+                        self._mismatch = True
+                        self._replay_ok = False
+                    return []
+                # it starts later: nothing to check against; an ordinary replay from here
             if not self._replay_ok or seq < self.next_seq:
                 return []
             if seq > self.next_seq:
@@ -250,7 +276,7 @@ class ProducerStream:
             self.next_seq += 1
             self._replay_progress = True
             self._replayed[seq] = hash(payload)
-            return [Apply(seq, payload)]
+            return [self._apply(seq, payload)]
         if self.syncing is SyncState.SNAPSHOT:
             if self._snapshot_seq is None:
                 self._snapshot_seq = seq
@@ -261,6 +287,13 @@ class ProducerStream:
         """The terminator of our replay or snapshot request arrived (a request with no answer: on_sync_failed)."""
         if self.syncing is SyncState.REPLAY:
             self.syncing = None
+            self._verify = None
+            if self._mismatch:  # the batch before ours differs: a new incarnation reached our seq
+                self._mismatch = False
+                self.restarts += 1
+                self.next_seq = 0
+                self._tail = None
+                return [Reset(), *self._start_replay()]
             initial, self._initial = self._initial, False
             if initial:
                 if self._replay_ok and not self._replay_progress:
@@ -285,6 +318,7 @@ class ProducerStream:
                 return self._give_up()
             self.next_seq = seq + 1
             self._stale_through = seq
+            self._tail = None  # a snapshot's batches all carry its seq: none is the batch at that seq
             return [Reset(), *(Apply(seq, payload) for payload in batches), *self._drain()]
         return []
 
@@ -298,6 +332,7 @@ class ProducerStream:
         if self.syncing is None:
             return []
         self.sync_timeouts += 1
+        self._verify, self._mismatch = None, False  # a continuity check cut short: the snapshot below settles it
         if self.syncing is SyncState.REPLAY:
             self.syncing = None
             if self._initial:
@@ -314,12 +349,18 @@ class ProducerStream:
             self._pending.pop(min(self._pending))
         self._pending[seq] = payload
 
-    def _start_replay(self) -> list[Action]:
+    def _start_replay(self, start: int | None = None) -> list[Action]:
         self.syncing = SyncState.REPLAY
         self._replay_ok = True
         self._replay_progress = False
         self.replays += 1
-        return [RequestReplay(self.next_seq)]
+        return [RequestReplay(self.next_seq if start is None else start)]
+
+    def _apply(self, seq: int, payload: bytes) -> Apply:
+        """Apply the batch at ``seq`` (the one before ``next_seq`` from now on), remembering it for the check
+        after a disconnect."""
+        self._tail = (seq, hash(payload))
+        return Apply(seq, payload)
 
     def _start_snapshot(self) -> list[Action]:
         self.syncing = SyncState.SNAPSHOT
@@ -361,7 +402,7 @@ class ProducerStream:
                     return actions + self._start_replay()
                 self.lossy += 1
                 self.next_seq = seq
-            actions.append(Apply(seq, self._pending[seq]))
+            actions.append(self._apply(seq, self._pending[seq]))
             self.next_seq = seq + 1
         self._pending.clear()
         return actions

@@ -103,12 +103,37 @@ def test_row_after_a_disconnect_a_seq_ahead_takes_a_snapshot() -> None:
 def test_after_a_disconnect_seq_next_continues_and_seq_below_next_is_a_restart() -> None:
     s = streaming_at(3)
     s.on_disconnect()
-    assert s.on_live(3, p(3)) == [Apply(3, p(3))]
-    assert s.next_seq == 4 and counters(s) == ZERO
+    assert s.on_live(3, p(3)) == [RequestReplay(2)]  # the batch before it is checked first
+    assert s.on_sync_item(2, p(2)) == []  # the one we applied: the same stream
+    assert s.on_sync_item(3, p(3)) == [Apply(3, p(3))]
+    assert s.on_sync_end() == []
+    assert s.next_seq == 4 and counters(s) == {**ZERO, "replays": 1}
+    quiet = streaming_at(3)  # a producer with no replay socket answers with nothing: the stream continues
+    quiet.on_disconnect()
+    assert quiet.on_live(3, p(3)) == [RequestReplay(2)]
+    assert quiet.on_sync_end() == [Apply(3, p(3))]
+    assert quiet.next_seq == 4 and quiet.restarts == 0
     t = streaming_at(3)
     t.on_disconnect()
     assert t.on_live(0, p(0)) == [Reset(), Apply(0, p(0))]
     assert t.next_seq == 1 and counters(t) == {**ZERO, "restarts": 1}
+
+
+def test_a_restarted_producer_that_reached_our_seq_is_found_by_the_batch_before_it() -> None:
+    """A new incarnation whose first batch we see is exactly ours to expect: its batch at next - 1 is not the
+    one we applied, so the stream is reset and replayed from 0 (before: grafted onto the old state)."""
+    s = streaming_at(3)
+    s.on_disconnect()
+    assert s.on_live(3, b"new-3") == [RequestReplay(2)]
+    assert s.on_sync_item(2, b"new-2") == []  # another batch at seq 2
+    assert s.on_sync_item(3, b"new-3") == []
+    assert s.on_sync_end() == [Reset(), RequestReplay(0)]
+    assert [a for i in range(4) for a in s.on_sync_item(i, b"new-%d" % i)] == [
+        Apply(i, b"new-%d" % i) for i in range(4)
+    ]
+    assert s.on_sync_end() == []
+    assert s.next_seq == 4 and s.restarts == 1 and s.lossy == 0
+    s.check_invariants()
 
 
 def test_a_disconnect_during_a_replay_drops_it_and_the_next_batch_takes_a_snapshot() -> None:
