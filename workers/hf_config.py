@@ -138,11 +138,17 @@ def declared_dtype(config: Mapping[str, Any]) -> KVDtype | None:
     return cast(KVDtype, name)
 
 
+# MistralConfig's sliding_window, and Qwen2Config's with use_sliding_window, when config.json leaves it out.
+_DEFAULT_WINDOW = 4096
+
+
 def _sliding_windows(arch: str, config: Mapping[str, Any], layers: int) -> tuple[int | None, ...]:
     """Per-layer windows: Mistral's applies to every layer; Qwen2's only when enabled, from ``max_window_layers``."""
     if arch == "LlamaForCausalLM":
         return ()
-    window = config.get("sliding_window")
+    # An absent key is transformers' default for the class (Mistral's and Qwen2's: 4096); only an explicit
+    # null means no window (Mistral v0.2 on).
+    window = config.get("sliding_window", _DEFAULT_WINDOW)
     if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
         window = None
     if window is None:

@@ -240,3 +240,35 @@ def test_every_sampling_default_vllm_reads_from_generation_config_applies(
     assert served.generation.max_new_tokens == 7  # what ModelInfo hands the fronts, which cap max_tokens with it
     plain = sampling_defaults(describe_model(WorkerConfig(model=str(llama_checkpoint.path)), CPU))
     assert plain == SamplingDefaults(temperature=0.6, top_p=0.9)  # the rest: vLLM's neutral defaults
+
+
+@pytest.mark.parametrize(
+    ("arch", "config", "windows"),
+    [
+        ("MistralForCausalLM", {}, (4096, 4096)),  # the key left out: transformers' default window
+        ("MistralForCausalLM", {"sliding_window": None}, ()),  # an explicit null: no window (Mistral v0.2 on)
+        ("Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 1}, (None, 4096)),
+        ("Qwen2ForCausalLM", {}, ()),  # windows off
+    ],
+    ids=["mistral-absent", "mistral-null", "qwen2-on-absent", "qwen2-off"],
+)
+def test_a_sliding_window_left_out_of_config_json_is_transformers_default(
+    tmp_path: Path, arch: str, config: dict[str, object], windows: tuple[int | None, ...]
+) -> None:
+    """config.json without ``sliding_window``: transformers' config class fills in 4096, so must we (before:
+    full attention, and outputs that part from transformers' past position 4096)."""
+    import transformers
+
+    write_checkpoint(tmp_path, arch, {}, seed=7, chatml=arch.startswith("Qwen2"))
+    written = json.loads((tmp_path / "config.json").read_text())
+    written.pop("sliding_window", None)
+    written.pop("layer_types", None)
+    (tmp_path / "config.json").write_text(json.dumps({**written, **config}))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    kinds = getattr(theirs, "layer_types", None) or ["sliding_attention"] * len(windows)  # Mistral: every layer
+    expected = tuple(theirs.sliding_window if kind == "sliding_attention" else None for kind in kinds)
+    assert runner_for(tmp_path).served.spec.sliding_windows == windows
+    if windows:
+        assert expected == windows  # the same layers, the same window, as transformers'
+    else:
+        assert theirs.sliding_window is None or not getattr(theirs, "use_sliding_window", True)
