@@ -46,6 +46,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     choice draws only from its own generator (choice ``i`` of ``n`` uses
     ``seed + i``). ``logprobs`` is the number of top alternatives returned
     with each sampled token (0: only the sampled token's); None returns none.
+    ``prompt_logprobs`` asks the same of every prompt token after the first
+    (vLLM's ``prompt_logprobs``): the request then computes its whole prompt,
+    taking no prefix-cache hit, as vLLM does, since a cached block has no
+    logits.
     """
 
     temperature: float | None = None
@@ -63,6 +67,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
@@ -89,19 +94,29 @@ class GenerateRequest(msgspec.Struct, frozen=True):
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
-    """A sampled token's log-probability, and the ``top`` alternatives as (token id, logprob), best first.
+    """A token's log-probability, and the ``top`` alternatives as (token id, logprob), best first.
 
     Log-probabilities are of the model's raw distribution (before penalties,
-    temperature and truncation), as vLLM reports them by default.
+    temperature and truncation), as vLLM reports them by default. ``rank``
+    (a prompt token's: 1 + how many tokens the model ranked above it,
+    vLLM's count) is None for sampled tokens.
     """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
+
+
+PromptLogprobs = list[TokenLogprob | None]  # one entry per prompt token; the first is None (nothing precedes it)
 
 
 class ChoiceDelta(msgspec.Struct, frozen=True):
-    """What one choice produced in one step (see the module docstring)."""
+    """What one choice produced in one step (see the module docstring).
+
+    ``prompt_logprobs`` (asked for with ``SamplingParams.prompt_logprobs``)
+    comes on the choice's first delta with a token, and only there.
+    """
 
     index: int
     token_ids: list[int]
@@ -109,6 +124,7 @@ class ChoiceDelta(msgspec.Struct, frozen=True):
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the choice
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class RequestStats(msgspec.Struct, frozen=True):
@@ -152,6 +168,7 @@ class ChoiceOutput(msgspec.Struct, frozen=True):
     logprobs: list[TokenLogprob] | None
     finish_reason: FinishReason
     stop_reason: int | str | None
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt's, when asked for (the same for every choice)
 
 
 class GenerateResult(msgspec.Struct, frozen=True):
@@ -205,6 +222,7 @@ def fold_stream(chunks: Iterable[StreamChunk], n: int) -> GenerateResult:
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob] | None] = [None] * n
     finish: list[ChoiceDelta | None] = [None] * n
+    prompt_logprobs: list[PromptLogprobs | None] = [None] * n
     request_id, stats = "", None
     for chunk in chunks:
         request_id = chunk.request_id
@@ -213,13 +231,15 @@ def fold_stream(chunks: Iterable[StreamChunk], n: int) -> GenerateResult:
             texts[delta.index].append(delta.text)
             if delta.logprobs is not None:
                 logprobs[delta.index] = (logprobs[delta.index] or []) + delta.logprobs
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs[delta.index] = delta.prompt_logprobs
             if delta.finish_reason is not None:
                 finish[delta.index] = delta
         stats = chunk.stats or stats
     if stats is None or any(f is None for f in finish):
         raise ValueError("the stream ended before every choice finished")
     choices = [
-        ChoiceOutput(i, tokens[i], "".join(texts[i]), logprobs[i], f.finish_reason, f.stop_reason)  # type: ignore[union-attr,arg-type]
+        ChoiceOutput(i, tokens[i], "".join(texts[i]), logprobs[i], f.finish_reason, f.stop_reason, prompt_logprobs[i])  # type: ignore[union-attr,arg-type]
         for i, f in enumerate(finish)
     ]
     return GenerateResult(request_id, choices, stats)

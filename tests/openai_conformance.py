@@ -230,6 +230,69 @@ def client_request_id_is_prefixed(base_url: str, model: str) -> None:
     assert {event.id for event in streamed} == {"cmpl-probe-7"}
 
 
+def echo_with_logprobs_scores_the_prompt(base_url: str, model: str) -> None:
+    """``echo`` with ``logprobs`` scores the prompt as vLLM does (what lm-evaluation-harness's loglikelihood asks):
+    one entry per prompt token then per generated token, the first with no logprob; a prompt token's score is
+    the score the same token gets when generated after the same text; batches, streams, ``max_tokens`` 0 and
+    the ``prompt_logprobs`` field agree."""
+    c = client(base_url)
+    prompt = [5, 17, 33, 2, 41, 8, 19, 23, 7, 12, 30, 4, 9, 28, 14, 3, 21, 6, 11, 40]
+    body = httpx.post(
+        f"{base_url}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2},
+        timeout=60,
+    ).json()
+    out_ids, scores = body["choices"][0]["token_ids"], body["choices"][0]["logprobs"]
+    assert len(out_ids) >= 2, body  # the toy and tiny checkpoints do not stop this soon
+    echoed = c.completions.create(
+        model=model, prompt=prompt + out_ids[:2], max_tokens=1, temperature=0, echo=True, logprobs=2
+    )
+    lp = echoed.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None and lp.tokens is not None
+    assert len(lp.token_logprobs) == len(prompt) + 2 + 1  # the prompt, then the one generated token
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    # Scored as prompt tokens, the two tokens generated after the prompt get the scores they had when generated.
+    for got, want in zip(lp.token_logprobs[len(prompt) : len(prompt) + 2], scores["token_logprobs"][:2], strict=True):
+        assert abs(got - want) < 1e-3, (got, want)
+    assert lp.text_offset is not None and lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens, strict=False))
+    # the token itself, then 2 alternatives, one entry per distinct text (byte tokens may share one)
+    assert all(top and 1 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    # vLLM's prompt_logprobs field: per prompt token, the token first with its rank, then the alternatives.
+    raw = httpx.post(
+        f"{base_url}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1},
+        timeout=60,
+    ).json()
+    field = raw["choices"][0]["prompt_logprobs"]
+    assert len(field) == len(prompt) and field[0] is None
+    for position, step in enumerate(field[1:], start=1):
+        own = step[str(prompt[position])]
+        assert own["rank"] >= 1 and own["logprob"] <= 0 and isinstance(own["decoded_token"], str)
+        assert abs(own["logprob"] - lp.token_logprobs[position]) < 1e-3
+        best = [entry for entry in step.values() if entry["rank"] == 1]
+        assert len(best) == 1 and best[0]["logprob"] >= own["logprob"]
+    # echo with max_tokens 0: the prompt alone; a stream's first chunk carries the same scores; batches too.
+    alone = c.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0, temperature=0)
+    only = alone.choices[0].logprobs
+    assert only is not None and only.token_logprobs is not None and len(only.token_logprobs) == len(prompt)
+    streamed = list(c.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                                         logprobs=1, stream=True))  # fmt: skip
+    opening = streamed[0].choices[0].logprobs
+    assert opening is not None and opening.token_logprobs is not None
+    assert opening.token_logprobs[0] is None and len(opening.token_logprobs) == len(prompt) + 1
+    for got, want in zip(opening.token_logprobs[1 : len(prompt)], lp.token_logprobs[1 : len(prompt)], strict=True):
+        assert abs(got - want) < 1e-3
+    batch = c.completions.create(model=model, prompt=[prompt[:8], prompt], max_tokens=1, temperature=0, echo=True,
+                                 logprobs=0)  # fmt: skip
+    lengths = [len(ch.logprobs.token_logprobs or []) for ch in batch.choices if ch.logprobs is not None]
+    assert lengths == [9, len(prompt) + 1]
+    refused = httpx.post(f"{base_url}/v1/completions", json={"model": model, "prompt": prompt, "stream": True,
+                                                             "prompt_logprobs": 2}, timeout=30)  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs", refused.text
+
+
 def every_behaviour() -> list[Behaviour]:
     """The checks every front must pass (disconnect_mid_stream needs a way to see the cancel: run it apart)."""
     return [
@@ -243,6 +306,7 @@ def every_behaviour() -> list[Behaviour]:
         openai_fields_that_change_nothing_are_accepted,
         batched_prompts,
         client_request_id_is_prefixed,
+        echo_with_logprobs_scores_the_prompt,
     ]
 
 

@@ -89,6 +89,10 @@ class DecoderModel(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVTensorPool) -> torch.Tensor:
         """``token_ids`` is the step's flattened ``[T]`` tokens; returns float32 ``[S, vocab]`` logits."""
+        return self.logits(self.hidden(token_ids, meta, kv_pool)[meta.sample_rows])
+
+    def hidden(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVTensorPool) -> torch.Tensor:
+        """The last layer's ``[T, hidden]`` output for every row of the step (storing the step's KV)."""
         assert self.rotary is not None, "the model has no weights yet (see build_model)"
         windows = {w: with_window(meta, w) for w in set(self.spec.sliding_windows) if w is not None}
         x = self.embed(token_ids)
@@ -96,9 +100,12 @@ class DecoderModel(nn.Module):
         for index, layer in enumerate(self.layers):
             window = self.spec.window(index)
             x = layer(x, kv_pool.layer(index), meta if window is None else windows[window], rotation)
-        last = self.norm(x[meta.sample_rows])
+        return x
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 ``[R, vocab]`` next-token logits of ``rows`` of :meth:`hidden`'s output."""
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(last, head).float()
+        return F.linear(self.norm(rows), head).float()
 
 
 def build_model(

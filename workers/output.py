@@ -19,6 +19,12 @@ which decides, as vLLM does, whether the choice ends:
   text of a later token, as vLLM's detokenizer searches them;
 - ``max_tokens`` tokens end it with ``length``.
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``) belong to the group:
+each choice that computes its prompt scores it (:meth:`RequestGroup.score_prompt`),
+since until the scores are whole every choice is admitted without a
+prefix hit; a choice's first delta with a token carries them, so they are
+always whole by then.
+
 Not thread-safe: the step loop owns every record.
 """
 
@@ -29,7 +35,15 @@ from collections.abc import Sequence
 from kvstore.events import MEDIA, Medium
 from kvstore.openai.detokenizer import IncrementalDetokenizer
 from kvstore.openai.tokenizer import Tokenizer
-from kvstore.worker_api import ChoiceDelta, FinishReason, RequestStats, SamplingParams, StreamChunk, TokenLogprob
+from kvstore.worker_api import (
+    ChoiceDelta,
+    FinishReason,
+    PromptLogprobs,
+    RequestStats,
+    SamplingParams,
+    StreamChunk,
+    TokenLogprob,
+)
 from kvstore.workers.sampler import ChoiceSampling, SamplingDefaults
 from kvstore.workers.scheduler import RequestState
 from kvstore.workers.stream import RequestStream
@@ -63,6 +77,7 @@ class ChoiceRecord:
             context=prompt_ids,
         )
         self.want_logprobs = params.logprobs is not None
+        self.want_prompt_logprobs = params.prompt_logprobs is not None
         self.text_of_stop_token = params.include_stop_str_in_output
 
     def accept(self, state: RequestState, token: int, logprob: TokenLogprob | None) -> ChoiceDelta:
@@ -88,17 +103,43 @@ class ChoiceRecord:
         if state.is_finished:
             text += self.detokenizer.finish()
         logprobs = [logprob] if self.want_logprobs and logprob is not None else None
-        return ChoiceDelta(self.index, [token], text, logprobs, state.finish_reason, state.stop_reason)
+        prompt = None
+        if count == 1 and self.want_prompt_logprobs:
+            prompt = self.group.prompt_logprobs
+            assert prompt is not None, f"{state} sampled before its prompt was scored"
+        return ChoiceDelta(self.index, [token], text, logprobs, state.finish_reason, state.stop_reason, prompt)
 
 
 class RequestGroup:
     """The choices of one request, its stream, and the numbers its stats are made of."""
 
-    def __init__(self, request_id: str, stream: RequestStream, arrival: float) -> None:
+    def __init__(
+        self, request_id: str, stream: RequestStream, arrival: float, *, prompt_tokens: int = 0, score: bool = False
+    ) -> None:
+        """``score``: the prompt's logprobs are wanted (a prompt of ``prompt_tokens`` tokens)."""
         self.request_id = request_id
         self.stream = stream
         self.arrival = arrival
         self.choices: list[RequestState] = []
+        self.wants_prompt_logprobs = score
+        self._scores: PromptLogprobs | None = [None] * prompt_tokens if score else None
+        self._unscored = max(prompt_tokens - 1, 0) if score else 0  # entries 1.. not yet scored
+        self.prompt_logprobs: PromptLogprobs | None = self._scores if score and not self._unscored else None
+
+    def score_prompt(self, start: int, entries: Sequence[TokenLogprob]) -> None:
+        """Prompt tokens ``start + 1 ...`` scored (by the rows at positions ``start ...``). Once every token after
+        the first is, the scores are :attr:`prompt_logprobs` and no choice skips the prefix cache any more."""
+        scores = self._scores
+        if scores is None or self.prompt_logprobs is not None:
+            return
+        for offset, entry in enumerate(entries, start + 1):
+            if scores[offset] is None:
+                self._unscored -= 1
+            scores[offset] = entry
+        if not self._unscored:
+            self.prompt_logprobs = scores
+            for state in self.choices:
+                state.skip_prefix_cache = False
 
     @property
     def done(self) -> bool:

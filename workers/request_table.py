@@ -56,7 +56,8 @@ def new_group(
     request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
     arrival = time.monotonic()
     stream = RequestStream(request_id, request.sampling.n, on_cancel)
-    group = RequestGroup(request_id, stream, arrival)
+    score = request.sampling.prompt_logprobs is not None
+    group = RequestGroup(request_id, stream, arrival, prompt_tokens=len(request.token_ids), score=score)
     for index in range(request.sampling.n):
         state = RequestState(request, request_id, arrival)
         state.output = ChoiceRecord(

@@ -21,7 +21,10 @@ the prompt after the prefix-cache hit.
    arrival order while the budget, ``max_num_seqs`` and the pool allow:
    prefix lookup, then the offloader (:mod:`kvstore.workers.offload`), then
    ``allocate_slots``; a None (no room) stops admission for this step, so
-   the queue stays first come first served. A request whose lower-tier
+   the queue stays first come first served. A choice that must score its
+   prompt (``RequestState.skip_prefix_cache``: prompt logprobs not yet
+   made) takes no hit, GPU or lower tier, as vLLM's does: a cached block
+   has no logits. A request whose lower-tier
    lookup or load is still running (the offloader answers None) is
    skipped and keeps its place; the requests behind it may be admitted.
 
@@ -46,7 +49,7 @@ from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
 from kvstore.events import MEDIA, Medium
-from kvstore.kv_cache_manager import CacheRequest, KVCacheManager, PrefixHit
+from kvstore.kv_cache_manager import NO_HIT, CacheRequest, KVCacheManager, PrefixHit
 from kvstore.worker_api import FinishReason, GenerateRequest
 from kvstore.workers.attention import SequenceSlice
 from kvstore.workers.offload_backend import Promotion
@@ -111,8 +114,10 @@ class RequestState:
         "num_preemptions",
         "output",
         "output_token_ids",
+        "prompt_logprobs",
         "prompt_tokens",
         "request_id",
+        "skip_prefix_cache",
         "stop_reason",
     )
 
@@ -137,6 +142,9 @@ class RequestState:
         self.cached_tokens_by_medium: dict[Medium, int] | None = None  # set at first admission
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
+        self.prompt_logprobs = request.sampling.prompt_logprobs  # alternatives per prompt token, None: not asked
+        # Admitted without a prefix hit while its prompt's logprobs are wanted (the worker clears it once made).
+        self.skip_prefix_cache = self.prompt_logprobs is not None and self.prompt_tokens > 1
 
     @property
     def key(self) -> str:
@@ -172,6 +180,16 @@ class ScheduledRequest(NamedTuple):
     def samples(self) -> bool:
         """This step computes up to the sequence's last token, so its logits give the next token."""
         return self.state.num_computed_tokens + self.num_new_tokens >= self.state.num_tokens
+
+    def prompt_targets(self) -> list[int]:
+        """With prompt logprobs wanted: the prompt tokens this step's rows predict, one per leading row (row ``r``
+        at position ``p`` predicts the token at ``p + 1``); empty otherwise, or past the prompt."""
+        state = self.state
+        if not state.skip_prefix_cache:
+            return []
+        start = state.num_computed_tokens
+        end = min(start + self.num_new_tokens, state.prompt_tokens - 1)  # the last prompt token predicts output
+        return state.cache_request.token_ids[start + 1 : end + 1] if end > start else []
 
 
 class SchedulerOutput(NamedTuple):
@@ -233,8 +251,11 @@ class Scheduler:
         skipped: list[RequestState] = []  # waiting on the offloader: they keep their places
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and not stalled:
             state = self.waiting[0]
-            gpu_hit = self.manager.get_computed_blocks(state.cache_request)
-            promotion = self.offloader.admit(state.cache_request, gpu_hit)
+            if state.skip_prefix_cache:  # its prompt is scored: every token computed, none looked up
+                promotion: Promotion | None = Promotion(NO_HIT, {})
+            else:
+                gpu_hit = self.manager.get_computed_blocks(state.cache_request)
+                promotion = self.offloader.admit(state.cache_request, gpu_hit)
             if promotion is None:
                 skipped.append(self.waiting.popleft())
                 continue
@@ -246,7 +267,8 @@ class Scheduler:
                 if not self.running and self.offloader.release_ready(state.cache_request):
                     continue
                 break
-            self.offloader.admitted(state.cache_request)
+            if not state.skip_prefix_cache:
+                self.offloader.admitted(state.cache_request)
             self.waiting.popleft()
             self.running.append(state)
             state.num_computed_tokens = hit.num_tokens

@@ -88,6 +88,10 @@ def _validate_sampling(sampling: Any, max_tokens: int, limits: RequestLimits) ->
     check(-2 <= s.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {s.frequency_penalty}")
     check(0 <= s.min_tokens <= max_tokens, f"min_tokens must be in [0, max_tokens], got {s.min_tokens}")
     check(s.logprobs is None or 0 <= s.logprobs <= _MAX_LOGPROBS, f"logprobs must be in [0, {_MAX_LOGPROBS}]")
+    check(
+        s.prompt_logprobs is None or (type(s.prompt_logprobs) is int and 0 <= s.prompt_logprobs <= _MAX_LOGPROBS),
+        f"prompt_logprobs must be an integer in [0, {_MAX_LOGPROBS}], got {s.prompt_logprobs!r}",
+    )
     check(all(isinstance(x, str) and x for x in s.stop), "stop must hold non-empty strings")
     check(s.allowed_token_ids is None or len(s.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
     words = s.bad_words_token_ids

@@ -16,7 +16,8 @@ Each step::
 
     with lock:  collect finished offload jobs; drop cancelled requests; schedule (allocate/evict/cache in the
                 block pool); queue stores of cached free blocks; publish events
-    (no lock)   model forward: compute the step's tokens, write their KV, get next-token logits
+    (no lock)   model forward: compute the step's tokens, write their KV, get next-token logits (and the prompt
+                logprobs of the rows that score a prompt)
     (no lock)   sample the choices that reached their sequence's end; detokenise; decide who finished
     with lock:  record the tokens, free finished choices' blocks, queue their stores, publish events
     (no lock)   put each request's chunk on its stream
@@ -80,7 +81,7 @@ from kvstore.workers.config import WorkerSettings
 from kvstore.workers.device import resolve_device
 from kvstore.workers.kv_tensor_pool import KVTensorPool
 from kvstore.workers.metrics import LoopGauges, OffloadState, WorkerCounters
-from kvstore.workers.model_runner import ModelRunner
+from kvstore.workers.model_runner import ModelRunner, PromptRows
 from kvstore.workers.offload_backend import NoOffload, OffloadBackend
 from kvstore.workers.offload_slot import OffloadSlot
 from kvstore.workers.output import ChoiceRecord, RequestGroup
@@ -395,14 +396,18 @@ class KVWorker:
         if not output.scheduled:
             return bool(cancelled)
         self._last_batch = (len(output.scheduled), sum(work.num_new_tokens for work in output.scheduled))
+        scoring = [(row, work, t) for row, work in enumerate(output.scheduled) if (t := work.prompt_targets())]
+        asks = [PromptRows(row, targets, work.state.prompt_logprobs or 0) for row, work, targets in scoring]
         try:
-            logits = self._runner.execute([work.slice for work in output.scheduled])
+            step = self._runner.execute([work.slice for work in output.scheduled], asks)
         except Exception as exc:
             logger.exception("worker %s: model step failed; dropping running requests and the prefix cache", self.name)
             self._recover_from_model_failure(exc)
             return True
+        for (_, work, _), scores in zip(scoring, step.prompt_logprobs, strict=True):
+            choice_record(work.state).group.score_prompt(work.state.num_computed_tokens, scores)
         try:
-            sampled = self._sample(output, logits)
+            sampled = self._sample(output, step.logits)
         except (
             Exception
         ) as exc:  # a bug, not a request's fault (the sampler copes with any valid one): as a model failure

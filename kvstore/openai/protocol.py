@@ -92,6 +92,7 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     return_tokens_as_token_ids: bool | None = None
     allowed_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     bad_words: Annotated[list[StopString], Meta(max_length=MAX_BAD_WORDS)] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: score each prompt token, with this many alternatives
     # OpenAI's fields about the account, storage, billing or caching of a request: nothing to do here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -101,7 +102,6 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     # vLLM fields this server does not implement: refused by name when set.
     use_beam_search: bool = False
     length_penalty: float | None = None
-    prompt_logprobs: int | None = None
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
@@ -161,7 +161,6 @@ class ChatCompletionRequest(_GenerationFields, forbid_unknown_fields=True, kw_on
 _UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": None,
-    "prompt_logprobs": None,
     "response_format": None,
     "structured_outputs": None,
     "guided_json": None,
@@ -207,6 +206,7 @@ class ParsedRequest(NamedTuple):
     logprobs: int | None  # top alternatives per token, when logprobs are asked for
     role: str = "assistant"  # chat: the answer's role (vLLM: the last message's when no generation prompt)
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+    echo_only: bool = False  # completions' echo with max_tokens 0: one token is generated, only the prompt shown
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -255,8 +255,6 @@ def parse_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Model
         raise ApiError(400, "best_of is not supported (vLLM's V1 engine dropped it); use n", param="best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", param="logprobs")
-    if req.echo and req.logprobs is not None:
-        raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported; drop one of them", param="echo")
     token_ids, text = _completion_prompt(req.prompt, tokenizer, req.add_special_tokens)
     kept = truncated(token_ids, req.truncate_prompt_tokens, limits.max_context)
     if len(kept) < len(token_ids):
@@ -264,12 +262,15 @@ def parse_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Model
             kept = keep_special_tokens(token_ids, tokenizer.encode(text, add_special_tokens=False), len(kept))
         token_ids, text = kept, None  # echo shows what the model read
     max_tokens = _capped(16 if req.max_tokens is None else req.max_tokens, limits)
-    sampling = _sampling(req, req.logprobs, limits, tokenizer)
+    echo_only = req.echo and max_tokens == 0  # as vLLM (and OpenAI): the prompt alone, one token generated
+    if echo_only:
+        max_tokens = 1
+    sampling = _sampling(req, req.logprobs, limits, tokenizer, prompt_logprobs=_prompt_logprobs(req, req.logprobs))
     _check_lengths(token_ids, max_tokens, sampling, limits)
     echo = None
     if req.echo:
         echo = text if text is not None else tokenizer.decode(token_ids, skip_special_tokens=req.skip_special_tokens)
-    return _parsed("completion", req, token_ids, max_tokens, sampling, echo, req.logprobs)
+    return _parsed("completion", req, token_ids, max_tokens, sampling, echo, req.logprobs)._replace(echo_only=echo_only)
 
 
 def parse_completions(req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> list[ParsedRequest]:
@@ -385,7 +386,7 @@ def parse_chat(
         raise ApiError(400, "the rendered conversation is empty", param="messages")
     token_ids = truncated(token_ids, req.truncate_prompt_tokens, limits.max_context)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    sampling = _sampling(req, top, limits, tokenizer)
+    sampling = _sampling(req, top, limits, tokenizer, prompt_logprobs=_prompt_logprobs(req, top))
     explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if explicit is None and limits.max_context is not None:
         explicit = limits.max_context - len(token_ids)
@@ -574,8 +575,28 @@ def _plain_text_format(value: Any) -> bool:
     return isinstance(value, dict) and value.get("type") == "text" and set(value) == {"type"}
 
 
+def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest, logprobs: int | None) -> int | None:
+    """vLLM's ``prompt_logprobs``: asked for by name, or with ``echo`` the output's ``logprobs`` count (the echoed
+    prompt's tokens are scored too). A stream cannot carry them (asking for alternatives there is refused)."""
+    asked = req.prompt_logprobs
+    if asked is None:
+        return logprobs if req.echo else None
+    if not 0 <= asked <= MAX_LOGPROBS:
+        raise ApiError(
+            400, f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {asked}", param="prompt_logprobs"
+        )
+    if req.stream and asked > 0:
+        raise ApiError(400, "prompt_logprobs are not available when stream=True", param="prompt_logprobs")
+    return asked
+
+
 def _sampling(
-    req: _GenerationFields, logprobs: int | None, limits: ModelLimits, tokenizer: Tokenizer
+    req: _GenerationFields,
+    logprobs: int | None,
+    limits: ModelLimits,
+    tokenizer: Tokenizer,
+    *,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     def bounded(field: str, value: float | None, low: float, high: float, *, low_open: bool = False) -> None:
         if value is None:
@@ -622,6 +643,7 @@ def _sampling(
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         logit_bias=_logit_bias(req.logit_bias, vocab),
         skip_special_tokens=req.skip_special_tokens,
         allowed_token_ids=_allowed(req.allowed_token_ids, vocab),

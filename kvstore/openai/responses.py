@@ -14,6 +14,14 @@ server sends for ``/v1/completions`` and ``/v1/chat/completions``:
   with ``continuous_usage_stats`` too, every chunk carries the usage so far
   (the prompt, and the tokens its choice has generated).
 
+Prompt logprobs, as vLLM returns them: a completion's ``echo`` with
+``logprobs`` scores the echoed prompt too (its first token with no
+logprob), and a plain body carries ``prompt_logprobs`` (per choice for
+completions, once for chat): per prompt token, None for the first, then
+``{token id: {"logprob", "rank", "decoded_token"}}``, the prompt's own
+token first, then the top alternatives. A completion's ``echo`` with
+``max_tokens`` 0 shows the prompt alone (one token is generated).
+
 Beyond vLLM, choices carry ``token_ids`` and the body (or the stream's
 last chunk) a ``kvstore`` object the caller supplies: which replica served
 the request, cached tokens per medium, timings.
@@ -29,7 +37,7 @@ import msgspec
 
 from kvstore.openai.protocol import ParsedRequest
 from kvstore.openai.tokenizer import Tokenizer
-from kvstore.worker_api import ChoiceDelta, GenerateResult, RequestStats, StreamChunk, TokenLogprob
+from kvstore.worker_api import ChoiceDelta, GenerateResult, PromptLogprobs, RequestStats, StreamChunk, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
 _encoder = msgspec.json.Encoder()
@@ -84,18 +92,24 @@ class ResponseBuilder:
     def body(self, result: GenerateResult) -> dict[str, Any]:
         choices = []
         for choice in result.choices:
-            text = (self._prompt_of(choice.index).echo_text or "") + choice.text
+            prompt = self._prompt_of(choice.index)
+            shown = not prompt.echo_only
+            text = (prompt.echo_text or "") + (choice.text if shown else "")
             entry: dict[str, Any] = {"index": choice.index}
             if self.chat:
-                entry["message"] = {"role": self._prompt_of(choice.index).role, "content": text}
+                entry["message"] = {"role": prompt.role, "content": text}
             else:
                 entry["text"] = text
-            entry["logprobs"] = self._logprobs(choice.index, choice.logprobs)
+            entry["logprobs"] = self._logprobs(
+                choice.index, choice.logprobs if shown else [], self._echoed(choice.index, choice.prompt_logprobs)
+            )
             entry["finish_reason"] = str(choice.finish_reason)
             entry["stop_reason"] = choice.stop_reason
             entry["token_ids"] = choice.token_ids
+            if not self.chat:
+                entry["prompt_logprobs"] = self._prompt_logprobs(choice.prompt_logprobs)
             choices.append(entry)
-        body = {
+        body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -103,6 +117,10 @@ class ResponseBuilder:
             "choices": choices,
             "usage": usage(result.stats),
         }
+        if self.chat:  # vLLM's chat body carries the prompt's once
+            body["prompt_logprobs"] = self._prompt_logprobs(
+                result.choices[0].prompt_logprobs if result.choices else None
+            )
         if self._extras is not None:
             body["kvstore"] = self._extras(result.stats)
         return body
@@ -137,11 +155,16 @@ class ResponseBuilder:
                 if echo:
                     echoed = {"index": index, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
                     out.append(self._envelope([echoed], usage=self._running_usage(index, 0)))
+        entries = delta.logprobs
+        if self._prompt_of(delta.index).echo_only:  # the prompt alone: the token generated is not shown
+            text, entries = "", [] if entries is not None else None
+        scored = None
         if first:
             self._started.add(delta.index)
             if not self.chat:  # a completion's echo opens its choice's first chunk, as vLLM sends it
                 text = (self._prompt_of(delta.index).echo_text or "") + text
-        logprobs = self._logprobs(delta.index, delta.logprobs)
+                scored = self._echoed(delta.index, delta.prompt_logprobs)
+        logprobs = self._logprobs(delta.index, entries, scored)
         if not text and not delta.token_ids and delta.finish_reason is None and logprobs is None:
             return out
         # A token whose text is held back (an unfinished UTF-8 character) still goes out, with its id and no
@@ -187,31 +210,72 @@ class ResponseBuilder:
 
     # ---------------------------------------------------------------- logprobs
 
-    def _logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+    def _echoed(self, index: int, scored: PromptLogprobs | None) -> list[tuple[int, TokenLogprob | None]] | None:
+        """A completion's echoed prompt as (token id, its score) pairs for its logprobs, when echo and logprobs
+        are asked for together (the worker then scored the prompt); None otherwise."""
+        prompt = self._prompt_of(index)
+        if self.chat or prompt.echo_text is None or prompt.logprobs is None or scored is None:
+            return None
+        return list(zip(prompt.token_ids, scored, strict=True))
+
+    def _logprobs(
+        self,
+        index: int,
+        entries: Sequence[TokenLogprob] | None,
+        echoed: Sequence[tuple[int, TokenLogprob | None]] | None = None,
+    ) -> dict[str, Any] | None:
+        """A choice's logprobs object for ``entries`` (its tokens this time), after its ``echoed`` prompt's."""
         if self.parsed.logprobs is None or entries is None:
             return None
         if self.chat:
             return {"content": [self._chat_entry(e) for e in entries]}
+        steps = [*(echoed or ()), *((e.token_id, e) for e in entries)]
         tokens, offsets = [], []
-        offset = self._offsets.get(index, len(self.parsed.echo_text or ""))
-        for entry in entries:
-            token = self._token(entry.token_id)
+        offset = self._offsets.get(index, 0)
+        for token_id, _ in steps:
+            token = self._token(token_id)
             tokens.append(token)
             offsets.append(offset)
             offset += len(token)
         self._offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "token_logprobs": [None if e is None else _finite(e.logprob) for _, e in steps],
             # As vLLM (and OpenAI's legacy API) answer: the chosen token first, then the top ``logprobs``
-            # alternatives, one entry per distinct text (so logprobs=0 still names the chosen token).
+            # alternatives, one entry per distinct text (so logprobs=0 still names the chosen token); the
+            # prompt's first token, which nothing predicts, has none.
             "top_logprobs": [
-                {token: _finite(e.logprob)}
+                None
+                if e is None
+                else {token: _finite(e.logprob)}
                 | {name: _finite(lp) for t, lp in e.top if (name := self._token(t)) != token}
-                for token, e in zip(tokens, entries, strict=True)
+                for token, (_, e) in zip(tokens, steps, strict=True)
             ],
             "text_offset": offsets,
         }
+
+    def _prompt_logprobs(self, scored: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or ``{id: {logprob, rank,
+        decoded_token}}``, the prompt's token first, then the alternatives ranked 1, 2, ..."""
+        if scored is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for entry in scored:
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = [
+                (entry.token_id, entry.logprob, entry.rank),
+                *((t, lp, r) for r, (t, lp) in enumerate(entry.top, 1)),
+            ]
+            step: dict[str, Any] = {}
+            for token_id, logprob, rank in ranked:
+                step.setdefault(
+                    str(token_id),
+                    {"logprob": _finite(logprob), "rank": rank, "decoded_token": self._token(token_id)},
+                )
+            out.append(step)
+        return out
 
     def _chat_entry(self, entry: TokenLogprob) -> dict[str, Any]:
         token = self._token(entry.token_id)

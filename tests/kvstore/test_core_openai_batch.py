@@ -46,7 +46,7 @@ def test_each_prompt_of_a_batch_is_parsed_alone_and_errors_name_it() -> None:
         ({"prompt": ["ok", None]}, "prompt[1]", "got NoneType"),
         ({"prompt": ["a"] * 20, "n": 17}, "n", "n must be between 1 and 16, got 17"),  # n's own error first
         ({"prompt": ["a"] * (MAX_BATCH_CHOICES // 2 + 1), "n": 2}, "prompt", "more than 256 choices"),
-        ({"prompt": ["a", "b"], "echo": True, "logprobs": 1}, "echo", "echo with logprobs"),  # not about a prompt
+        ({"prompt": ["a", "b"], "prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be between"),
         ({"prompt": ["a", "b"], "top_p": 7.0}, "top_p", "top_p"),
         ({"prompt": ["a", "b" * 3000], "max_tokens": 4}, "max_tokens", "prompt[1]: prompt (3000 tokens)"),
     ]:
@@ -126,5 +126,5 @@ def test_the_builder_echoes_and_counts_each_prompt_of_its_batch() -> None:
 
 def test_an_error_about_no_prompt_in_particular_is_not_put_on_one() -> None:
     with pytest.raises(ApiError) as info:
-        parse({"prompt": ["a", "b"], "echo": True, "logprobs": 1})
-    assert info.value.param == "echo" and not info.value.message.startswith("prompt[")
+        parse({"prompt": ["a", "b"], "prompt_logprobs": 2, "stream": True})
+    assert info.value.param == "prompt_logprobs" and not info.value.message.startswith("prompt[")

@@ -168,7 +168,10 @@ def test_parse_rejects_by_field_and_fills_vllm_defaults() -> None:
         (b'{"prompt": "x", "suffix": "y"}', "suffix"),
         (b'{"prompt": "x", "allowed_token_ids": []}', "allowed_token_ids"),
         (b'{"prompt": "x", "allowed_token_ids": [1, 512]}', "allowed_token_ids"),
-        (b'{"prompt": [1, 2], "echo": true, "logprobs": 2}', "echo"),
+        (b'{"prompt": [1, 2], "prompt_logprobs": -1}', "prompt_logprobs"),  # vLLM's "all": beyond its cap of 20
+        (b'{"prompt": [1, 2], "prompt_logprobs": 21}', "prompt_logprobs"),
+        (b'{"prompt": [1, 2], "prompt_logprobs": 1, "stream": true}', "prompt_logprobs"),
+        (b'{"prompt": [1, 2], "max_tokens": 0}', "max_tokens"),  # 0 only with echo
         (b'{"prompt": "x", "max_tokens": 4000}', "max_tokens"),
     ]:
         with pytest.raises(ApiError) as info:

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from transformers import AutoTokenizer
 from workers_testlib import make_config
 
 from kvstore.workers.http import create_worker_app
 from kvstore.workers.worker import KVWorker
 from tests import openai_conformance as check
-from tests.checkpoints import TinyCheckpoint
+from tests.checkpoints import TinyCheckpoint, reference_model
 from tests.http_servers import ServerThread
 
 MODEL = "kvstore-toy"
@@ -127,3 +129,47 @@ def test_bad_words_over_http_keep_a_word_out_of_the_answer(served: tuple[str, KV
     )
     assert ord("5") not in banned.choices[0].model_extra["token_ids"]  # type: ignore[index]
     assert "5" not in banned.choices[0].text and banned.choices[0].text != plain.choices[0].text
+
+
+def test_echoed_prompt_scores_equal_transformers(
+    served_checkpoint: tuple[str, KVWorker], qwen2_checkpoint: TinyCheckpoint
+) -> None:
+    """lm-evaluation-harness's loglikelihood request (a prompt of token ids, ``echo``, ``logprobs=1``,
+    ``max_tokens=1``): each prompt token's logprob is transformers' ``log_softmax`` at the position before it;
+    chat's ``prompt_logprobs`` scores the rendered conversation the same way."""
+    url, worker = served_checkpoint
+    model = worker.info().model_name
+    prompt = torch.randint(0, 300, (37,), generator=torch.Generator().manual_seed(11)).tolist()
+    with torch.no_grad():
+        logits = reference_model(qwen2_checkpoint)(torch.tensor([prompt])).logits[0].float()
+    want = torch.log_softmax(logits, dim=-1)
+    answer = check.client(url).completions.create(
+        model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    scores = answer.choices[0].logprobs
+    assert scores is not None and scores.token_logprobs is not None and scores.top_logprobs is not None
+    assert scores.token_logprobs[0] is None
+    for position in range(1, len(prompt)):
+        row = want[position - 1]
+        assert scores.token_logprobs[position] == pytest.approx(float(row[prompt[position]]), abs=1e-4)
+        # keyed by text (tokens that decode alike share a key, as in vLLM): every value is the token's or the best's
+        best = {float(row[prompt[position]]), float(row.max())}
+        assert all(min(abs(v - b) for b in best) < 1e-4 for v in scores.top_logprobs[position].values())
+    assert scores.token_logprobs[-1] == pytest.approx(float(want[-1].max()), abs=1e-4)  # greedy: the best token
+    messages = [{"role": "user", "content": "Score me."}]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1,
+                                                          "prompt_logprobs": 0}, timeout=60).json()  # fmt: skip
+    rendered = list(
+        AutoTokenizer.from_pretrained(qwen2_checkpoint.path).apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    with torch.no_grad():
+        chat_logits = reference_model(qwen2_checkpoint)(torch.tensor([rendered])).logits[0].float()
+    chat_want = torch.log_softmax(chat_logits, dim=-1)
+    field = chat["prompt_logprobs"]
+    assert len(field) == len(rendered) and field[0] is None
+    for position in range(1, len(rendered)):
+        entry = field[position][str(rendered[position])]
+        assert entry["logprob"] == pytest.approx(float(chat_want[position - 1][rendered[position]]), abs=1e-4)
+        assert next(iter(field[position])) == str(rendered[position])  # the prompt's own token first

@@ -288,7 +288,7 @@ def test_a_failing_model_step_with_stores_in_flight_recovers(
         assert tier.in_store.wait(10)  # the prompt's blocks are held by a store that is still copying
         real_execute = worker._runner.execute
 
-        def fail_once(slices: object) -> object:
+        def fail_once(*args: object) -> object:
             monkeypatch.setattr(worker._runner, "execute", real_execute)
             threading.Timer(0.3, tier.gate.set).start()  # the copy ends while the worker recovers
             raise MemoryError("injected: out of device memory")
