@@ -243,9 +243,12 @@ def _decode_event(item: Any) -> KVEvent | None:
 
 
 def _normalise_hash(value: Any) -> Any:
-    # Some vLLM versions published the raw digest; the wire key is its low 64 bits.
+    # Some vLLM versions published the raw digest; the wire key is its low 64 bits. vLLM 0.9 with its default
+    # ``builtin`` hash published Python's signed hash(): the same 64 bits, read as unsigned.
     if isinstance(value, bytes):
         return to_external(value)
+    if type(value) is int and -(1 << 63) <= value < 0:
+        return value & 0xFFFF_FFFF_FFFF_FFFF
     return value
 
 

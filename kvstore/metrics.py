@@ -78,6 +78,12 @@ class EventStreamCollector(Collector):
             f"{p}_decode_errors", "Frames or events that could not be decoded.", labels=["producer"]
         )
         resyncs = CounterMetricFamily(f"{p}_resyncs", "Replays and snapshots requested.", labels=["producer", "kind"])
+        losses = CounterMetricFamily(
+            f"{p}_event_losses",
+            "Where the view of a producer may have lost batches: resumed without an exact resync (lossy), live "
+            "batches not kept (dropped), snapshots too large to hold (oversized).",
+            labels=["producer", "kind"],
+        )
         lag = HistogramMetricFamily(
             f"{p}_event_lag_seconds",
             "Time from a batch's timestamp (the producer's clock) to its application in the index, per batch.",
@@ -95,10 +101,13 @@ class EventStreamCollector(Collector):
             errors.add_metric([h.producer], h.decode_errors + h.skipped_events)
             resyncs.add_metric([h.producer, "replay"], h.replays)
             resyncs.add_metric([h.producer, "snapshot"], h.snapshots)
+            losses.add_metric([h.producer, "lossy"], h.lossy)
+            losses.add_metric([h.producer, "dropped"], h.dropped)
+            losses.add_metric([h.producer, "oversized"], h.oversized)
             cumulative = [float(c) for c in itertools.accumulate(h.lag_counts)]
             lag.add_metric([h.producer], list(zip(bounds, cumulative, strict=True)), sum_value=h.lag_sum_s)
             staleness.add_metric([h.producer], h.staleness_s)
-        yield from (events, gaps, errors, resyncs, lag, staleness)
+        yield from (events, gaps, errors, resyncs, losses, lag, staleness)
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -48,6 +48,14 @@ with seq > S. Live batches with seq <= S that were already in flight are
 stale and skipped. Likewise, a live batch that a replay already applied
 (same seq, same payload) can arrive after the replay, on the other
 connection: it is stale, not a restart.
+A replay that applied something and then skipped a seq (a hole inside the
+reply) is asked again from ``next``: a producer's buffer only ever loses its
+oldest batches, so a hole after a reply's start is a batch the transport
+dropped (vLLM's ROUTER drops what passes its send high-water mark), not one
+the producer lost. The batches after the hole are kept, so a reply that
+cannot be completed still counts. Only a replay that applies nothing falls
+back to a snapshot.
+
 A producer that answers a snapshot with nothing (plain vLLM) cannot be
 recovered exactly: we resume at the oldest buffered batch and mark it lossy.
 Unless that snapshot was asked for after a disconnect: then the producer
@@ -58,6 +66,19 @@ while the new incarnation's replay buffer still holds its first batch;
 otherwise the next snapshot comes back empty too and we resume lossy, from
 the reset state: blocks missing from the view cost a hit, blocks it holds
 wrongly draw requests to a replica that lacks them.
+
+Bounds, so that one producer -- broken or hostile -- costs bounded memory
+and time: at most ``_MAX_PENDING`` live batches wait for a sync (past it a
+new one is dropped, counted in ``dropped``: the hole it leaves is asked for
+again); a snapshot larger than ``_MAX_SNAPSHOT_BYTES`` or ``_MAX_SNAPSHOT_BATCHES``
+is abandoned (:class:`CancelSync`, counted in ``oversized``) and the stream
+resumes lossy; and buffered batches that the producer's own replies keep
+contradicting (a seq far ahead of anything it holds, which a replay never
+reaches and a snapshot never covers) are dropped after
+``_MAX_STUCK_SYNCS`` resync requests that did not move ``next``, instead of
+asking again forever. A live batch below ``next`` that repeats one applied
+lately (same seq, same payload: at-least-once delivery) is stale, not a
+restart.
 
 A resync that does not complete never throws away what the consumer holds.
 A snapshot is held back until its end marker and then replaces the state in
@@ -106,9 +127,17 @@ class RequestSnapshot(NamedTuple):
     """Ask the producer for its whole state; answered through on_sync_item/on_sync_end."""
 
 
-Action = Apply | Reset | RequestReplay | RequestSnapshot
+class CancelSync(NamedTuple):
+    """Stop reading the reply in flight (the rest of it must not be taken for the next request's)."""
+
+
+Action = Apply | Reset | RequestReplay | RequestSnapshot | CancelSync
 
 _MAX_PENDING = 100_000
+_MAX_SNAPSHOT_BYTES = 512 << 20  # a snapshot is held whole until its end marker
+_MAX_SNAPSHOT_BATCHES = 1_000_000
+_MAX_STUCK_SYNCS = 6  # resync requests in a row at one next_seq before contradicted batches are dropped
+_RECENT = 64  # applied batches remembered (seq -> payload hash) to tell a duplicate from a restart
 
 
 class ProducerStream:
@@ -123,6 +152,10 @@ class ProducerStream:
         self._replay_progress = False  # the current replay applied at least one batch
         self._snapshot_seq: int | None = None  # the seq the snapshot being received reflects
         self._snapshot: list[bytes] = []  # its batches, held back until its end marker
+        self._snapshot_bytes = 0
+        self._recent: dict[int, int] = {}  # seq -> hash(payload) of the last _RECENT batches applied live or replayed
+        self._stuck_at = -1  # the next_seq of the last resync request, and how many in a row were made there
+        self._stuck = 0
         self._stale_through: int | None = None
         # hash(payload) of each batch a replay applied, until the live stream passes them: their
         # live copies may still be in flight (another connection), and must not look like a restart.
@@ -141,6 +174,8 @@ class ProducerStream:
         self.stale = 0
         self.lossy = 0
         self.sync_timeouts = 0
+        self.dropped = 0  # live batches not kept: the buffer was full, or the producer's replies contradict them
+        self.oversized = 0  # snapshots abandoned for their size
 
     def check_invariants(self) -> None:
         """Assert what every ``on_*`` call keeps (tests call it; a failure is a bug here)."""
@@ -151,6 +186,8 @@ class ProducerStream:
         assert self._verify is None or self.syncing is SyncState.REPLAY, "a continuity check with no replay"
         assert not self._mismatch or self.syncing is SyncState.REPLAY, "a restart found with no replay"
         assert (self._snapshot_seq is None) == (not self._snapshot), "snapshot batches without their seq, or vice versa"
+        assert self._snapshot_bytes == sum(map(len, self._snapshot)), "the snapshot's size is miscounted"
+        assert len(self._recent) <= _RECENT, "the duplicate window outgrew its bound"
         assert not self._initial or self.syncing is SyncState.REPLAY, "the initial replay is not in flight"
         assert not self._disconnected or self.started, "a disconnect counted before the stream started"
         assert not self._sync_cut or self._disconnected, "a cut-off sync without a disconnect"
@@ -206,8 +243,8 @@ class ProducerStream:
                 self.stale += 1
                 return []
             self._stale_through = None
-        if seq < self.next_seq and self._replayed.get(seq) == hash(payload):
-            self.stale += 1
+        if seq < self.next_seq and hash(payload) in (self._replayed.get(seq), self._recent.get(seq)):
+            self.stale += 1  # a copy of a batch applied already (a replay's, or a live one delivered twice)
             return []
         if self._replayed:
             self._replayed.clear()  # live seqs only grow: older in-flight copies have all arrived
@@ -222,6 +259,7 @@ class ProducerStream:
         self.restarts += 1
         self.next_seq = 0
         self._pending.clear()
+        self._recent.clear()
         if seq == 0:
             self.next_seq = 1
             return [Reset(), self._apply(seq, payload)]
@@ -268,10 +306,13 @@ class ProducerStream:
                         self._replay_ok = False
                     return []
                 # it starts later: nothing to check against; an ordinary replay from here
-            if not self._replay_ok or seq < self.next_seq:
+            if self._mismatch or seq < self.next_seq:
                 return []
-            if seq > self.next_seq:
-                self._replay_ok = False  # the producer no longer holds what we miss
+            if seq > self.next_seq or not self._replay_ok:
+                # A hole: the producer no longer holds what we miss, or (after progress) the transport dropped
+                # it. What follows is real history: kept for once the hole is filled, or given up on.
+                self._replay_ok = False
+                self._buffer(seq, payload)
                 return []
             self.next_seq += 1
             self._replay_progress = True
@@ -281,6 +322,13 @@ class ProducerStream:
             if self._snapshot_seq is None:
                 self._snapshot_seq = seq
             self._snapshot.append(payload)
+            self._snapshot_bytes += len(payload)
+            if self._snapshot_bytes > _MAX_SNAPSHOT_BYTES or len(self._snapshot) > _MAX_SNAPSHOT_BATCHES:
+                self.oversized += 1  # too large to hold until its end: no exact recovery from this producer
+                self.syncing = None
+                self._maybe_restarted = False
+                self._drop_snapshot()
+                return [CancelSync(), *self._give_up()]
         return []
 
     def on_sync_end(self) -> list[Action]:
@@ -299,11 +347,11 @@ class ProducerStream:
                 if self._replay_ok and not self._replay_progress:
                     return self._refeed()  # nothing published yet: the first live batch decides
                 self.started = True
-            if not self._replay_ok or (not self._replay_progress and self.next_seq not in self._pending):
+            if not self._replay_progress and (not self._replay_ok or self.next_seq not in self._pending):
                 # The producer no longer holds (or never held) what we miss; asking
                 # again would loop forever, so only a snapshot can recover exactly.
                 return self._start_snapshot()
-            return self._drain()
+            return self._drain()  # after progress, a hole is asked for again from next (module docstring)
         if self.syncing is SyncState.SNAPSHOT:
             self.syncing = None
             seq, batches = self._snapshot_seq, self._snapshot
@@ -345,11 +393,13 @@ class ProducerStream:
     # ------------------------------------------------------------ internals
 
     def _buffer(self, seq: int, payload: bytes) -> None:
-        if len(self._pending) >= _MAX_PENDING:
-            self._pending.pop(min(self._pending))
+        if seq not in self._pending and len(self._pending) >= _MAX_PENDING:
+            self.dropped += 1  # the newest goes (O(1)); its hole is asked for again once the buffer drains
+            return
         self._pending[seq] = payload
 
     def _start_replay(self, start: int | None = None) -> list[Action]:
+        self._count_resync()
         self.syncing = SyncState.REPLAY
         self._replay_ok = True
         self._replay_progress = False
@@ -358,21 +408,35 @@ class ProducerStream:
 
     def _apply(self, seq: int, payload: bytes) -> Apply:
         """Apply the batch at ``seq`` (the one before ``next_seq`` from now on), remembering it for the check
-        after a disconnect."""
-        self._tail = (seq, hash(payload))
+        after a disconnect and to tell a duplicate of it from a restart."""
+        digest = hash(payload)
+        self._tail = (seq, digest)
+        recent = self._recent
+        recent[seq] = digest
+        if len(recent) > _RECENT:
+            del recent[next(iter(recent))]
         return Apply(seq, payload)
 
     def _start_snapshot(self) -> list[Action]:
+        self._count_resync()
         self.syncing = SyncState.SNAPSHOT
         self._maybe_restarted = False
         self._drop_snapshot()
         self._replayed.clear()  # the snapshot's seq decides what is stale from now on
+        self._recent.clear()
         self.snapshots += 1
         return [RequestSnapshot()]
+
+    def _count_resync(self) -> None:
+        if self.next_seq == self._stuck_at:
+            self._stuck += 1
+        else:
+            self._stuck_at, self._stuck = self.next_seq, 1
 
     def _drop_snapshot(self) -> None:
         self._snapshot_seq = None
         self._snapshot = []
+        self._snapshot_bytes = 0
 
     def _refeed(self) -> list[Action]:
         """After an initial sync that told nothing: the buffered live batches, as if they had just arrived."""
@@ -398,6 +462,12 @@ class ProducerStream:
             if seq > self.next_seq:
                 # Still a hole: keep the rest buffered and ask again.
                 self._pending = {s: p for s, p in self._pending.items() if s >= seq}
+                if allow_gap and self.next_seq == self._stuck_at and self._stuck >= _MAX_STUCK_SYNCS:
+                    # The producer's replies keep contradicting these batches (nothing it holds reaches them):
+                    # drop them rather than ask forever; the live stream goes on from next.
+                    self.dropped += len(self._pending)
+                    self._pending.clear()
+                    return actions
                 if allow_gap:
                     return actions + self._start_replay()
                 self.lossy += 1

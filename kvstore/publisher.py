@@ -72,7 +72,7 @@ class EventEndpoints(msgspec.Struct, frozen=True):
 
 class PublisherStats(NamedTuple):
     published: int
-    dropped: int  # batches the full queue turned away (their seqs consumed: subscribers see a gap)
+    dropped: int  # batches the full queue turned away, or that could not be encoded (their seqs consumed: a gap)
     replays_served: int  # complete replies: every batch asked for, then the end marker
     snapshots_served: int
     bad_requests: int
@@ -213,7 +213,10 @@ class ZmqEventPublisher:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=5.0)
+        except queue.Full:  # the thread is stuck on a send (or gone): do not wait on it twice
+            logger.warning("event publisher: queue still full at close; batches left in it are dropped")
         self._thread.join(timeout=5.0)
         self._server.close()
         self._pub.close(linger=0)
@@ -245,6 +248,10 @@ class ZmqEventPublisher:
                 self._published += 1
             except zmq.ZMQError:
                 logger.exception("failed to publish a KV event batch")
+            except Exception:  # an event that cannot be encoded (a caller's bug): its seq is skipped, not the stream
+                self._dropped += 1
+                logger.exception("KV event batch %s could not be encoded: dropped (subscribers will resync)",
+                                 item[0] if item is not None else "?")  # fmt: skip
             finally:
                 self._queue.task_done()
 

@@ -17,9 +17,19 @@ makes once (``zmq.curve_keypair()``); a wrong key, an unlisted client, or a
 CURVE publisher subscribed without one, delivers nothing.
 
 A replay or snapshot whose reply pauses for ``sync_timeout_s`` (the producer
-stalled, or gave the reply up without its end marker) is asked for again, as
-:class:`~kvstore.producer_stream.ProducerStream` says; what the consumer
-holds meanwhile is never reset.
+stalled, or gave the reply up without its end marker), or that has not ended
+``_SYNC_BUDGET`` timeouts after it was asked for (a reply that trickles on),
+is asked for again, as :class:`~kvstore.producer_stream.ProducerStream`
+says; what the consumer holds meanwhile is never reset. Each request goes
+out on a fresh DEALER, so what is left of an earlier reply (a late end
+marker, the rest of an abandoned one) can never be taken for its answer.
+
+One producer cannot stop the others: an endpoint ZeroMQ refuses (a
+transport a SUB or DEALER cannot use, an ``ipc://`` path too long) is a
+ConfigError from :meth:`EventListener.add_producer`, on the caller's
+thread; a socket error on the listener thread is logged, counted in that
+producer's ``decode_errors`` and leaves it without a replay (its live
+stream goes on); the per-producer bounds are ProducerStream's.
 
 Two clocks per producer, kept apart because they answer different
 questions. Lag is per applied batch: from the batch's ``ts`` (the
@@ -50,10 +60,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvstore.errors import ConfigError, EventDecodeError
 from kvstore.events import EventBatch, EventDecoder
-from kvstore.producer_stream import Action, Apply, ProducerStream, RequestReplay, Reset, SyncState
+from kvstore.producer_stream import Action, Apply, CancelSync, ProducerStream, RequestReplay, Reset, SyncState
 from kvstore.publisher import END_SEQ, SNAPSHOT_REQUEST
 
 logger = logging.getLogger(__name__)
+
+_SYNC_BUDGET = 30  # a reply must end within this many sync timeouts of its request, however steadily it trickles
 
 # fmt: off
 LAG_BUCKETS_S: tuple[float, ...] = (
@@ -143,6 +155,8 @@ class ProducerHealth(NamedTuple):
     lossy: int
     syncing: SyncState | None  # a StrEnum: the JSON carries "replay" / "snapshot"
     sync_timeouts: int = 0  # replies that stopped before their end marker for sync_timeout_s (asked again)
+    dropped: int = 0  # live batches not kept (the wait buffer full, or seqs the producer's replies contradict)
+    oversized: int = 0  # snapshots too large to hold, abandoned (the stream resumed lossy)
 
     def as_json(self) -> str:
         return json.dumps(self._asdict())
@@ -168,7 +182,8 @@ class _Producer:
         self.sub: zmq.Socket[bytes] | None = None
         self.monitor: zmq.Socket[bytes] | None = None  # the SUB's connection events (disconnects)
         self.dealer: zmq.Socket[bytes] | None = None
-        self.sync_deadline: float | None = None
+        self.sync_deadline: float | None = None  # the reply's next item is due by then
+        self.sync_cutoff: float | None = None  # ... and its end, however steadily it comes
         self.connected_since = time.time()
         self.connected_mono = time.monotonic()
         self.last_batch_at: float | None = None  # wall clock, for people (/workers)
@@ -246,9 +261,24 @@ class EventListener:
         Raises ConfigError for a malformed key or a pair that does not match.
         """
         _check_curve_keys(name, curve_server_key, curve_client_keys)
+        self._check_endpoint(name, zmq.SUB, endpoint, "endpoint")
+        if replay_endpoint is not None:
+            self._check_endpoint(name, zmq.DEALER, replay_endpoint, "replay endpoint")
         producer = _Producer(name, endpoint, replay_endpoint, topic.encode(), curve_server_key, curve_client_keys)
         with self._lock:
             self._commands.append(("add", producer))
+
+    def _check_endpoint(self, producer: str, kind: int, endpoint: str, what: str) -> None:
+        """ConfigError, here, for an endpoint ZeroMQ will not connect a socket of ``kind`` to (on the listener's
+        thread the error would stop every producer's stream). A connect only starts: nothing is sent."""
+        probe = self._ctx.socket(kind)
+        try:
+            probe.setsockopt(zmq.LINGER, 0)
+            probe.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise ConfigError(f"producer {producer}: {what} {endpoint!r} cannot be subscribed to: {exc}") from None
+        finally:
+            probe.close(linger=0)
 
     def remove_producer(self, name: str, *, reset: bool = False) -> None:
         """Unsubscribe. With ``reset`` the sink's ``reset_producer(name)`` follows on the listener thread,
@@ -282,7 +312,7 @@ class EventListener:
                     p.name, p.endpoint, p.connected_since, p.last_batch_at, p.last_lag_s, tuple(p.lag_counts),
                     p.lag_sum_s, p.staleness_s(now), s.next_seq, p.batches, p.events, p.skipped_events,
                     p.decode_errors, s.gaps, s.replays, s.snapshots, s.restarts, s.stale, s.lossy, s.syncing,
-                    s.sync_timeouts,
+                    s.sync_timeouts, s.dropped, s.oversized,
                 )
             )  # fmt: skip
         return out
@@ -308,7 +338,8 @@ class EventListener:
                         self._drain_monitor(producer, poller)
                     if producer.dealer is not None and producer.dealer in events:
                         self._drain_sync(producer, poller)
-                    if producer.sync_deadline is not None and time.monotonic() > producer.sync_deadline:
+                    deadline = producer.sync_deadline
+                    if deadline is not None and time.monotonic() > min(deadline, producer.sync_cutoff or deadline):
                         logger.warning("producer %s: replay/snapshot timed out", producer.name)
                         self._reset_dealer(producer, poller)
                         self._execute(producer, producer.stream.on_sync_failed(), poller)
@@ -326,13 +357,18 @@ class EventListener:
                 if old is not None:
                     self._unregister(old, poller)
                 sub = self._ctx.socket(zmq.SUB)
-                sub.setsockopt(zmq.LINGER, 0)
-                self._secure(sub, arg)
-                sub.setsockopt(zmq.RCVHWM, 100_000)
-                sub.setsockopt(zmq.SUBSCRIBE, arg.topic)
-                arg.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                sub.connect(arg.endpoint)
                 arg.sub = sub
+                try:
+                    sub.setsockopt(zmq.LINGER, 0)
+                    self._secure(sub, arg)
+                    sub.setsockopt(zmq.RCVHWM, 100_000)
+                    sub.setsockopt(zmq.SUBSCRIBE, arg.topic)
+                    arg.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                    sub.connect(arg.endpoint)
+                except zmq.ZMQError:  # checked in add_producer: only what changed since (a file system, say)
+                    logger.exception("producer %s: cannot subscribe to %s; not followed", arg.name, arg.endpoint)
+                    self._close_sockets(arg)
+                    continue
                 poller.register(sub, zmq.POLLIN)
                 poller.register(arg.monitor, zmq.POLLIN)
                 self._producers[arg.name] = arg
@@ -404,9 +440,9 @@ class EventListener:
                 producer.decode_errors += 1
                 continue
             if seq_bytes == END_SEQ:
-                producer.sync_deadline = None
+                self._reset_dealer(producer, poller)  # one reply per socket: whatever follows is not ours
                 self._execute(producer, producer.stream.on_sync_end(), poller)
-                continue
+                return
             seq = int.from_bytes(seq_bytes, "big")
             # The timeout is for a producer that stopped answering, not for a long answer still coming.
             producer.sync_deadline = time.monotonic() + self._sync_timeout
@@ -420,6 +456,9 @@ class EventListener:
                 logger.info("producer %s: its stream started over; its blocks are dropped until it resends them",
                             producer.name)  # fmt: skip
                 self._sink.reset_producer(producer.name)
+            elif isinstance(action, CancelSync):
+                logger.warning("producer %s: its snapshot is too large to hold; resuming without it", producer.name)
+                self._reset_dealer(producer, poller)
             elif isinstance(action, RequestReplay):
                 logger.info("producer %s: batches missing; asking for a replay from seq %d", producer.name,
                             action.start)  # fmt: skip
@@ -433,15 +472,26 @@ class EventListener:
             # No replay socket: behave as a producer that holds nothing.
             self._execute(producer, producer.stream.on_sync_end(), poller)
             return
-        if producer.dealer is None:
-            dealer = self._ctx.socket(zmq.DEALER)
+        self._reset_dealer(producer, poller)  # a fresh socket: nothing of an earlier reply can reach this one
+        dealer = self._ctx.socket(zmq.DEALER)
+        try:
             dealer.setsockopt(zmq.LINGER, 0)
             self._secure(dealer, producer)
             dealer.connect(producer.replay_endpoint)
-            producer.dealer = dealer
-            poller.register(dealer, zmq.POLLIN)
-        producer.dealer.send_multipart((b"", body))
-        producer.sync_deadline = time.monotonic() + self._sync_timeout
+            dealer.send_multipart((b"", body), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            dealer.close(linger=0)
+            producer.decode_errors += 1
+            logger.warning("producer %s: cannot ask %s for a replay (%s); it is followed live only",
+                           producer.name, producer.replay_endpoint, exc)  # fmt: skip
+            producer.replay_endpoint = None
+            self._execute(producer, producer.stream.on_sync_end(), poller)
+            return
+        producer.dealer = dealer
+        poller.register(dealer, zmq.POLLIN)
+        now = time.monotonic()
+        producer.sync_deadline = now + self._sync_timeout
+        producer.sync_cutoff = now + self._sync_timeout * _SYNC_BUDGET
 
     def _secure(self, sock: zmq.Socket[bytes], producer: _Producer) -> None:
         """CURVE client options, before connect (no-op for a plain producer)."""
@@ -459,7 +509,7 @@ class EventListener:
 
     def _reset_dealer(self, producer: _Producer, poller: zmq.Poller) -> None:
         # Replies to a timed-out request must not be mistaken for the next one's.
-        producer.sync_deadline = None
+        producer.sync_deadline = producer.sync_cutoff = None
         if producer.dealer is not None:
             poller.unregister(producer.dealer)
             producer.dealer.close(linger=0)

@@ -409,3 +409,24 @@ def test_fuzz_decoder_never_raises_anything_but_event_decode_error() -> None:
         outcomes[_check_decode(decoder, payload)] += 1
     # Both outcomes occur: the fuzz reaches past the framing into event decoding.
     assert outcomes["ok"] > 500 and outcomes["error"] > 500
+
+
+def test_signed_hashes_of_old_vllm_are_read_as_their_unsigned_64_bits() -> None:
+    """vLLM 0.9's default ``builtin`` hash published Python's signed hash(): half of all blocks had a negative
+    hash. Read as the same 64 bits unsigned, a BlockStored keeps all its blocks and its BlockRemoved matches."""
+    payload = pack(
+        [
+            1.0,
+            [
+                ["BlockStored", [5, -3], -(2**63), [1, 2, 3, 4], 2, None],
+                ["BlockRemoved", [-3]],
+            ],
+        ]
+    )
+    decoded = decode(payload)
+    assert decoded.skipped == 0
+    stored, removed = decoded.batch.events
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert stored.block_hashes == [5, 2**64 - 3] and stored.parent_block_hash == 2**63
+    assert removed.block_hashes == [2**64 - 3]
+    assert decode(pack([1.0, [["BlockRemoved", [True]]]])).skipped == 1  # not an int: still refused

@@ -67,7 +67,7 @@ def test_event_stream_collector_renders_listener_health() -> None:
         producer="w0", endpoint="tcp://127.0.0.1:1", connected_since=1.7e9, last_batch_at=1.7e9 + 9, lag_s=0.5,
         lag_counts=tuple(counts), lag_sum_s=120.5, staleness_s=7.25,
         next_seq=12, batches=12, events=40, skipped_events=1, decode_errors=2, gaps=3, replays=4,
-        snapshots=5, restarts=0, stale=0, lossy=0, syncing=None,
+        snapshots=5, restarts=0, stale=0, lossy=6, syncing=None, dropped=7, oversized=8,
     )  # fmt: skip
 
     class Listener:
@@ -82,6 +82,11 @@ def test_event_stream_collector_renders_listener_health() -> None:
     assert get("kvstore_router_decode_errors_total", {"producer": "w0"}) == 3
     assert get("kvstore_router_resyncs_total", {"producer": "w0", "kind": "replay"}) == 4
     assert get("kvstore_router_resyncs_total", {"producer": "w0", "kind": "snapshot"}) == 5
+    losses = [
+        get("kvstore_router_event_losses_total", {"producer": "w0", "kind": k})
+        for k in ("lossy", "dropped", "oversized")
+    ]
+    assert losses == [6, 7, 8]
     # Lag is a histogram of applied batches (cumulative buckets); an idle producer's silence is its staleness.
     assert get("kvstore_router_event_lag_seconds_bucket", {"producer": "w0", "le": "0.001"}) == 10
     assert get("kvstore_router_event_lag_seconds_bucket", {"producer": "w0", "le": "0.25"}) == 10

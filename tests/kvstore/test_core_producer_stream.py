@@ -7,11 +7,24 @@ import random
 
 import pytest
 
-from kvstore.producer_stream import Apply, ProducerStream, RequestReplay, RequestSnapshot, Reset, SyncState
+from kvstore.producer_stream import (
+    Apply,
+    CancelSync,
+    ProducerStream,
+    RequestReplay,
+    RequestSnapshot,
+    Reset,
+    SyncState,
+)
 
 
 def p(seq: int) -> bytes:
     return f"live-{seq}".encode()
+
+
+def q(seq: int) -> bytes:
+    """A restarted producer's batch: never the same bytes as the old incarnation's (a batch carries its time)."""
+    return f"new-{seq}".encode()
 
 
 def streaming_at(next_seq: int) -> ProducerStream:
@@ -56,19 +69,19 @@ def test_row_gap_buffers_and_replays_from_next() -> None:
 
 def test_row_seq_went_backwards_is_a_restart_replayed_from_zero() -> None:
     s = streaming_at(10)
-    assert s.on_live(3, p(3)) == [Reset(), RequestReplay(0)]
+    assert s.on_live(3, q(3)) == [Reset(), RequestReplay(0)]
     assert s.restarts == 1 and s.next_seq == 0 and s.syncing is SyncState.REPLAY
     assert s.on_sync_item(0, b"n0") == [Apply(0, b"n0")]
     assert s.on_sync_item(1, b"n1") == [Apply(1, b"n1")]
     assert s.on_sync_item(2, b"n2") == [Apply(2, b"n2")]
-    assert s.on_sync_end() == [Apply(3, p(3))]
+    assert s.on_sync_end() == [Apply(3, q(3))]
     assert s.next_seq == 4
     assert counters(s) == {**ZERO, "restarts": 1, "replays": 1}
 
 
 def test_row_seq_back_to_zero_is_a_restart_applied_at_once() -> None:
     s = streaming_at(5)
-    assert s.on_live(0, p(0)) == [Reset(), Apply(0, p(0))]
+    assert s.on_live(0, q(0)) == [Reset(), Apply(0, q(0))]
     assert s.next_seq == 1 and s.syncing is None
     assert counters(s) == {**ZERO, "restarts": 1}
 
@@ -115,7 +128,7 @@ def test_after_a_disconnect_seq_next_continues_and_seq_below_next_is_a_restart()
     assert quiet.next_seq == 4 and quiet.restarts == 0
     t = streaming_at(3)
     t.on_disconnect()
-    assert t.on_live(0, p(0)) == [Reset(), Apply(0, p(0))]
+    assert t.on_live(0, q(0)) == [Reset(), Apply(0, q(0))]
     assert t.next_seq == 1 and counters(t) == {**ZERO, "restarts": 1}
 
 
@@ -184,16 +197,76 @@ def test_replay_that_misses_next_falls_back_to_snapshot_and_skips_stale() -> Non
     assert counters(s2) == {**ZERO, "gaps": 1, "replays": 1, "snapshots": 1, "stale": 2}
 
 
-def test_replay_with_a_hole_after_partial_progress_falls_back_to_snapshot() -> None:
+def test_a_hole_inside_a_replay_is_asked_for_again_and_only_a_fruitless_replay_takes_a_snapshot() -> None:
+    """A producer's buffer loses only its oldest batches, so a reply that skips a seq after its start lost it in
+    transit (vLLM's ROUTER drops past its send high-water mark): ask again from there, keeping what followed."""
     s = streaming_at(1)
     assert s.on_live(5, p(5)) == [RequestReplay(1)]
     assert s.on_sync_item(1, b"r1") == [Apply(1, b"r1")]
-    assert s.on_sync_item(3, b"r3") == []  # 2 is missing from the producer's buffer
+    assert s.on_sync_item(3, b"r3") == []  # 2 was dropped on the way
     assert s.on_sync_item(4, b"r4") == []
-    assert s.on_sync_end() == [RequestSnapshot()]
-    assert s.on_sync_item(5, b"snap") == []
-    assert s.on_sync_end() == [Reset(), Apply(5, b"snap")]  # the buffered live 5 is covered
-    assert s.next_seq == 6
+    assert s.on_sync_end() == [RequestReplay(2)]
+    assert s.on_sync_item(2, b"r2") == [Apply(2, b"r2")]
+    assert s.on_sync_end() == [Apply(3, b"r3"), Apply(4, b"r4"), Apply(5, p(5))]  # nothing fetched twice
+    assert s.next_seq == 6 and s.snapshots == 0 and s.lossy == 0
+    t = streaming_at(1)  # the second reply does not reach 2 either: the producer lacks it, a snapshot decides
+    assert t.on_live(5, p(5)) == [RequestReplay(1)]
+    assert t.on_sync_item(1, b"r1") == [Apply(1, b"r1")]
+    assert t.on_sync_item(3, b"r3") == []
+    assert t.on_sync_end() == [RequestReplay(2)]
+    assert t.on_sync_item(3, b"r3") == []
+    assert t.on_sync_end() == [RequestSnapshot()]
+    assert t.on_sync_item(5, b"snap") == []
+    assert t.on_sync_end() == [Reset(), Apply(5, b"snap")]  # the buffered 3 and live 5 are covered
+    assert t.next_seq == 6
+    t.check_invariants()
+
+
+def test_a_live_batch_delivered_twice_is_stale_not_a_restart() -> None:
+    """vLLM's publisher promises at-least-once delivery: a repeat of a batch applied lately is not a restart."""
+    s = streaming_at(20)
+    assert s.on_live(19, p(19)) == [] and s.on_live(12, p(12)) == []
+    assert s.stale == 2 and s.restarts == 0 and s.next_seq == 20
+    assert s.on_live(19, q(19)) == [Reset(), RequestReplay(0)]  # another batch at that seq: a new incarnation
+
+
+def test_a_buffered_seq_the_producer_keeps_contradicting_is_dropped_not_asked_for_forever() -> None:
+    """One live frame with a seq far ahead of anything the producer holds: its replies never reach it and its
+    snapshots never cover it. After a few resync requests that did not move next, the batch is dropped."""
+    s = streaming_at(2)
+    actions = s.on_live(2**64 - 1, b"bogus")
+    rounds = 0
+    while actions:
+        assert actions in ([RequestReplay(2)], [RequestSnapshot()]), actions
+        rounds += 1
+        assert rounds < 20, "still asking"
+        if actions == [RequestSnapshot()]:
+            assert s.on_sync_item(1, b"snap-at-1") == []
+        actions = [a for a in s.on_sync_end() if not isinstance(a, (Reset, Apply))]
+        s.check_invariants()
+    assert s.dropped == 1 and s.syncing is None and s.next_seq == 2
+    assert s.on_live(2, p(2)) == [Apply(2, p(2))]  # the live stream goes on
+
+
+def test_bounds_a_full_buffer_drops_the_newest_and_an_oversized_snapshot_is_abandoned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvstore.producer_stream as module
+
+    monkeypatch.setattr(module, "_MAX_PENDING", 3)
+    s = streaming_at(1)
+    assert s.on_live(5, p(5)) == [RequestReplay(1)]
+    for seq in (6, 7, 8, 9):
+        s.on_live(seq, p(seq))
+    assert s.dropped == 2 and sorted(s._pending) == [5, 6, 7]  # the newest went; the oldest are what comes next
+    monkeypatch.setattr(module, "_MAX_SNAPSHOT_BYTES", 10)
+    t = streaming_at(1)
+    assert t.on_live(5, p(5)) == [RequestReplay(1)]
+    assert t.on_sync_end() == [RequestSnapshot()]
+    assert t.on_sync_item(9, b"12345") == []
+    assert t.on_sync_item(9, b"123456") == [CancelSync(), Apply(5, p(5))]  # too large to hold: lossy from live
+    assert t.oversized == 1 and t.lossy == 1 and t.syncing is None and t.next_seq == 6
+    t.check_invariants()
 
 
 def test_empty_replay_falls_back_to_snapshot_instead_of_looping() -> None:
@@ -224,9 +297,10 @@ def test_snapshot_answered_with_nothing_resumes_lossy_at_oldest_buffered() -> No
     assert s.on_live(5, p(5)) == [RequestReplay(1)]
     assert s.on_live(6, p(6)) == []
     assert s.on_live(8, p(8)) == []
-    assert s.on_sync_item(4, b"r4") == []
+    assert s.on_sync_item(4, b"r4") == []  # the replay starts past next: kept, it is the producer's history
     assert s.on_sync_end() == [RequestSnapshot()]
-    assert s.on_sync_end() == [Apply(5, p(5)), Apply(6, p(6)), Apply(8, p(8))]  # plain vLLM: no snapshot
+    # plain vLLM: no snapshot; resumed at the oldest batch held, the replay's first
+    assert s.on_sync_end() == [Apply(4, b"r4"), Apply(5, p(5)), Apply(6, p(6)), Apply(8, p(8))]
     assert s.lossy == 2  # once for giving up, once for the hole at 7
     assert s.next_seq == 9 and s.syncing is None
 
@@ -249,10 +323,10 @@ def test_an_empty_snapshot_after_a_disconnect_resets_and_replays_from_zero() -> 
     t.on_disconnect()
     assert t.on_live(9, p(9)) == [RequestSnapshot()]
     assert t.on_sync_end() == [Reset(), RequestReplay(0)]
-    assert t.on_sync_item(4, b"r4") == []  # the replay starts past 0
+    assert t.on_sync_item(4, b"r4") == []  # the replay starts past 0: kept
     assert t.on_sync_end() == [RequestSnapshot()]
-    assert t.on_sync_end() == [Apply(9, p(9))]  # empty again: lossy, from the reset state
-    assert t.lossy == 1 and t.next_seq == 10
+    assert t.on_sync_end() == [Apply(4, b"r4"), Apply(9, p(9))]  # empty again: lossy, from the reset state
+    assert t.lossy == 2 and t.next_seq == 10  # giving up, and the hole from 5 to 8
     t.check_invariants()
 
 
