@@ -65,7 +65,13 @@ def build_parser(command: Sequence[str] | None = None) -> argparse.ArgumentParse
         else:
             commands, benchmarks = {command[0]: commands[command[0]]}, {}
     parser = argparse.ArgumentParser(prog="kvstore", description="Distributed multi-tier KV cache for LLM serving.")
-    parser.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        help="Python logging level (default WARNING)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in commands.values():
         importlib.import_module(module).add_cli(sub)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -166,7 +167,15 @@ def load_tree(
         tree = _read_toml(Path(path))
     environ = os.environ if env is None else env
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or "__" not in key:
+        if not key.startswith(ENV_PREFIX):
+            continue
+        if "__" not in key:
+            section = key[len(ENV_PREFIX) :].lower().partition("_")[0]
+            if section in _known_fields(root, ""):  # KVSTORE_TIERS_DISK_DIR: meant for a setting, silently lost
+                raise ConfigError(
+                    f"environment variable {key}: a setting is KVSTORE_<SECTION>__<FIELD>, two underscores "
+                    f"between them (such as KVSTORE_{section.upper()}__...)"
+                )
             continue
         dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
         _set_dotted(tree, dotted, _parse_scalar(root, raw, dotted), origin=f"environment variable {key}")
@@ -207,10 +216,20 @@ def _parse_scalar(root: type, raw: str, dotted: str) -> Any:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
-    # A string field takes the text as written: KVSTORE_CACHE__HASH_SEED=0 is the seed "0".
-    if _field_type(root, dotted) is str and not isinstance(value, str):
+    # A string field takes the text as written: KVSTORE_CACHE__HASH_SEED=0 is the seed "0", and an optional
+    # one (str | None) too: KVSTORE_TIERS__DISK_DIR=2024-01-01 is a directory, not a date.
+    if _takes_text(_field_type(root, dotted)) and not isinstance(value, str):
         return raw
     return value
+
+
+def _takes_text(tp: Any) -> bool:
+    """A field whose type is ``str``, or a union (``str | None``) or Annotated ``str`` with one."""
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    if tp is str:
+        return True
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp)
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, *, origin: str) -> None:

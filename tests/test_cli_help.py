@@ -77,3 +77,12 @@ def test_the_router_and_the_event_tools_start_without_torch_or_ray() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def test_an_unknown_log_level_is_a_usage_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--log-level", "nope", "events", "tail", "--help"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'NOPE'" in capsys.readouterr().err

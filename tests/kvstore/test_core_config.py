@@ -76,6 +76,25 @@ def test_string_fields_take_numeric_looking_values_verbatim() -> None:
     assert load_config(env={}, overrides=["events.topic=true"]).events.topic == "true"
 
 
+def test_optional_string_fields_take_the_text_as_written_too() -> None:
+    """``str | None`` fields (a disk directory, a node name) are strings from the environment and ``--set``: a
+    directory called 2024-01-01 is not a TOML date, nor one called 2024 an integer."""
+    from kvstore.config import _parse_scalar
+
+    assert _parse_scalar(Config, "2024-01-01", "tiers.disk_dir") == "2024-01-01"  # not datetime.date(2024, 1, 1)
+    assert _parse_scalar(Config, "2024", "tiers.disk_dir") == "2024"
+    assert _parse_scalar(Config, '"/quoted"', "tiers.disk_dir") == "/quoted"
+    assert _parse_scalar(Config, "2024", "router.replicas[0].node") == "2024"
+    assert _parse_scalar(Config, "2024", "pool.num_blocks") == 2024  # other fields still parse their TOML
+    assert load_config(env={"KVSTORE_TIERS__DISK_DIR": "/data"}).tiers.disk_dir == "/data"
+
+
+def test_an_environment_setting_with_one_underscore_is_an_error_not_ignored() -> None:
+    with pytest.raises(ConfigError, match=r"KVSTORE_TIERS_DISK_DIR: .*two underscores .*KVSTORE_TIERS__"):
+        load_config(env={"KVSTORE_TIERS_DISK_DIR": "/data"})
+    load_config(env={"KVSTORE_LOG_LEVEL": "INFO", "KVSTORE_VENV": "/x"})  # not a section: not ours to judge
+
+
 def test_set_overrides() -> None:
     config = load_config(env={}, overrides=["cache.block_size=32", "cache.hash_algo=xxh3_128", "events.bind=false"])
     assert config.cache.block_size == 32
