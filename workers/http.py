@@ -39,11 +39,18 @@ from kvstore.workers.stream import RequestStream
 from kvstore.workers.worker import KVWorker
 
 
-def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None, trust_template: bool = False) -> FastAPI:
+def create_worker_app(
+    worker: KVWorker,
+    *,
+    bounds: BodyBounds | None = None,
+    trust_template: bool = False,
+    tool_parser: str | None = None,
+) -> FastAPI:
     """An OpenAI-compatible app over ``worker`` (which the caller owns and shuts down).
 
     ``bounds``: what a request body may hold (default: 4 MiB and :class:`BodyBounds`' defaults).
     ``trust_template``: render a ``chat_template`` a request sends (``router.trust_request_chat_template``).
+    ``tool_parser``: parse tool calls out of chat answers (``router.tool_call_parser``; None: no parser).
     """
     bounds = bounds or BodyBounds(4 << 20)
     info = worker.info()
@@ -88,7 +95,9 @@ def create_worker_app(worker: KVWorker, *, bounds: BodyBounds | None = None, tru
     async def endpoint(request: Request, chat: bool) -> Response:
         try:
             body = await read_body(request, bounds)
-            parsed = parse_request(body, chat, tokenizer, limits, info.model_name, trust_template=trust_template)
+            parsed = parse_request(
+                body, chat, tokenizer, limits, info.model_name, trust_template=trust_template, tool_parser=tool_parser
+            )
         except ApiError as exc:  # answered here: a raised error's traceback would keep the decoded body alive
             return error_response(exc)
         return await serve(request, parsed, "chatcmpl" if chat else "cmpl")

@@ -207,6 +207,7 @@ class ParsedRequest(NamedTuple):
     role: str = "assistant"  # chat: the answer's role (vLLM: the last message's when no generation prompt)
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     echo_only: bool = False  # completions' echo with max_tokens 0: one token is generated, only the prompt shown
+    tool_parser: str | None = None  # chat: the answer's tool calls are parsed out of its text by this parser
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -320,12 +321,22 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bo
 
 
 def parse_request(
-    body: bytes, chat: bool, tokenizer: Tokenizer, limits: ModelLimits, model_name: str, *, trust_template: bool = False
+    body: bytes,
+    chat: bool,
+    tokenizer: Tokenizer,
+    limits: ModelLimits,
+    model_name: str,
+    *,
+    trust_template: bool = False,
+    tool_parser: str | None = None,
 ) -> list[ParsedRequest]:
     """A completions or chat body as our fronts serve it: its prompts, each checked (one, unless a completions
-    request sent a batch), and vLLM's 404s for another model or an adapter (:func:`check_served`)."""
+    request sent a batch), and vLLM's 404s for another model or an adapter (:func:`check_served`).
+    ``tool_parser``: the front's tool-call parser (:mod:`kvstore.openai.tool_calls`), None for none."""
     if chat:
-        batch = [parse_chat(decode_chat(body), tokenizer, limits, trust_template=trust_template)]
+        batch = [
+            parse_chat(decode_chat(body), tokenizer, limits, trust_template=trust_template, tool_parser=tool_parser)
+        ]
     else:
         batch = parse_completions(decode_completion(body), tokenizer, limits)
     check_served(batch[0], model_name)
@@ -350,17 +361,27 @@ UNTRUSTED_TEMPLATE = (
 
 
 def parse_chat(
-    req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits, *, trust_template: bool = False
+    req: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    limits: ModelLimits,
+    *,
+    trust_template: bool = False,
+    tool_parser: str | None = None,
 ) -> ParsedRequest:
     """Check ``req``, render its messages through the chat template and tokenise them. ``trust_template``:
-    render a ``chat_template`` the request sends (else a 400, as vLLM refuses one by default)."""
+    render a ``chat_template`` the request sends (else a 400, as vLLM refuses one by default). ``tool_parser``
+    (vLLM's ``--tool-call-parser``): with it, ``tool_choice`` ``"auto"`` is served and the answer's tool calls
+    are parsed out of its text."""
     _refuse_unsupported(req)
     own = request_template({"chat_template": req.chat_template, "chat_template_kwargs": req.chat_template_kwargs})
     if own is not None and not trust_template:
         raise ApiError(400, UNTRUSTED_TEMPLATE, param="chat_template")
     if own is not None and not isinstance(own, str):
         raise ApiError(400, "chat_template must be a string", param="chat_template")
-    tools = _tools(req.tools, req.tool_choice)
+    tools = _tools(req.tools, req.tool_choice, tool_parser)
+    calls_parsed = tool_parser if req.tools and req.tool_choice in (None, "auto") else None
+    if calls_parsed is not None:  # as vLLM's hermes parser: tool-call tags may be special tokens, keep them
+        req = msgspec.structs.replace(req, skip_special_tokens=False)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
     if req.top_logprobs and not req.logprobs:
@@ -401,7 +422,9 @@ def parse_chat(
     last = messages[-1]
     role = "assistant" if req.add_generation_prompt else last["role"]
     echo = last["content"] if req.echo and last["role"] == role else None
-    return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(role=role)
+    return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
+        role=role, tool_parser=calls_parsed
+    )
 
 
 def truncated(token_ids: list[int], keep: int | None, max_context: int | None) -> list[int]:
@@ -489,11 +512,11 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
 MESSAGE_FIELDS = ("role", "name", "tool_call_id", "reasoning", "reasoning_content")  # passed to the template as sent
 
 
-def _tools(tools: list[Any] | None, choice: Any) -> list[Any] | None:
-    """The tools to render into the prompt, or None. As vLLM without a tool-call parser: with
-    ``tool_choice: "none"`` the tools go into the prompt (the template decides how) and the answer is plain
-    text; ``"auto"`` (the default when tools are sent) needs a parser to turn the output into ``tool_calls``,
-    and a named or ``"required"`` choice needs structured output -- neither is here, so both are refused."""
+def _tools(tools: list[Any] | None, choice: Any, parser: str | None = None) -> list[Any] | None:
+    """The tools to render into the prompt, or None. As vLLM: with ``tool_choice: "none"`` the tools go into the
+    prompt (the template decides how) and the answer is plain text; ``"auto"`` (the default when tools are
+    sent) needs a tool-call ``parser`` to turn the output into ``tool_calls`` (refused without one), and a
+    named or ``"required"`` choice needs structured output, which is not here (refused)."""
     if not tools:
         if choice not in (None, "none"):
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
@@ -506,16 +529,16 @@ def _tools(tools: list[Any] | None, choice: Any) -> list[Any] | None:
                 400, f'tools[{index}] must be {{"type": "function", "function": {{"name": ..., ...}}}}',
                 param=f"tools[{index}]",
             )  # fmt: skip
-    if choice is None or choice == "auto":
+    if (choice is None or choice == "auto") and parser is None:
         raise ApiError(
             400,
             'tool_choice "auto" (the default with tools) needs a tool-call parser, which this server does not have; '
             'send tool_choice "none" to have the tools rendered into the prompt and the answer as text',
             param="tool_choice",
         )
-    if choice != "none":
-        raise ApiError(400, 'only tool_choice "none" is supported (a named or required tool needs structured output)',
-                       param="tool_choice")  # fmt: skip
+    if choice not in (None, "auto", "none"):
+        raise ApiError(400, 'only tool_choice "auto" and "none" are supported (a named or required tool needs '
+                       "structured output)", param="tool_choice")  # fmt: skip
     return [as_vllm_tool(tool) for tool in tools]
 
 

@@ -22,6 +22,11 @@ completions, once for chat): per prompt token, None for the first, then
 token first, then the top alternatives. A completion's ``echo`` with
 ``max_tokens`` 0 shows the prompt alone (one token is generated).
 
+With a tool-call parser (``ParsedRequest.tool_parser``), a chat answer's
+tool calls are parsed out of its text (:mod:`kvstore.openai.tool_calls`):
+the message (or the stream's deltas) carries ``tool_calls`` and the choice
+ends with ``finish_reason: "tool_calls"``, as vLLM answers.
+
 Beyond vLLM, choices carry ``token_ids`` and the body (or the stream's
 last chunk) a ``kvstore`` object the caller supplies: which replica served
 the request, cached tokens per medium, timings.
@@ -37,6 +42,7 @@ import msgspec
 
 from kvstore.openai.protocol import ParsedRequest
 from kvstore.openai.tokenizer import Tokenizer
+from kvstore.openai.tool_calls import ToolCallStream, extract
 from kvstore.worker_api import ChoiceDelta, GenerateResult, PromptLogprobs, RequestStats, StreamChunk, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
@@ -86,6 +92,7 @@ class ResponseBuilder:
         self._started: set[int] = set()  # choices whose first chunk went out
         self._offsets: dict[int, int] = {}  # completions' logprobs text_offset, per choice
         self._generated: dict[int, int] = {}  # tokens each choice has generated so far (continuous usage)
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per choice, with a tool-call parser (streamed chat)
 
     # ------------------------------------------------------------------ plain
 
@@ -96,14 +103,21 @@ class ResponseBuilder:
             shown = not prompt.echo_only
             text = (prompt.echo_text or "") + (choice.text if shown else "")
             entry: dict[str, Any] = {"index": choice.index}
-            if self.chat:
+            finish_reason = str(choice.finish_reason)
+            if self.chat and prompt.tool_parser is not None:
+                found = extract(choice.text)
+                content = (prompt.echo_text or "") + (found.content or "")
+                entry["message"] = {"role": prompt.role, "content": content or None, "tool_calls": found.tool_calls}
+                if found.tool_calls:
+                    finish_reason = "tool_calls"
+            elif self.chat:
                 entry["message"] = {"role": prompt.role, "content": text}
             else:
                 entry["text"] = text
             entry["logprobs"] = self._logprobs(
                 choice.index, choice.logprobs if shown else [], self._echoed(choice.index, choice.prompt_logprobs)
             )
-            entry["finish_reason"] = str(choice.finish_reason)
+            entry["finish_reason"] = finish_reason
             entry["stop_reason"] = choice.stop_reason
             entry["token_ids"] = choice.token_ids
             if not self.chat:
@@ -165,21 +179,42 @@ class ResponseBuilder:
                 text = (self._prompt_of(delta.index).echo_text or "") + text
                 scored = self._echoed(delta.index, delta.prompt_logprobs)
         logprobs = self._logprobs(delta.index, entries, scored)
-        if not text and not delta.token_ids and delta.finish_reason is None and logprobs is None:
+        finish_reason = None if delta.finish_reason is None else str(delta.finish_reason)
+        calls: list[dict[str, Any]] = []
+        if self.chat and self._prompt_of(delta.index).tool_parser is not None:
+            text, calls, finish_reason = self._tool_piece(delta.index, text, finish_reason)
+        if not text and not calls and not delta.token_ids and finish_reason is None and logprobs is None:
             return out
         # A token whose text is held back (an unfinished UTF-8 character) still goes out, with its id and no
         # text, as vLLM sends it: the chunks' token_ids add up to the answer's.
         choice: dict[str, Any] = {"index": delta.index}
         if self.chat:
-            choice["delta"] = {"content": text} if text or delta.token_ids else {}
+            choice["delta"] = {"content": text} if text or (delta.token_ids and not calls) else {}
+            if calls:
+                choice["delta"]["tool_calls"] = calls
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = None if delta.finish_reason is None else str(delta.finish_reason)
+        choice["finish_reason"] = finish_reason
         choice["stop_reason"] = delta.stop_reason
         choice["token_ids"] = delta.token_ids
         out.append(self._envelope([choice], usage=self._running_usage(delta.index, generated)))
         return out
+
+    def _tool_piece(
+        self, index: int, text: str, finish_reason: str | None
+    ) -> tuple[str, list[dict[str, Any]], str | None]:
+        """A streamed chat delta's text through its choice's tool-call parser: the content that can go out, the
+        tool calls completed, and the finish reason (``tool_calls`` once the choice has made any)."""
+        stream = self._tool_streams.setdefault(index, ToolCallStream())
+        piece = stream.push(text)
+        content, calls = piece.content, piece.tool_calls
+        if finish_reason is not None:
+            tail = stream.finish()
+            content, calls = content + tail.content, calls + tail.tool_calls
+            if stream.calls:
+                finish_reason = "tool_calls"
+        return content, calls, finish_reason
 
     def _prompt_of(self, index: int) -> ParsedRequest:
         return self._batch[index // self.parsed.sampling.n]

@@ -7,6 +7,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -173,3 +174,26 @@ def test_echoed_prompt_scores_equal_transformers(
         entry = field[position][str(rendered[position])]
         assert entry["logprob"] == pytest.approx(float(chat_want[position - 1][rendered[position]]), abs=1e-4)
         assert next(iter(field[position])) == str(rendered[position])  # the prompt's own token first
+
+
+def test_a_front_with_a_tool_call_parser_serves_tool_choice_auto(served: tuple[str, KVWorker]) -> None:
+    """``router.tool_call_parser = "hermes"``: a chat with tools (``tool_choice`` "auto" by default) is served,
+    plain and streamed, through the official client; the toy model writes no call, so the answer is content."""
+    _, worker = served
+    server = ServerThread(create_worker_app(worker, tool_parser="hermes")).start()
+    try:
+        client = check.client(server.url)
+        tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        answer = client.chat.completions.create(model=MODEL, messages=check.CHAT, tools=tools, max_tokens=6)
+        assert answer.choices[0].finish_reason in ("length", "stop") and answer.choices[0].message.tool_calls == []
+        assert answer.choices[0].message.content
+        events = list(
+            client.chat.completions.create(model=MODEL, messages=check.CHAT, tools=tools, max_tokens=6, stream=True)
+        )
+        streamed = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+        assert streamed == answer.choices[0].message.content  # greedy: the same text, no call found in either
+        refused = httpx.post(f"{served[0]}/v1/chat/completions",
+                             json={"model": MODEL, "messages": check.CHAT, "tools": tools}, timeout=30)  # fmt: skip
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"  # no parser there
+    finally:
+        server.stop()

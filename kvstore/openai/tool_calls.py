@@ -1,0 +1,143 @@
+"""Tool calls in a chat answer: the ``hermes`` format, parsed as vLLM's ``--tool-call-parser hermes`` parses it.
+
+Models trained on the Hermes / Qwen2.5 tool format (their chat templates
+tell them to) answer a call as::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+With a parser configured (``router.tool_call_parser = "hermes"``), a chat
+request with ``tools`` and ``tool_choice`` ``"auto"`` (the default when
+tools are sent) has its answer turned into OpenAI ``tool_calls``:
+
+- plain (:func:`extract`): every ``<tool_call>`` block -- the last one may
+  be cut off by the end of the answer -- is one call, its ``arguments``
+  re-serialised as JSON text (``ensure_ascii=False``); the message's
+  ``content`` is the text before the first block (None when empty), and
+  the choice ends with ``finish_reason: "tool_calls"``. If any block is not
+  a JSON object with a string ``name``, nothing is a call: the whole answer
+  is the content, as vLLM falls back.
+- streamed (:class:`ToolCallStream`): text outside the blocks streams as
+  content as it comes (a possible start of ``<tool_call>`` at the end of a
+  delta is held back until the next delta tells); a block is held until
+  its ``</tool_call>`` (or the end of the answer) and then goes out as one
+  ``tool_calls`` delta with the call's index, id, name and whole
+  arguments. OpenAI's clients accumulate tool-call deltas by index, so one
+  delta per call reads the same as vLLM's argument-by-argument deltas. A
+  block that is not a valid call goes out as content.
+
+Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, NamedTuple
+
+PARSERS = ("hermes",)
+START, END = "<tool_call>", "</tool_call>"
+_BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+class Extracted(NamedTuple):
+    content: str | None
+    tool_calls: list[dict[str, Any]]  # OpenAI's message.tool_calls entries; empty: no call was made
+
+
+def call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _call(text: str) -> dict[str, Any] | None:
+    """One block's text as an OpenAI tool call, or None if it is not ``{"name": str, "arguments": ...}``."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+        return None
+    arguments = json.dumps(parsed.get("arguments", {}), ensure_ascii=False)
+    return {"id": call_id(), "type": "function", "function": {"name": parsed["name"], "arguments": arguments}}
+
+
+def extract(text: str) -> Extracted:
+    """A whole answer's content and tool calls (see the module docstring)."""
+    if START not in text:
+        return Extracted(text, [])
+    calls = [_call(closed or open_) for closed, open_ in _BLOCKS.findall(text)]
+    if not calls or any(c is None for c in calls):
+        return Extracted(text, [])
+    content = text[: text.find(START)]
+    return Extracted(content or None, [c for c in calls if c is not None])
+
+
+class Piece(NamedTuple):
+    content: str  # text to stream as content ("" for none)
+    tool_calls: list[dict[str, Any]]  # complete calls to stream, each with its "index"
+
+
+class ToolCallStream:
+    """One choice's streamed text, split into content and whole tool calls (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._held = ""  # text not yet sent: a possible start tag's prefix, or an open block
+        self._in_block = False
+        self.calls = 0  # tool calls sent so far (the next one's index)
+
+    def push(self, text: str) -> Piece:
+        """The next delta's text; returns what can go out now."""
+        buffer = self._held + text
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while buffer:
+            if self._in_block:
+                end = buffer.find(END)
+                if end < 0:
+                    break
+                self._finish_block(buffer[:end], content, calls)
+                buffer = buffer[end + len(END) :]
+                continue
+            start = buffer.find(START)
+            if start >= 0:
+                content.append(buffer[:start])
+                buffer = buffer[start + len(START) :]
+                self._in_block = True
+                continue
+            keep = _partial_tag(buffer)
+            content.append(buffer[: len(buffer) - keep])
+            buffer = buffer[len(buffer) - keep :]
+            break
+        self._held = buffer
+        return Piece("".join(content), calls)
+
+    def finish(self) -> Piece:
+        """The answer ended: what is still held (an unclosed block is a call if it parses, else content)."""
+        held, self._held = self._held, ""
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        if self._in_block:
+            self._in_block = False
+            self._finish_block(held, content, calls, closed=False)
+        else:
+            content.append(held)
+        return Piece("".join(content), calls)
+
+    def _finish_block(self, body: str, content: list[str], calls: list[dict[str, Any]], *, closed: bool = True) -> None:
+        self._in_block = False
+        call = _call(body)
+        if call is None:
+            content.append(START + body + (END if closed else ""))  # not a call: the text as the model wrote it
+            return
+        calls.append({"index": self.calls, **call})
+        self.calls += 1
+
+
+def _partial_tag(text: str) -> int:
+    """How many characters at the end of ``text`` could begin ``<tool_call>`` (held until the next delta)."""
+    for size in range(min(len(START) - 1, len(text)), 0, -1):
+        if START.startswith(text[-size:]):
+            return size
+    return 0

@@ -1,0 +1,136 @@
+"""Tool calls parsed out of chat answers (vLLM's ``hermes`` parser): the parser on its own, and the bodies and
+streams a front builds with it, read back by the official ``openai`` client's own types and stream
+accumulator (the oracle for what a client sees)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from kvstore.events import Medium
+from kvstore.openai.errors import ApiError
+from kvstore.openai.protocol import ModelLimits, decode_chat, parse_chat
+from kvstore.openai.responses import ResponseBuilder
+from kvstore.openai.tokenizer import ByteTokenizer
+from kvstore.openai.tool_calls import ToolCallStream, extract
+from kvstore.worker_api import ChoiceDelta, FinishReason, RequestStats, StreamChunk, fold_stream
+
+TOK = ByteTokenizer()
+TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if tools %}tools: {{ tools | length }}{% endif %}"
+)
+STATS = RequestStats("w0", 5, 3, {Medium.GPU: 0, Medium.CPU: 0, Medium.STORAGE: 0}, 0.0, 0.01, 0.02, 0)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}\n</tool_call>'
+TIME = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+def test_extract_finds_every_call_and_the_content_before_them() -> None:
+    found = extract("Let me check." + WEATHER + "\n" + TIME)
+    assert found.content == "Let me check."
+    assert [c["function"]["name"] for c in found.tool_calls] == ["get_weather", "get_time"]
+    assert json.loads(found.tool_calls[0]["function"]["arguments"]) == {"city": "Zürich", "days": 2}
+    assert "Zürich" in found.tool_calls[0]["function"]["arguments"]  # ensure_ascii=False, as vLLM
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in found.tool_calls)
+    assert len({c["id"] for c in found.tool_calls}) == 2
+    assert extract(WEATHER).content is None  # nothing before the call
+    cut = extract('<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}')  # the answer ended in the block
+    assert cut.content is None and json.loads(cut.tool_calls[0]["function"]["arguments"]) == {"tz": "UTC"}
+    for text in ["no calls here", "<tool_call>{not json}</tool_call>", '<tool_call>["a"]</tool_call>',
+                 WEATHER + '<tool_call>{"arguments": {}}</tool_call>']:  # fmt: skip
+        assert extract(text) == (text, [])  # any bad block: the whole answer is content, as vLLM falls back
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
+def test_the_stream_gives_the_same_calls_and_content_however_the_text_is_cut(size: int) -> None:
+    text = "Sure <tool" + " thing. " + WEATHER + " then " + TIME + " done <tool_call>{bad}</tool_call> <tool_"
+    stream = ToolCallStream()
+    content, calls = [], []
+    for start in range(0, len(text), size):
+        piece = stream.push(text[start : start + size])
+        content.append(piece.content)
+        calls.extend(piece.tool_calls)
+    tail = stream.finish()
+    content.append(tail.content)
+    calls.extend(tail.tool_calls)
+    assert "".join(content) == "Sure <tool thing.  then  done <tool_call>{bad}</tool_call> <tool_"
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "get_time")]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Zürich", "days": 2}
+
+
+def test_a_held_back_tag_prefix_goes_out_as_soon_as_the_next_delta_rules_it_out() -> None:
+    stream = ToolCallStream()
+    assert stream.push("abc <tool_c").content == "abc "
+    assert stream.push("ar").content == "<tool_car"
+    assert stream.push("<").content == ""
+    assert stream.finish().content == "<"
+
+
+def parsed_chat(parser: str | None = "hermes", **body: Any) -> Any:
+    raw = json.dumps({"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS,
+                      "chat_template": TEMPLATE, **body}).encode()  # fmt: skip
+    return parse_chat(decode_chat(raw), TOK, ModelLimits(512, 2048), trust_template=True, tool_parser=parser)
+
+
+def test_auto_needs_a_parser_and_a_named_or_required_choice_is_refused() -> None:
+    with pytest.raises(ApiError, match="needs a tool-call parser") as info:
+        parsed_chat(None)
+    assert info.value.param == "tool_choice"
+    for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
+        with pytest.raises(ApiError, match="structured output"):
+            parsed_chat(tool_choice=choice)
+    parsed = parsed_chat()
+    assert parsed.tool_parser == "hermes"
+    assert parsed.sampling.skip_special_tokens is False  # tool-call tags may be special tokens, as vLLM keeps them
+    assert parsed_chat(tool_choice="none").tool_parser is None  # tools rendered, the answer plain text
+    assert parsed_chat(tool_choice="auto").tool_parser == "hermes"
+
+
+def builder(**body: Any) -> ResponseBuilder:
+    return ResponseBuilder(parsed_chat(**body), TOK, model="m", request_id="chatcmpl-1")
+
+
+def chunks_of(text: str, size: int, finish: FinishReason = FinishReason.STOP) -> list[StreamChunk]:
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    out = [StreamChunk("r", [ChoiceDelta(0, [1], piece)]) for piece in pieces[:-1]]
+    out.append(StreamChunk("r", [ChoiceDelta(0, [1], pieces[-1], None, finish)], STATS))
+    return out
+
+
+def test_a_plain_body_carries_the_calls_as_the_openai_client_reads_them() -> None:
+    text = "Checking." + WEATHER
+    body = builder().body(fold_stream(chunks_of(text, 7), 1))
+    completion = ChatCompletion.model_validate(body)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    calls = choice.message.tool_calls or []
+    assert [(c.type, c.function.name) for c in calls] == [("function", "get_weather")]  # type: ignore[union-attr]
+    assert json.loads(calls[0].function.arguments) == {"city": "Zürich", "days": 2}  # type: ignore[union-attr]
+    plain = builder().body(fold_stream(chunks_of("No tools needed.", 4), 1))
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "No tools needed.", "tool_calls": []}
+    assert plain["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("size", [1, 4, 13, 500])
+def test_a_stream_carries_the_calls_as_the_openai_client_accumulates_them(size: int) -> None:
+    text = "Checking." + WEATHER + TIME
+    made = builder(stream=True)
+    state = ChatCompletionStreamState(input_tools=TOOLS)  # type: ignore[arg-type]
+    finishes = []
+    for chunk in chunks_of(text, size):
+        for event in made.events(chunk):
+            payload = json.loads(event[6:])
+            if payload["choices"]:
+                finishes.append(payload["choices"][0]["finish_reason"])
+            state.handle_chunk(ChatCompletionChunk.model_validate(payload))
+    final = state.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == "Checking."
+    assert [c.function.name for c in message.tool_calls or []] == ["get_weather", "get_time"]
+    assert json.loads((message.tool_calls or [])[0].function.arguments) == {"city": "Zürich", "days": 2}
+    assert [f for f in finishes if f is not None] == ["tool_calls"]
