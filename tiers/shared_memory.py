@@ -32,6 +32,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
 import weakref
 from pathlib import Path
@@ -230,15 +231,19 @@ def _check_name(name: str) -> None:
 def reclaim_dead_arenas(directory: Path) -> list[str]:
     """Unlink ``kvstore-*`` arenas in ``directory`` whose owner died without closing them (a killed
     actor runs no clean-up); returns their names. Only owners in this process's pid namespace are
-    judged: an arena of another container sharing the directory is never touched."""
+    judged: an arena of another container sharing the directory is never touched.
+
+    The directory is shared with every user of the node (/dev/shm is world-writable), so what any
+    of them puts there under a ``kvstore-*`` name must neither block nor fail this sweep: an entry
+    is opened without blocking or following links, and judged only if it is a regular file of this
+    process's user (a sticky directory forbids unlinking anyone else's). An arena that cannot be
+    unlinked is logged and left in place."""
     reclaimed = []
     for path in directory.glob("kvstore-*"):
         if path.name.endswith(CONTROL_SUFFIX):  # a tier's control socket, not an arena: see below
             continue
-        if _owned_by_dead_process(path):
-            _unlink(path)
+        if _reclaim(path):
             reclaimed.append(path.name)
-            logger.warning("reclaimed arena %s: its owner process is gone", path)
     # A live tier always has its arena: a control socket file without one was left by a tier that is gone.
     for socket_file in directory.glob(f"kvstore-*{CONTROL_SUFFIX}"):
         if not (directory / socket_file.name.split(".", 1)[0]).exists():
@@ -251,23 +256,50 @@ def _create_exclusive(path: Path) -> int:
     """Open ``path`` as a new file; reclaim it once if its owner process is gone."""
     for attempt in (1, 2):
         try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
-            if attempt == 2 or not _owned_by_dead_process(path):
-                raise ArenaError(f"arena {path} is in use by another process: stop it or choose another name") from None
-            logger.warning("reclaiming arena %s left by a dead process", path)
-            _unlink(path)
+            if attempt == 2 or not _reclaim(path):
+                raise ArenaError(
+                    f"arena {path} is in use by another process (or is another user's file): "
+                    "stop it or choose another name"
+                ) from None
         except FileNotFoundError:
             raise ArenaError(f"shared-memory directory {path.parent} does not exist (tiers.shm_dir)") from None
     raise AssertionError("unreachable")
 
 
-def _owned_by_dead_process(path: Path) -> bool:
+def _reclaim(path: Path) -> bool:
+    """Unlink ``path`` if it is this user's arena and its owner is gone; whether it did. Raises nothing:
+    an arena that cannot be unlinked (another user's, a read-only directory) is logged and kept."""
+    if not _owned_by_dead_process(path):
+        return False
     try:
-        with path.open("rb") as fh:
-            raw = fh.read(_HEADER.size)
+        os.unlink(path)
+    except FileNotFoundError:
+        return False  # another process reclaimed it first
+    except OSError as exc:
+        logger.warning("cannot reclaim arena %s of a dead process (%s): it was left in place", path, exc.strerror)
+        return False
+    logger.warning("reclaimed arena %s: its owner process is gone", path)
+    return True
+
+
+def _owned_by_dead_process(path: Path) -> bool:
+    """Whether ``path`` is a regular file of this user holding an arena header of a dead owner. Never
+    blocks: a FIFO (which anyone may create in /dev/shm) is opened non-blocking and then skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False  # gone, a symbolic link, or not ours to read
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            return False
+        raw = os.pread(fd, _HEADER.size, 0)
     except OSError:
         return False
+    finally:
+        os.close(fd)
     if len(raw) < _HEADER.size or raw[:8] != MAGIC:
         return False  # not an arena, or one still being created
     _, _, _, pid, namespace, _, _, _, _ = _HEADER.unpack(raw)

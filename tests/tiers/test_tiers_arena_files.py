@@ -1,0 +1,101 @@
+"""Arena files in a directory every user of the node shares: what others put there must not stop a tier.
+
+Each case runs over a real directory under /dev/shm (world-writable and sticky, as /dev/shm is), and the
+steps that could hang or must run with another identity run in a subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from kvstore.tiers.shared_memory import SharedSlots, reclaim_dead_arenas
+
+ROOT = Path(kvstore.__file__).resolve().parent.parent
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory like /dev/shm: mode 1777, owned by another user (so the sticky bit binds root without
+    capabilities too)."""
+    directory = Path(tempfile.mkdtemp(prefix="test-arena-files.", dir="/dev/shm"))
+    os.chmod(directory, 0o1777)
+    if os.geteuid() == 0:
+        os.chown(directory, NOBODY - 1, NOBODY - 1)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _python(code: str, *prefix: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (under ``prefix``, e.g. setpriv); TimeoutExpired if it hangs."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _leave_dead_arena(directory: Path, name: str) -> Path:
+    """An arena whose owner process was killed: it ran no clean-up."""
+    code = (
+        "import os\nfrom kvstore.tiers.shared_memory import SharedSlots\n"
+        f"s = SharedSlots.create({name!r}, 1, 4096, shm_dir={str(directory)!r})\n"
+        "s._finalizer.detach()\nos._exit(0)\n"
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    return directory / name
+
+
+def test_a_fifo_named_like_an_arena_blocks_no_start(shared_dir: Path) -> None:
+    """Any user may mkfifo in /dev/shm: opening it to read a header would block every tier start (and the
+    launcher's sweep at shutdown) until someone writes to it."""
+    fifo = shared_dir / "kvstore-fifo"
+    os.mkfifo(fifo)
+    code = (
+        "from pathlib import Path\nfrom kvstore.tiers.shared_memory import SharedSlots, reclaim_dead_arenas\n"
+        f"SharedSlots.create('kvstore-mine-1', 4, 4096, shm_dir={str(shared_dir)!r}).close()\n"
+        f"print(reclaim_dead_arenas(Path({str(shared_dir)!r})))\n"
+    )
+    result = _python(code, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]" and fifo.exists()  # someone else's entry: left alone
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_another_users_dead_arena_is_left_to_them(shared_dir: Path) -> None:
+    """A sweep judges only this user's files: another user's arena is theirs to reclaim."""
+    theirs = _leave_dead_arena(shared_dir, "kvstore-theirs")
+    os.chown(theirs, NOBODY, NOBODY)
+    assert reclaim_dead_arenas(shared_dir) == []
+    with SharedSlots.create("kvstore-mine-1", 1, 4096, shm_dir=str(shared_dir)):
+        assert theirs.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_another_users_dead_arena_fails_no_start(shared_dir: Path) -> None:
+    """A readable arena of a dead owner that belongs to another user cannot be unlinked from a sticky directory:
+    it must not turn every other user's tier start into a PermissionError. Root without capabilities is held to
+    the sticky bit like any user, and (unlike uid 65534 here) can still run this interpreter."""
+    theirs = _leave_dead_arena(shared_dir, "kvstore-theirs")
+    os.chown(theirs, NOBODY, NOBODY)
+    os.chmod(theirs, 0o644)
+    code = (
+        "from kvstore.tiers.shared_memory import SharedSlots\n"
+        f"with SharedSlots.create('kvstore-mine-1', 1, 4096, shm_dir={str(shared_dir)!r}) as s:\n"
+        "    print(s.num_slots)\n"
+    )
+    result = _python(code, "setpriv", "--bounding-set=-all", "--inh-caps=-all")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1" and theirs.exists()
