@@ -81,11 +81,16 @@ class SharedSlots:
             raise ArenaError(f"{path} has arena format {version}; this kvstore reads {VERSION}")
         if len(mapping) != HEADER_BYTES + num_slots * slot_bytes:
             raise ArenaError(f"{path} is {len(mapping)} bytes; its header says {num_slots} x {slot_bytes}")
+        tag = tag.rstrip(b"\0")
+        try:
+            label = tag.decode()
+        except UnicodeDecodeError:
+            raise ArenaError(f"{path} has a corrupt tag {tag!r} (not UTF-8): not an arena this kvstore wrote") from None
         self.path = path
         self.name = path.name
         self.num_slots: int = num_slots
         self.slot_bytes: int = slot_bytes
-        self.tag: str = tag.rstrip(b"\0").decode()
+        self.tag: str = label
         self.incarnation: int = incarnation
         self.owner = owner
         self._mmap = mapping

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 import kvstore
-from kvstore.tiers.shared_memory import SharedSlots, reclaim_dead_arenas
+from kvstore.tiers.errors import ArenaError
+from kvstore.tiers.shared_memory import _HEADER, HEADER_BYTES, MAGIC, VERSION, SharedSlots, reclaim_dead_arenas
 
 ROOT = Path(kvstore.__file__).resolve().parent.parent
 NOBODY = 65534
@@ -99,3 +100,12 @@ def test_another_users_dead_arena_fails_no_start(shared_dir: Path) -> None:
     result = _python(code, "setpriv", "--bounding-set=-all", "--inh-caps=-all")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1" and theirs.exists()
+
+
+def test_a_tag_that_is_not_utf8_is_an_arena_error(shared_dir: Path) -> None:
+    """A corrupt header is refused as a bad arena, naming the tag, not with a UnicodeDecodeError."""
+    path = shared_dir / "kvstore-corrupt"
+    header = _HEADER.pack(MAGIC, VERSION, 0, os.getpid(), 0, 1, 4096, 1, b"ok\xff\xfe")
+    path.write_bytes(header.ljust(HEADER_BYTES + 4096, b"\0"))
+    with pytest.raises(ArenaError, match=r"corrupt tag b'ok\\xff\\xfe'"):
+        SharedSlots.attach(path.name, shm_dir=str(shared_dir))
