@@ -16,18 +16,45 @@ tracker, which unlinks segments it did not create when the attaching
 process exits (Python < 3.13).
 
 Ownership: the creator owns the name and unlinks it on :meth:`close` (and at
-interpreter exit); attachers only unmap. A killed owner runs no clean-up, so
-every :meth:`create` first unlinks ``kvstore-*`` arenas whose owner process
-(in this pid namespace) is gone, and a name taken by a dead owner is reused. Tensors and memoryviews handed out alias
-the mapping: after close() the name is gone at once, and the memory stays
-mapped while any such view lives (unmapping under a live tensor would
-crash its next access); it is unmapped by a later close() or when the
-object is collected.
+interpreter exit); attachers only unmap. The owner holds an exclusive
+``flock`` on the file from the moment it is created until it is closed, so
+"its owner is gone" is a fact the kernel keeps: the lock drops when the
+owner's last descriptor closes, however it died. A killed owner runs no
+clean-up, so every :meth:`create` first unlinks ``kvstore-*`` arenas of this
+user whose lock it can take, and a name taken by a dead owner is reused.
+
+Why a lock and not the owner's pid in the header: the header is written only
+after ``posix_fallocate`` and a ``MAP_POPULATE`` mmap, which take seconds for
+a multi-GiB arena, so a creator killed in between leaves a file with no pid
+to judge (its name could then never be created again); a pid can also be
+reused, and is meaningless from another pid namespace sharing the directory.
+A lock covers all three. (Creating under a temporary name and renaming it
+into place would leave the same headerless file under the temporary name.)
+A sweep therefore unlinks an unlocked file that holds an arena header or
+nothing but zeros (what a killed creator leaves); any other file is not an
+arena and stays. Arenas of format 3, whose owners took no lock, are still
+judged by their owner's pid.
+
+Rules that keep this sound: attachers take no lock (an arena whose owner
+died is reclaimed while workers still map it: they keep the memory, the name
+goes); a creator checks, once it holds the lock, that the name still is its
+file (a sweep may take the fresh, not yet locked, empty file for a dead one),
+and creates again if not; a sweep and a closing owner unlink the name only
+while it still names the file they hold, so neither removes an arena created
+since under the same name. The lock's descriptor is not inherited across
+exec; a child forked by the owner shares the lock until it exits (and maps
+the arena until then anyway).
+
+Tensors and memoryviews handed out alias the mapping: after close() the name
+is gone at once, and the memory stays mapped while any such view lives
+(unmapping under a live tensor would crash its next access); it is unmapped
+by a later close() or when the object is collected.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -46,7 +73,8 @@ from kvstore.tiers.errors import ArenaError
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVSARENA"
-VERSION = 3  # 2: the owner's pid namespace joined the header; 3: an incarnation id
+# 2: the owner's pid namespace joined the header; 3: an incarnation id; 4: the owner holds an exclusive flock
+VERSION = 4
 HEADER_BYTES = 4096
 # magic, version, reserved, owner pid, owner's pid namespace (inode), num slots, slot bytes, incarnation, tag
 _HEADER = struct.Struct("<8sHHIQQQQ64s")
@@ -72,7 +100,9 @@ class SharedSlots:
     slot_bytes]`` view; :meth:`view` a memoryview of one slot.
     """
 
-    def __init__(self, path: Path, mapping: mmap.mmap, *, owner: bool) -> None:
+    def __init__(self, path: Path, mapping: mmap.mmap, *, owner_fd: int | None = None) -> None:
+        """Wrap a mapping whose header is written. ``owner_fd``: the creator's descriptor of the file, holding
+        its lock; this object then owns it (closed, after unlinking the name, on close or collection)."""
         raw = mapping[: _HEADER.size]
         magic, version, _, _, _, num_slots, slot_bytes, incarnation, tag = _HEADER.unpack(raw)
         if magic != MAGIC:
@@ -92,7 +122,7 @@ class SharedSlots:
         self.slot_bytes: int = slot_bytes
         self.tag: str = label
         self.incarnation: int = incarnation
-        self.owner = owner
+        self.owner = owner_fd is not None
         self._mmap = mapping
         # Built on a memoryview (not the mmap): the view's export makes mmap.close() refuse
         # while any tensor still aliases the memory, instead of unmapping under it.
@@ -100,7 +130,7 @@ class SharedSlots:
         self.tensor: torch.Tensor = torch.frombuffer(
             self._buffer, dtype=torch.uint8, offset=HEADER_BYTES, count=num_slots * slot_bytes
         ).view(num_slots, slot_bytes)
-        self._finalizer = weakref.finalize(self, _unlink, path) if owner else None
+        self._finalizer = weakref.finalize(self, _release, path, owner_fd) if owner_fd is not None else None
 
     # ------------------------------------------------------------ construction
 
@@ -129,7 +159,7 @@ class SharedSlots:
         path = Path(shm_dir) / name
         size = HEADER_BYTES + num_slots * slot_bytes
         reclaim_dead_arenas(Path(shm_dir))
-        fd = _create_exclusive(path)
+        fd = _create_exclusive(path)  # holds the owner's lock from here on
         try:
             try:
                 if prefault:
@@ -143,17 +173,15 @@ class SharedSlots:
                 ) from None
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
             mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            incarnation = int.from_bytes(os.urandom(8), "little")
+            header = _HEADER.pack(
+                MAGIC, VERSION, 0, os.getpid(), _pid_namespace(), num_slots, slot_bytes, incarnation, tag.encode()
+            )
+            mapping[: _HEADER.size] = header
+            return cls(path, mapping, owner_fd=fd)
         except BaseException:
-            os.close(fd)
-            _unlink(path)
+            _release(path, fd)
             raise
-        os.close(fd)
-        incarnation = int.from_bytes(os.urandom(8), "little")
-        header = _HEADER.pack(
-            MAGIC, VERSION, 0, os.getpid(), _pid_namespace(), num_slots, slot_bytes, incarnation, tag.encode()
-        )
-        mapping[: _HEADER.size] = header
-        return cls(path, mapping, owner=True)
 
     @classmethod
     def attach(cls, name: str, *, shm_dir: str = "/dev/shm", expect_tag: str | None = None) -> SharedSlots:
@@ -171,7 +199,7 @@ class SharedSlots:
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        slots = cls(path, mapping, owner=False)
+        slots = cls(path, mapping)
         if expect_tag is not None and slots.tag != expect_tag:
             slots.close()
             raise ArenaError(f"arena {name!r} holds {slots.tag!r}, not {expect_tag!r}: another cache identity")
@@ -235,8 +263,8 @@ def _check_name(name: str) -> None:
 
 def reclaim_dead_arenas(directory: Path) -> list[str]:
     """Unlink ``kvstore-*`` arenas in ``directory`` whose owner died without closing them (a killed
-    actor runs no clean-up); returns their names. Only owners in this process's pid namespace are
-    judged: an arena of another container sharing the directory is never touched.
+    actor, or a creator killed before it wrote the header, runs no clean-up); returns their names.
+    An arena whose owner's lock is held (by a live owner in any pid namespace) is never touched.
 
     The directory is shared with every user of the node (/dev/shm is world-writable), so what any
     of them puts there under a ``kvstore-*`` name must neither block nor fail this sweep: an entry
@@ -258,57 +286,99 @@ def reclaim_dead_arenas(directory: Path) -> list[str]:
 
 
 def _create_exclusive(path: Path) -> int:
-    """Open ``path`` as a new file; reclaim it once if its owner process is gone."""
-    for attempt in (1, 2):
+    """Create ``path`` and return its descriptor holding the owner's lock, the name checked to still be
+    this file once locked; a name held by a dead owner is reclaimed once.
+
+    Between the exclusive create and the lock a sweep may judge the new, empty, unlocked file one whose
+    creator died and unlink it: then the name no longer is ours once locked, and the file is created again.
+    """
+    reclaimed = False
+    for _ in range(8):
         try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
-            if attempt == 2 or not _reclaim(path):
+            if reclaimed or not _reclaim(path):
                 raise ArenaError(
                     f"arena {path} is in use by another process (or is another user's file): "
                     "stop it or choose another name"
                 ) from None
+            reclaimed = True
+            continue
         except FileNotFoundError:
             raise ArenaError(f"shared-memory directory {path.parent} does not exist (tiers.shm_dir)") from None
-    raise AssertionError("unreachable")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a sweep holds it only while it judges the file
+        except BaseException:
+            os.close(fd)
+            raise
+        if _names(path, fd):
+            return fd
+        os.close(fd)
+    raise ArenaError(f"arena {path} was unlinked by another process each time it was created: is a sweep misbehaving?")
 
 
 def _reclaim(path: Path) -> bool:
-    """Unlink ``path`` if it is this user's arena and its owner is gone; whether it did. Raises nothing:
-    an arena that cannot be unlinked (another user's, a read-only directory) is logged and kept."""
-    if not _owned_by_dead_process(path):
-        return False
+    """Unlink ``path`` if it is this user's arena and its owner is gone; whether it did. Never blocks and
+    raises nothing: an arena that cannot be unlinked (a read-only directory) is logged and kept."""
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False  # another process reclaimed it first
-    except OSError as exc:
-        logger.warning("cannot reclaim arena %s of a dead process (%s): it was left in place", path, exc.strerror)
-        return False
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # a FIFO must not block the open
+    except OSError:
+        return False  # gone, a symbolic link, or not ours to read
+    try:
+        # Under the lock _dead_arena took: no owner can appear for this file, and the name is unlinked
+        # only while it still is this file (not an arena created since under the same name).
+        if not _dead_arena(fd) or not _names(path, fd):
+            return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            logger.warning("cannot reclaim arena %s of a dead owner (%s): it was left in place", path, exc.strerror)
+            return False
+    finally:
+        os.close(fd)  # drops the lock
     logger.warning("reclaimed arena %s: its owner process is gone", path)
     return True
 
 
-def _owned_by_dead_process(path: Path) -> bool:
-    """Whether ``path`` is a regular file of this user holding an arena header of a dead owner. Never
-    blocks: a FIFO (which anyone may create in /dev/shm) is opened non-blocking and then skipped."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
-        return False  # gone, a symbolic link, or not ours to read
+def _dead_arena(fd: int) -> bool:
+    """Whether the file open as ``fd`` is an arena of this user with no owner; when True, ``fd`` holds its lock."""
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            return False
+            return False  # a FIFO, socket or directory; or another user's, whose sweep it is to judge
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         raw = os.pread(fd, _HEADER.size, 0)
     except OSError:
+        return False  # BlockingIOError: its owner (or a sweep judging it right now) holds the lock
+    if raw[:8] != MAGIC:
+        return not raw.strip(b"\0")  # only zeros (or nothing): its creator died before writing the header
+    if len(raw) < _HEADER.size:
+        return False  # not an arena
+    _, version, _, pid, namespace, _, _, _, _ = _HEADER.unpack(raw)
+    if version < 4:  # its owner took no lock: judge it by its pid
+        return bool(namespace == _pid_namespace() and not _pid_alive(pid))
+    return True
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        named, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except OSError:
         return False
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _release(path: Path, fd: int) -> None:
+    """The owner's clean-up: unlink ``path`` if it still names our file (after a sweep took it for dead, it
+    can be another owner's arena), then close ``fd``. In that order: no sweep sees the name unlocked."""
+    try:
+        if _names(path, fd):
+            _unlink(path)
     finally:
         os.close(fd)
-    if len(raw) < _HEADER.size or raw[:8] != MAGIC:
-        return False  # not an arena, or one still being created
-    _, _, _, pid, namespace, _, _, _, _ = _HEADER.unpack(raw)
-    return bool(namespace == _pid_namespace() and not _pid_alive(pid))
 
 
 def _pid_namespace() -> int:

@@ -109,3 +109,73 @@ def test_a_tag_that_is_not_utf8_is_an_arena_error(shared_dir: Path) -> None:
     path.write_bytes(header.ljust(HEADER_BYTES + 4096, b"\0"))
     with pytest.raises(ArenaError, match=r"corrupt tag b'ok\\xff\\xfe'"):
         SharedSlots.attach(path.name, shm_dir=str(shared_dir))
+
+
+def test_a_creator_killed_before_its_header_leaves_a_reusable_name(shared_dir: Path) -> None:
+    """The header is written after posix_fallocate and a populating mmap (seconds for a large arena): a creator
+    killed in between leaves a file with no owner pid. While it lives its name is in use; once it is killed the
+    name is free again, and the launcher's sweep removes the file."""
+    name = "kvstore-half-made"
+    code = (
+        "import os, sys, time\nfrom kvstore.tiers.shared_memory import SharedSlots\n"
+        "def slow(fd, offset, length):\n    print('reserving', flush=True)\n    time.sleep(600)\n"
+        f"os.posix_fallocate = slow\nSharedSlots.create({name!r}, 4, 4096, shm_dir={str(shared_dir)!r})\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    creator = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert creator.stdout is not None and creator.stdout.readline().strip() == "reserving"
+        with pytest.raises(ArenaError, match="in use by another process"):
+            SharedSlots.create(name, 1, 4096, shm_dir=str(shared_dir))  # its creator is alive: not taken
+        assert reclaim_dead_arenas(shared_dir) == [] and (shared_dir / name).exists()
+    finally:
+        creator.kill()
+        creator.wait(30)
+    assert (shared_dir / name).read_bytes() == b""  # no header: nothing says whose it was but the lock
+    with SharedSlots.create(name, 2, 4096, shm_dir=str(shared_dir)) as mine:
+        assert mine.num_slots == 2
+    (shared_dir / name).write_bytes(bytes(HEADER_BYTES + 4096))  # as a killed creator leaves it: zeros
+    assert reclaim_dead_arenas(shared_dir) == [name]
+    other = shared_dir / "kvstore-not-an-arena"
+    other.write_bytes(b"some other program's file")
+    assert reclaim_dead_arenas(shared_dir) == [] and other.exists()  # not an arena: kept
+
+
+def test_close_unlinks_only_its_own_arena(shared_dir: Path) -> None:
+    """An owner whose name was taken over (its file unlinked, a new arena created under the name) must not
+    unlink the newcomer's arena when it closes."""
+    first = SharedSlots.create("kvstore-taken-over", 1, 4096, shm_dir=str(shared_dir))
+    os.unlink(first.path)
+    second = SharedSlots.create("kvstore-taken-over", 2, 4096, shm_dir=str(shared_dir))
+    first.close()
+    assert second.path.exists()
+    with SharedSlots.attach(second.name, shm_dir=str(shared_dir)) as seen:
+        assert seen.incarnation == second.incarnation
+    second.close()
+    assert not second.path.exists()
+
+
+def test_a_live_owner_is_judged_by_its_lock_not_its_pid(shared_dir: Path) -> None:
+    """A header naming a dead pid (reused pids, another pid namespace) does not make a locked arena dead."""
+    with SharedSlots.create("kvstore-live", 1, 4096, shm_dir=str(shared_dir)) as live:
+        dead_pid = _exited_pid()
+        live._mmap[12:16] = dead_pid.to_bytes(4, "little")  # the owner pid field
+        assert reclaim_dead_arenas(shared_dir) == [] and live.path.exists()
+        with pytest.raises(ArenaError, match="in use by another process"):
+            SharedSlots.create(live.name, 1, 4096, shm_dir=str(shared_dir))
+
+
+def _exited_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_format_3_arenas_are_still_judged_by_their_owners_pid(shared_dir: Path) -> None:
+    """Owners of format 3 took no lock: their arena is reclaimed only once the pid in its header is gone."""
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    for name, pid in (("kvstore-v3-live", os.getpid()), ("kvstore-v3-dead", _exited_pid())):
+        header = _HEADER.pack(MAGIC, 3, 0, pid, namespace, 1, 4096, 1, b"")
+        (shared_dir / name).write_bytes(header.ljust(HEADER_BYTES + 4096, b"\0"))
+    assert reclaim_dead_arenas(shared_dir) == ["kvstore-v3-dead"]
+    assert (shared_dir / "kvstore-v3-live").exists()
