@@ -40,10 +40,14 @@ def shared_dir() -> Iterator[Path]:
 
 def _python(code: str, *prefix: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (under ``prefix``, e.g. setpriv); TimeoutExpired if it hangs."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
-        [*prefix, sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout, check=False
+        [*prefix, sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def _env() -> dict[str, str]:
+    """This environment, with the package this test imports first on the child's path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def _leave_dead_arena(directory: Path, name: str) -> Path:
@@ -121,8 +125,7 @@ def test_a_creator_killed_before_its_header_leaves_a_reusable_name(shared_dir: P
         "def slow(fd, offset, length):\n    print('reserving', flush=True)\n    time.sleep(600)\n"
         f"os.posix_fallocate = slow\nSharedSlots.create({name!r}, 4, 4096, shm_dir={str(shared_dir)!r})\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    creator = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    creator = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert creator.stdout is not None and creator.stdout.readline().strip() == "reserving"
         with pytest.raises(ArenaError, match="in use by another process"):
@@ -179,3 +182,25 @@ def test_format_3_arenas_are_still_judged_by_their_owners_pid(shared_dir: Path) 
         (shared_dir / name).write_bytes(header.ljust(HEADER_BYTES + 4096, b"\0"))
     assert reclaim_dead_arenas(shared_dir) == ["kvstore-v3-dead"]
     assert (shared_dir / "kvstore-v3-live").exists()
+
+
+def test_an_attacher_does_not_keep_a_dead_owners_arena(shared_dir: Path) -> None:
+    """Attachers take no lock: once the owner is killed its name is reclaimed while a worker still maps it,
+    and the worker keeps reading the memory it mapped."""
+    name = "kvstore-attached"
+    code = (
+        "import sys\nfrom kvstore.tiers.shared_memory import SharedSlots\n"
+        f"s = SharedSlots.create({name!r}, 1, 4096, shm_dir={str(shared_dir)!r})\n"
+        "s.tensor[0].fill_(5)\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == b"ready"
+        worker = SharedSlots.attach(name, shm_dir=str(shared_dir))
+        assert reclaim_dead_arenas(shared_dir) == []  # its owner lives
+    finally:
+        owner.kill()
+        owner.wait(30)
+    assert reclaim_dead_arenas(shared_dir) == [name]
+    assert bytes(worker.view(0)) == b"\x05" * 4096
+    worker.close()
