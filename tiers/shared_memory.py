@@ -22,6 +22,11 @@ interpreter exit); attachers only unmap. The owner holds an exclusive
 owner's last descriptor closes, however it died. A killed owner runs no
 clean-up, so every :meth:`create` first unlinks ``kvstore-*`` arenas of this
 user whose lock it can take, and a name taken by a dead owner is reused.
+The directory is every user's (/dev/shm is world-writable and sticky): a
+sweep opens entries without blocking or following links and judges only
+regular files of its own user, so no one's FIFO, link or arena can stall or
+fail another user's tier start; another user's dead arena is theirs to
+reclaim.
 
 Why a lock and not the owner's pid in the header: the header is written only
 after ``posix_fallocate`` and a ``MAP_POPULATE`` mmap, which take seconds for
