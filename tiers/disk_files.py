@@ -26,6 +26,12 @@ Why the calls are the ones they are:
   system calls).
 - Reads open with O_NOATIME where the kernel allows it: on a ``relatime``
   mount the first read after a write would otherwise dirty the inode.
+- Every open goes through :func:`open_slab`: O_NOFOLLOW, O_NONBLOCK, then
+  ``fstat``. A slab name is never followed out of the tier's directory (a
+  symlink there -- dangling or to a user's file -- would have the kernel
+  write slab data into whatever it names), and anything but a regular file
+  (a FIFO would block the I/O thread, a directory takes no slab) is refused
+  with an OSError: ``ELOOP`` for a link, ``EINVAL`` for the rest.
 
 Nothing here knows about the index, the capacity or deadlines: a block that
 is not what it claims is answered with an
@@ -41,6 +47,7 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Sequence
@@ -100,7 +107,7 @@ def write_run(
         head = heads[i * hlen : (i + 1) * hlen]
         head[:] = encode_header(block.meta, block.payload, layout.identity_digest, block.sequence)
         views += (head, block.payload)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)  # made again if removed
+    fd = open_slab(path, os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if direct else 0))  # made again if removed
     try:
         write_all(fd, views, offset)
         if fsync:
@@ -157,10 +164,11 @@ def check_block(head: memoryview, meta: BlockMeta, payload: memoryview, layout: 
 def grow_slab(path: Path, old_bytes: int, new_bytes: int) -> None:
     """Create (0600) or extend slab ``path`` from ``old_bytes`` to ``new_bytes``, allocated in full.
 
-    Raises OSError (ENOSPC: the file system is full); the slab is cut back to ``old_bytes`` then (a slab
-    it created is removed).
+    Raises OSError (ENOSPC: the file system is full; ELOOP / EINVAL / EISDIR: the name is taken by a link or
+    by something that is not a regular file, left as it is); the slab is cut back to ``old_bytes`` then (a
+    slab it created is removed).
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    fd = open_slab(path, os.O_WRONLY | os.O_CREAT)
     try:
         os.posix_fallocate(fd, old_bytes, new_bytes - old_bytes)
     except OSError:
@@ -178,7 +186,7 @@ def grow_slab(path: Path, old_bytes: int, new_bytes: int) -> None:
 def invalidate_slot(path: Path, offset: int, hlen: int) -> bool:
     """Zero a slot's header so no later start-up scan takes it for a block; False if refused (logged)."""
     try:
-        fd = os.open(path, os.O_WRONLY)
+        fd = open_slab(path, os.O_WRONLY)
         try:
             os.pwrite(fd, bytes(hlen), offset)
         finally:
@@ -208,7 +216,7 @@ def direct_io_refusal(directory: Path) -> str | None:
     probe = directory / f".probe-{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
     buffer = mmap.mmap(-1, ALIGN)
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | _NOFOLLOW, 0o600)
         try:
             os.write(fd, buffer)
         finally:
@@ -276,6 +284,22 @@ def errno_name(exc: OSError) -> str:
 
 
 _NOATIME = getattr(os, "O_NOATIME", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def open_slab(path: Path, flags: int) -> int:
+    """``os.open`` of a slab (created 0600 with O_CREAT) that follows no symlink and opens nothing but a
+    regular file: a link at ``path`` raises ELOOP, any other non-regular file EINVAL (O_NONBLOCK keeps a
+    FIFO from blocking the open; it changes nothing for a regular file). Raises OSError."""
+    fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _open_for_read(path: Path, direct: bool) -> int:
@@ -284,10 +308,10 @@ def _open_for_read(path: Path, direct: bool) -> int:
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     if _NOATIME:
         try:
-            return os.open(path, flags | _NOATIME)
+            return open_slab(path, flags | _NOATIME)
         except PermissionError:
             pass
-    return os.open(path, flags)
+    return open_slab(path, flags)
 
 
 _thread_buffers = threading.local()

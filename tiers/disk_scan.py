@@ -1,8 +1,12 @@
 """The disk tier's start-up scan: which slots of an earlier life hold blocks, so a restart keeps the cache.
 
 - Slabs are taken in order while each earlier one is full (slots are handed
-  out in order, so a gap means damage): a slab after a short one and a file
-  that is not a slab are removed, counted by reason.
+  out in order, so a gap means damage): a slab after a short one is
+  removed, counted by reason. An entry with a slab's name that is not a
+  regular file -- a symlink, dangling or not, a FIFO -- is removed
+  (``not_a_file``: the link itself, never what it names), so no later write
+  goes through it; a directory under a slab's name is logged and left. Files
+  whose names are not a slab's are not the tier's: left alone.
 - A capacity smaller than the slots found (the tier was restarted with less
   room) keeps the newest blocks, not the lowest slots: those beyond the cut
   are copied, header and payload as written, over the slots of the oldest
@@ -42,7 +46,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvstore.tiers.blocks import BlockMeta
-from kvstore.tiers.disk_files import FileLayout, errno_name, read_header_at, remove
+from kvstore.tiers.disk_files import FileLayout, errno_name, open_slab, read_header_at, remove
 from kvstore.tiers.disk_format import OLD_SUFFIXES, IntegrityError, slab_name, slab_number, slots_per_slab
 
 logger = logging.getLogger(__name__)
@@ -66,8 +70,13 @@ def scan(directory: Path, layout: FileLayout, max_slots: int) -> ScanResult:
     with os.scandir(directory) as listing:
         for item in listing:
             number = slab_number(item.name)
-            if number is not None and item.is_file(follow_symlinks=False):
-                slabs[number] = item.stat().st_size
+            if number is None:
+                continue  # not a slab's name: not ours, left alone
+            if item.is_file(follow_symlinks=False):
+                slabs[number] = item.stat(follow_symlinks=False).st_size
+            else:  # a symlink (never followed: the tier would write through it), a directory, a FIFO...
+                if _remove_entry(Path(item.path)):
+                    removed["not_a_file"] += 1
     slots = 0  # slots of the slabs in order from the first, each earlier one full
     present: list[_Slab] = []  # in slab order
     for number in sorted(slabs):
@@ -173,14 +182,14 @@ def _fit(found: Found, present: list[_Slab], max_slots: int, layout: FileLayout,
 
 def _copy_slot(source: tuple[Path, int], target: tuple[Path, int], file_bytes: int) -> None:
     """Copy one slot (header and payload) to another, in the same or another slab. Raises OSError."""
-    src = os.open(source[0], os.O_RDONLY)
+    src = open_slab(source[0], os.O_RDONLY)
     try:
         data = os.pread(src, file_bytes, source[1] * file_bytes)
     finally:
         os.close(src)
     if len(data) != file_bytes:
         raise OSError(errno.EIO, f"slot read back {len(data)} of {file_bytes} bytes")
-    dst = os.open(target[0], os.O_WRONLY)
+    dst = open_slab(target[0], os.O_WRONLY)
     try:
         if os.pwrite(dst, data, target[1] * file_bytes) != file_bytes:
             raise OSError(errno.EIO, "short write")
@@ -193,7 +202,7 @@ def _prefetch(path: Path, count: int, layout: FileLayout) -> None:
     if not hasattr(os, "posix_fadvise"):
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_slab(path, os.O_RDONLY)
     except OSError:
         return  # _read_slab meets and counts it
     try:
@@ -213,7 +222,7 @@ def _read_slab(
     held: list[tuple[int, BlockMeta, int]] = []
     damaged: Counter[str] = Counter()
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_slab(path, os.O_RDONLY)
         try:
             for index in range(count):
                 try:
@@ -233,10 +242,29 @@ def _read_slab(
 def _cut(path: Path, nbytes: int, removed: Counter[str]) -> None:
     """Cut a slab back to its whole slots under the capacity (a torn growth, a smaller capacity)."""
     try:
-        os.truncate(path, nbytes)
+        fd = open_slab(path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
         removed["slab_cut"] += 1
     except OSError as exc:
         logger.warning("could not cut %s to %d bytes: %s", path, nbytes, exc)
+
+
+def _remove_entry(path: Path) -> bool:
+    """Remove a slab-named entry that is not a regular file -- a link itself (never what it names), a FIFO,
+    a socket -- and True once it is gone. A directory (format 1's folders are cleared before) is not the
+    tier's to delete: logged and left (False), the slab of that name then cannot grow and writes that need
+    it are *not stored* (``io_error``)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("could not remove %s (not a slab file): %s", path, exc)
+        return False
+    return True
 
 
 def _remove_old_format(directory: Path, removed: Counter[str]) -> None:

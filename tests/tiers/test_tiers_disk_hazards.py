@@ -1,0 +1,72 @@
+"""DiskTier against what it meets on a real file system besides its own slabs: links and other files under
+slab names, its directory removed under it, slabs it cannot grow or write, bad configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from test_tiers_disk import FILE_BYTES, Settles, new_tier, out_buffer, payloads
+from tiers_helpers import IDENTITY
+
+from kvstore.tiers.disk_format import slab_name
+
+PRECIOUS = b"a user's file, not the tier's\n" * 8
+
+
+def test_links_and_other_entries_under_slab_names_are_removed_never_followed(tmp_path: Path) -> None:
+    """A symlink under a slab's name -- to a user's file, or dangling -- would have the kernel write slab data
+    through it. The scan removes every slab-named entry that is not a regular file (``not_a_file``), the link
+    itself and never what it names, and the tier then writes its own slabs."""
+    directory = tmp_path / IDENTITY.digest()
+    directory.mkdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(PRECIOUS)
+    (directory / slab_name(0)).symlink_to(precious)
+    elsewhere = tmp_path / "elsewhere.kvslab"
+    (directory / slab_name(1)).symlink_to(elsewhere)  # dangling
+    os.mkfifo(directory / slab_name(2))  # would block an open for writing
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=4)
+        assert dict(tier.counters.scan_removed) == {"not_a_file": 3} and tier.num_blocks == 0
+        assert sorted(os.listdir(directory)) == [] and precious.read_bytes() == PRECIOUS
+        metas, views = payloads(3)
+        assert await tier.write_many([(m, v, Settles()) for m, v in zip(metas, views, strict=True)]) == [True] * 3
+        slab = directory / slab_name(0)
+        assert not slab.is_symlink() and slab.stat().st_size == 3 * FILE_BYTES
+        assert precious.read_bytes() == PRECIOUS and not elsewhere.exists()
+        out = out_buffer()
+        assert await tier.read_into(metas[2], out) and bytes(out) == bytes(views[2])
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_slab_swapped_for_a_link_while_running_is_refused_not_written_through(tmp_path: Path) -> None:
+    """A slab replaced by a symlink behind the running tier's back: reads and writes open it with O_NOFOLLOW,
+    so they fail (ELOOP) -- a miss and *not stored* -- and the linked file is never touched."""
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(PRECIOUS)
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=4)
+        metas, views = payloads(3)
+        assert await tier.write_many([(m, v, Settles()) for m, v in zip(metas[:2], views[:2], strict=True)])
+        slab = tier.directory / slab_name(0)
+        slab.unlink()
+        slab.symlink_to(precious)
+        tier.take_events()
+        assert not await tier.read_into(metas[0], out_buffer())  # a miss, the block dropped
+        assert dict(tier.counters.io_errors) == {"ELOOP": 1} and metas[0].block_hash not in tier
+        assert not await tier.write(metas[2], views[2])  # into the slot block 0 left free
+        assert dict(tier.counters.not_stored) == {"io_error": 1}
+        assert dict(tier.counters.io_errors) == {"ELOOP": 2}
+        assert precious.read_bytes() == PRECIOUS and slab.is_symlink()
+        assert tier.lru_hashes() == [metas[1].block_hash]
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
