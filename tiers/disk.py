@@ -49,6 +49,10 @@ Contracts
   started) the block is indexed again, so a read-only disk loses no block
   and keeps serving every one of them; writes are then *not stored*
   (``read_only``).
+- The identity directory removed while the tier runs (found on an ENOENT)
+  is made again; the blocks of its slabs are lost: dropped from the index,
+  published as removed, counted ``missing``; the slabs start over from
+  slab 0 (see :meth:`DiskTier._lost_directory`).
 - ``used_bytes`` is the slots in use; the slab files on disk
   (``disk_bytes``) never exceed the limit in force, and a slab grows only
   when no slot is free.
@@ -310,6 +314,7 @@ class DiskTier:
     def _grow(self, count: int) -> list[int]:
         """Grow the slab files by up to ``count`` slots, slab by slab; the slots that were added."""
         added: list[int] = []
+        retried = False
         while len(added) < count:
             first = self._index.num_slots
             slab, index = divmod(first, self._per_slab)
@@ -317,6 +322,9 @@ class DiskTier:
             try:
                 grow_slab(self._slab_path(slab), index * self.file_bytes, (index + more) * self.file_bytes)
             except OSError as exc:
+                if exc.errno == errno.ENOENT and not retried and self._lost_directory():
+                    retried = True  # made again: the slabs start over from slab 0
+                    continue
                 if exc.errno in _FULL_ERRNOS:
                     self._index.disk_full(exc)
                 else:
@@ -343,6 +351,8 @@ class DiskTier:
                     self.counters.not_stored["timeout"] += 1
                 elif isinstance(error, OSError):
                     self._count_write_error(error)
+            if isinstance(error, FileNotFoundError):  # O_CREAT found no directory to create the slab in?
+                self._lost_directory()
             return [ok] * len(blocks)
         finally:
             for on_settled in settled:
@@ -428,6 +438,8 @@ class DiskTier:
                     if entry.meta.block_hash in self._index:
                         self._index.touch(entry.meta.block_hash)
                     answers[i] = True
+            if io.started and isinstance(error, FileNotFoundError):
+                self._lost_directory()
             return answers
         finally:
             for on_settled, ok in zip(settled, answers, strict=True):
@@ -466,6 +478,26 @@ class DiskTier:
             if invalidate:  # the slot is free now or once its reads end: no write is in flight to it
                 path, offset = self._place(entry.slot)
                 invalidate_slot(path, offset, self._layout.header_len)
+
+    def _lost_directory(self) -> bool:
+        """After an ENOENT: whether the identity directory itself was removed behind the tier's back. If it
+        was, it is made again (0700) and every block of the slabs that went with it is dropped -- lost:
+        published as removed and counted (``integrity_failures["missing"]``, as a read of them would have) --
+        and the slabs start over from slab 0, so writes go on and ``disk_bytes`` counts only slots that an
+        I/O in flight still holds. A directory that cannot be made again is logged; the next ENOENT tries
+        again."""
+        if self.directory.is_dir():
+            return False
+        try:
+            _private_dir(self.directory, parents=True)
+        except OSError as exc:
+            logger.warning("disk tier: could not make %s again: %s", self.directory, exc)
+        gone = self._index.drop_all()
+        for entry in gone:
+            self._events.removed(entry.meta)
+        self.counters.integrity_failures["missing"] += len(gone)
+        logger.warning("disk tier %s was removed while in use: made again, %d blocks lost", self.directory, len(gone))
+        return True
 
     def _choose_io_mode(self, wanted: bool) -> tuple[bool, str]:
         if not wanted:

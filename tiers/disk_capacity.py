@@ -257,6 +257,26 @@ class SlotIndex:
             bisect.insort(self._free, entry.slot)
         return True
 
+    def drop_all(self) -> list[Entry]:
+        """The slab files are gone (their directory was removed): stop serving every stored block, free its
+        slot (once no read of it is in flight), and stop counting the free slots at the top, so the slabs are
+        made again from there. Slots a write or read in flight holds stay counted until it settles. Returns
+        the blocks dropped."""
+        with self._lock:
+            gone = list(self._index.values())
+            self._index.clear()
+        freed = []
+        for entry in gone:
+            if entry.slot in self._reading:
+                self._releasing.add(entry.slot)
+            else:
+                freed.append(entry.slot)
+        self._free = sorted(self._free + freed)
+        while self._free and self._free[-1] == self._slots - 1:
+            self._free.pop()
+            self._slots -= 1
+        return gone
+
     # -------------------------------------------------------------- capacity
 
     def disk_full(self, exc: OSError) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 from test_tiers_disk import FILE_BYTES, Settles, new_tier, out_buffer, payloads
 from tiers_helpers import IDENTITY
 
+from kvstore.events import BlockRemoved
 from kvstore.tiers.disk_format import slab_name
 
 PRECIOUS = b"a user's file, not the tier's\n" * 8
@@ -66,6 +69,69 @@ def test_a_slab_swapped_for_a_link_while_running_is_refused_not_written_through(
         assert dict(tier.counters.io_errors) == {"ELOOP": 2}
         assert precious.read_bytes() == PRECIOUS and slab.is_symlink()
         assert tier.lru_hashes() == [metas[1].block_hash]
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def removed_hashes(events: list[Any]) -> list[int]:
+    return [h for event in events if isinstance(event, BlockRemoved) for h in event.block_hashes]
+
+
+def test_the_directory_removed_while_running_is_made_again_and_its_blocks_dropped(tmp_path: Path) -> None:
+    """``rm -rf`` of the identity directory under a running tier: the write that meets ENOENT is *not stored*,
+    the directory is made again (0700), every block of the slabs that went with it is dropped and published as
+    removed, ``disk_bytes`` falls to what is on disk, and the next writes store blocks again."""
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=4)
+        metas, views = payloads(7)
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[:4], views[:4], strict=True)]))
+        tier.take_events()
+        shutil.rmtree(tier.directory)
+        settled = Settles()
+        assert not await tier.write(metas[4], views[4], settled)  # into block 0's slot: the slab is gone
+        assert settled.calls == [False]
+        assert dict(tier.counters.not_stored) == {"io_error": 1} and dict(tier.counters.io_errors) == {"ENOENT": 1}
+        assert tier.directory.is_dir() and tier.directory.stat().st_mode & 0o777 == 0o700
+        assert tier.num_blocks == 0 and tier.disk_bytes == 0 == tier.used_bytes
+        assert sorted(removed_hashes(tier.take_events())) == sorted(m.block_hash for m in metas[:4])
+        assert dict(tier.counters.integrity_failures) == {"missing": 3}  # block 0 was evicted for the write
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[4:], views[4:], strict=True)]))
+        assert (tier.directory / slab_name(0)).stat().st_size == 3 * FILE_BYTES == tier.disk_bytes
+        for meta, view in zip(metas[4:], views[4:], strict=True):
+            out = out_buffer()
+            assert await tier.read_into(meta, out) and bytes(out) == bytes(view)
+        assert dict(tier.counters.not_stored) == {"io_error": 1}
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_directory_removed_before_a_slab_grows_or_a_read_loses_only_its_blocks(tmp_path: Path) -> None:
+    """The directory gone when a slab must grow: it is made again and the growth done there, so that write is
+    stored; gone under a read: a miss, and the tier starts over the same way."""
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=4)
+        metas, views = payloads(5)
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[:2], views[:2], strict=True)]))
+        tier.take_events()
+        shutil.rmtree(tier.directory)
+        assert await tier.write(metas[2], views[2])  # slab 0 grows in the directory made again
+        assert tier.lru_hashes() == [metas[2].block_hash] and tier.disk_bytes == FILE_BYTES
+        assert (tier.directory / slab_name(0)).stat().st_size == FILE_BYTES
+        assert sorted(removed_hashes(tier.take_events())) == sorted(m.block_hash for m in metas[:2])
+        assert not tier.counters.not_stored and dict(tier.counters.integrity_failures) == {"missing": 2}
+        shutil.rmtree(tier.directory)
+        assert not await tier.read_into(metas[2], out_buffer())
+        assert tier.num_blocks == 0 and tier.disk_bytes == 0 and tier.directory.is_dir()
+        assert dict(tier.counters.integrity_failures) == {"missing": 3}
+        assert await tier.write(metas[3], views[3])
+        out = out_buffer()
+        assert await tier.read_into(metas[3], out) and bytes(out) == bytes(views[3])
         tier.check_invariants()
         await tier.aclose()
 
