@@ -143,6 +143,7 @@ class DiskTier:
         self._index = SlotIndex(self.directory, capacity_bytes=capacity_bytes, slot_bytes=self.file_bytes)
         self._runner = IoRunner(max_concurrent_io, deadline_s, self.counters.deadline_expired)
         self._fsync = fsync
+        self._growth_refused: int | None = None  # errno of the last failed growth (logged once)
         self._events = MediumEvents(Medium.STORAGE, identity.block_size)
         # Prompts can be read back from KV, so the files are the tier user's alone: directories 0700
         # (tightened where an older version left them open), files 0600 (disk_files).
@@ -275,10 +276,13 @@ class DiskTier:
             else:
                 seen.add(block_hash)
                 todo.append(position)
-        slots = self._slots_for(len(todo))
-        short = "disk_full" if self._index.limit_bytes < self._index.capacity_bytes else "capacity"
+        slots, refused = self._slots_for(len(todo))
+        if refused is not None:  # no slot because a slab could not grow: the file system's reason
+            short = "read_only" if refused.errno in _REFUSED_ERRNOS else "io_error"
+        else:  # no slot: the tier is at its limit with every block in use
+            short = "disk_full" if self._index.limit_bytes < self._index.capacity_bytes else "capacity"
         for position in todo[len(slots) :]:
-            self.counters.not_stored[short] += 1  # no slot: the tier is at its limit with every block in use
+            self.counters.not_stored[short] += 1
             answers[position] = False
         placed = list(zip(sorted(slots), todo, strict=False))  # in request order: a batch's blocks stay in order
         for slot, position in placed:
@@ -297,22 +301,30 @@ class DiskTier:
             ios.append(BlockIo([p for _, p in run], job, partial(self._settle_writes, blocks, settled)))
         return answers, ios
 
-    def _slots_for(self, count: int) -> list[int]:
-        """Up to ``count`` slots to write: free ones, then new ones (the slabs grow), then evicted ones."""
+    def _slots_for(self, count: int) -> tuple[list[int], OSError | None]:
+        """Up to ``count`` slots to write: free ones, then new ones (the slabs grow), then evicted ones; and
+        why a slab could not grow (None if it grew, or needed not), ENOSPC / EDQUOT left out: they lower the
+        limit instead (``disk_full``)."""
         slots = self._index.take_free(count)
         grow = self._index.slots_to_grow(count - len(slots))
+        refused = None
         if grow:
-            slots += self._grow(grow)
+            added, refused = self._grow(grow)
+            slots += added
         if len(slots) < count:
             evicted, gone = self._index.evict(count - len(slots))
             slots += evicted
             for entry in gone:  # being read: evicted now, their slots free once the reads end
                 self._events.removed(entry.meta)
                 self.counters.evictions += 1
-        return slots
+        return slots, refused
 
-    def _grow(self, count: int) -> list[int]:
-        """Grow the slab files by up to ``count`` slots, slab by slab; the slots that were added."""
+    def _grow(self, count: int) -> tuple[list[int], OSError | None]:
+        """Grow the slab files by up to ``count`` slots, slab by slab: the slots that were added, and the
+        OSError that stopped the growth short, if any but ENOSPC / EDQUOT (those lower the limit: the tier
+        is full, not broken). Such an error is counted once per growth tried (``io_errors``); the growth is
+        tried again by the next batch that needs it (the cause -- permissions, a directory in the slab's
+        place -- may be fixed meanwhile), logged once per errno until a growth succeeds."""
         added: list[int] = []
         retried = False
         while len(added) < count:
@@ -327,12 +339,15 @@ class DiskTier:
                     continue
                 if exc.errno in _FULL_ERRNOS:
                     self._index.disk_full(exc)
-                else:
-                    self.counters.io_errors[errno_name(exc)] += 1
+                    return added, None
+                self.counters.io_errors[errno_name(exc)] += 1
+                if self._growth_refused != exc.errno:
+                    self._growth_refused = exc.errno
                     logger.warning("disk tier %s: could not grow slab %d: %s", self.directory, slab, exc)
-                break
+                return added, exc
             added += self._index.add_slots(more)
-        return added
+            self._growth_refused = None
+        return added, None
 
     def _settle_writes(self, blocks: list[RunWrite], settled: list[Settled], io: BlockIo) -> list[bool]:
         ok = io.started and io.error is None

@@ -4,11 +4,13 @@ slab names, its directory removed under it, slabs it cannot grow or write, bad c
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_tiers_disk import FILE_BYTES, Settles, new_tier, out_buffer, payloads
 from tiers_helpers import IDENTITY
 
@@ -132,6 +134,61 @@ def test_the_directory_removed_before_a_slab_grows_or_a_read_loses_only_its_bloc
         assert await tier.write(metas[3], views[3])
         out = out_buffer()
         assert await tier.read_into(metas[3], out) and bytes(out) == bytes(views[3])
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_slab_that_cannot_grow_is_counted_by_the_file_systems_reason_not_capacity(tmp_path: Path) -> None:
+    """A directory (with a file in it) where slab 0 must go: the scan leaves it -- not the tier's to delete --
+    and the slab cannot grow (EISDIR). The blocks are *not stored* for an I/O error, not for capacity (the
+    tier is empty); each batch tries the growth again, so once the directory is gone writes are stored."""
+    directory = tmp_path / IDENTITY.digest()
+    (directory / slab_name(0)).mkdir(parents=True)
+    (directory / slab_name(0) / "notes.txt").write_text("someone's")
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=4)
+        assert not tier.counters.scan_removed and (directory / slab_name(0) / "notes.txt").exists()
+        metas, views = payloads(3)
+        requests = [(m, v, Settles()) for m, v in zip(metas[:2], views[:2], strict=True)]
+        assert await tier.write_many(requests) == [False, False]
+        assert dict(tier.counters.not_stored) == {"io_error": 2} and dict(tier.counters.io_errors) == {"EISDIR": 1}
+        assert await tier.write_many(requests) == [False, False]
+        assert dict(tier.counters.not_stored) == {"io_error": 4} and dict(tier.counters.io_errors) == {"EISDIR": 2}
+        assert tier.disk_bytes == 0 and tier.limit_bytes == tier.capacity_bytes
+        shutil.rmtree(directory / slab_name(0))
+        assert await tier.write_many(requests) == [True, True]
+        assert (directory / slab_name(0)).stat().st_size == 2 * FILE_BYTES == tier.disk_bytes
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("code", "reason"), [(errno.EIO, "io_error"), (errno.EACCES, "read_only")])
+def test_a_growth_the_device_refuses_is_not_stored_for_that_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, reason: str
+) -> None:
+    """EIO or EACCES from ``posix_fallocate`` (a failing device, a locked-down file system; running as root,
+    the real ones cannot be made here): the blocks left without a slot are *not stored* for that reason, the
+    limit stays (only ENOSPC / EDQUOT mean full), and the growth is undone."""
+
+    def refused(*args: Any) -> None:
+        raise OSError(code, os.strerror(code))
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=4)
+        metas, views = payloads(3)
+        assert await tier.write(metas[0], views[0])
+        monkeypatch.setattr(os, "posix_fallocate", refused)
+        requests = [(m, v, Settles()) for m, v in zip(metas[1:], views[1:], strict=True)]
+        assert await tier.write_many(requests) == [True, False]  # block 0 evicted for one of them
+        assert dict(tier.counters.not_stored) == {reason: 1}
+        assert dict(tier.counters.io_errors) == {errno.errorcode[code]: 1}
+        assert tier.limit_bytes == tier.capacity_bytes and tier.disk_bytes == FILE_BYTES
+        assert (tier.directory / slab_name(0)).stat().st_size == FILE_BYTES
         tier.check_invariants()
         await tier.aclose()
 
