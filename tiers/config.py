@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import msgspec
@@ -38,7 +39,9 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     ``shm_dir`` into the tier actor's event loop, about 0.16 ms a round trip against 1.2 ms for a Ray actor
     call on a 2-core VM; off, every call goes through Ray. A worker that cannot see the socket uses Ray."""
     disk_dir: str | None = None
-    """Root of the disk tier (one subdirectory per cache identity); None turns the disk tier off."""
+    """Root of the disk tier (one subdirectory per cache identity); None turns the disk tier off. An absolute
+    path: the tier actor runs in Ray's working directory, not the directory ``kvstore serve`` was started
+    in, so a relative path (or an empty one) would put the cache somewhere nobody meant."""
     disk_capacity_bytes: Annotated[int, Meta(ge=0)] = 64 * 1024**3
     """Bytes of slab files (a slot per block, header included) under the identity's directory; LRU beyond."""
     disk_direct_io: bool = True
@@ -55,3 +58,11 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """Admit a block on its N-th spill (1 admits every block; 2 keeps one-off blocks out)."""
     admission_window_blocks: Annotated[int, Meta(ge=1)] = 65_536
     """Hashes remembered by the admission filter (LRU) while they wait for their N-th spill."""
+
+    def __post_init__(self) -> None:
+        if self.disk_dir is not None and not os.path.isabs(self.disk_dir):
+            got = "empty" if not self.disk_dir else f"relative ({self.disk_dir!r})"
+            raise ValueError(
+                f"disk_dir must be an absolute path, got {got}: the tier actor's working directory is Ray's, "
+                "not yours; leave it unset to turn the disk tier off"
+            )

@@ -14,7 +14,10 @@ import pytest
 from test_tiers_disk import FILE_BYTES, Settles, new_tier, out_buffer, payloads
 from tiers_helpers import IDENTITY
 
+from kvstore.deploy.config import load_config
+from kvstore.errors import ConfigError
 from kvstore.events import BlockRemoved
+from kvstore.tiers.config import TierConfig
 from kvstore.tiers.disk_format import slab_name
 
 PRECIOUS = b"a user's file, not the tier's\n" * 8
@@ -193,3 +196,15 @@ def test_a_growth_the_device_refuses_is_not_stored_for_that_reason(
         await tier.aclose()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("value", "got"), [("", "got empty"), ("cache/kv", "got relative \\('cache/kv'\\)")])
+def test_disk_dir_must_be_absolute(value: str, got: str) -> None:
+    """The tier actor runs in Ray's working directory: ``tiers.disk_dir = ""`` wrote the cache there, and a
+    relative path resolved against it, not against the user's. Both are refused, naming the field."""
+    with pytest.raises(ConfigError, match=f"config field tiers: disk_dir must be an absolute path, {got}"):
+        load_config(overrides=[f"tiers.disk_dir={value}"])
+    with pytest.raises(ValueError, match="disk_dir must be an absolute path"):
+        TierConfig(disk_dir=value)
+    assert load_config(overrides=["tiers.disk_dir=/var/cache/kv"]).tiers.disk_dir == "/var/cache/kv"
+    assert TierConfig().disk_dir is None
