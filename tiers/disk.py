@@ -70,6 +70,7 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
+from kvstore.errors import ConfigError
 from kvstore.events import BlockStored, KVEvent, Medium
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.disk_capacity import Entry, SlotIndex
@@ -117,7 +118,11 @@ class DiskCounters:
 
 
 class DiskTier:
-    """Slab files under one cache identity's directory, LRU-evicted beyond ``capacity_bytes``."""
+    """Slab files under one cache identity's directory, LRU-evicted beyond ``capacity_bytes``.
+
+    Raises ConfigError, before anything on disk is touched, when ``capacity_bytes`` is below one slot (the
+    start-up scan would remove every slab and no block could ever be stored).
+    """
 
     def __init__(
         self,
@@ -138,6 +143,12 @@ class DiskTier:
         self.counters = DiskCounters()
         self._layout = FileLayout(bytes.fromhex(identity.digest()), identity.block_size, identity.block_bytes)
         self.file_bytes = self._layout.file_bytes  # one slot
+        if capacity_bytes < self.file_bytes:  # checked before the scan, which would remove every slab
+            raise ConfigError(
+                f"tiers.disk_capacity_bytes ({capacity_bytes}) is smaller than one disk slot ({self.file_bytes} "
+                f"bytes: a {self._layout.header_len}-byte header and a block of {identity.model}); raise it, "
+                "or unset tiers.disk_dir to turn the disk tier off"
+            )
         self._per_slab = slots_per_slab(self.file_bytes)
         self._run_blocks = max(1, min(MAX_RUN_BLOCKS, RUN_BYTES // self.file_bytes))
         self._index = SlotIndex(self.directory, capacity_bytes=capacity_bytes, slot_bytes=self.file_bytes)

@@ -21,6 +21,7 @@ from tiers_helpers import IDENTITY, ODD_IDENTITY, make_blocks
 import kvstore.tiers.disk_capacity as capacity_module
 import kvstore.tiers.disk_files as files_module
 import kvstore.tiers.disk_format as disk_format
+from kvstore.errors import ConfigError
 from kvstore.events import BlockRemoved, BlockStored
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.disk import DiskTier
@@ -535,17 +536,17 @@ def test_lru_eviction_beyond_capacity(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_capacity_below_one_file_stores_nothing(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        tier = DiskTier(tmp_path, IDENTITY, capacity_bytes=FILE_BYTES - 1, deadline_s=5.0, max_concurrent_io=2)
-        metas, views = payloads(1)
-        settled = Settles()
-        assert not await tier.write(metas[0], views[0], settled)
-        assert settled.calls == [False] and dict(tier.counters.not_stored) == {"capacity": 1}
-        assert tier.num_blocks == 0
-        await tier.aclose()
-
-    asyncio.run(scenario())
+@pytest.mark.parametrize("capacity", [0, FILE_BYTES - 1])
+def test_capacity_below_one_slot_is_refused_and_leaves_the_slabs_alone(tmp_path: Path, capacity: int) -> None:
+    """A capacity below one slot can store nothing, and its scan would remove every slab of an earlier life:
+    refused with a ConfigError naming the setting before anything on disk is touched."""
+    metas, contents = written_then_closed(tmp_path, 2)
+    slab = tmp_path / IDENTITY.digest() / slab_name(0)
+    before = slab.read_bytes()
+    with pytest.raises(ConfigError, match=rf"tiers\.disk_capacity_bytes \({capacity}\) is smaller than one disk slot"):
+        DiskTier(tmp_path, IDENTITY, capacity_bytes=capacity, deadline_s=5.0, max_concurrent_io=2)
+    assert slab.read_bytes() == before and sorted(os.listdir(slab.parent)) == [slab_name(0)]
+    serves_then_closes(new_tier(tmp_path), metas, contents)
 
 
 def _fallocate_fails(monkeypatch: pytest.MonkeyPatch, code: int) -> None:

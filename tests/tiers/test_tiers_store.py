@@ -103,7 +103,7 @@ def test_leases_name_the_arena_incarnation_the_caller_mapped(tmp_path: Path) -> 
 
     async def scenario() -> None:
         metas, _ = make_blocks(2)
-        async with new_store(tier_config(tmp_path, cpu_blocks=8, disk_blocks=0)) as store:
+        async with new_store(tier_config(tmp_path, cpu_blocks=8, disk_blocks=1)) as store:
             first = store.arena_info.incarnation
             grants = await store.reserve(metas[:1], first)
             assert await store.commit([g.lease_id for g in grants if g is not None]) == 1
