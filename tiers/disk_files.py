@@ -197,12 +197,16 @@ def invalidate_slot(path: Path, offset: int, hlen: int) -> bool:
     return True
 
 
-def read_header_at(fd: int, offset: int, layout: FileLayout) -> tuple[BlockMeta, int]:
-    """The block and write sequence a slot's header names, checked against ``layout`` (payload not read).
+def read_header_at(fd: int, offset: int, layout: FileLayout) -> tuple[BlockMeta, int] | None:
+    """The block and write sequence a slot's header names, checked against ``layout`` (payload not read);
+    None for a header of zeros -- a free slot: never written, or invalidated.
 
-    Raises IntegrityError or OSError like :func:`read_run`.
+    Raises IntegrityError (``bad_magic`` for a header that is neither zeros nor a block's: damage, or
+    bytes that were never a slab's) or OSError like :func:`read_run`.
     """
     raw = os.pread(fd, layout.header_len, offset)
+    if raw.count(0) == len(raw) == layout.header_len:
+        return None
     header = decode_header(
         raw, identity_digest=layout.identity_digest, block_size=layout.block_size, block_bytes=layout.block_bytes
     )

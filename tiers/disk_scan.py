@@ -1,8 +1,9 @@
 """The disk tier's start-up scan: which slots of an earlier life hold blocks, so a restart keeps the cache.
 
 - Slabs are taken in order while each earlier one is full (slots are handed
-  out in order, so a gap means damage): a slab after a short one is
-  removed, counted by reason. An entry with a slab's name that is not a
+  out in order, so a gap means damage): a slab after a short one
+  (``slab_after_a_gap``) and one too short to hold a whole slot
+  (``slab_too_short``: empty, or cut inside its first slot) are removed. An entry with a slab's name that is not a
   regular file -- a symlink, dangling or not, a FIFO -- is removed
   (``not_a_file``: the link itself, never what it names), so no later write
   goes through it; a directory under a slab's name is logged and left. Files
@@ -25,9 +26,10 @@
   prefetched (16 threads of plain ``pread`` took 2.7 s, held up by the
   GIL, and slowed a warm scan 0.6 -> 1.1 s; prefetching costs a warm
   scan 0.6 -> 0.7 s). A slot whose
-  header is not that of a block of this cache identity is free; one that
-  was written and is damaged is counted by reason. A never-written slot
-  (zeros) or an invalidated one is simply free.
+  header is not that of a block of this cache identity is free, counted by
+  reason (``bad_magic`` when its header is not a block's at all: damage,
+  or a file that was never a slab). A never-written slot (zeros) or an
+  invalidated one is simply free, not counted.
 - The same block in two slots (an evicted copy that was not overwritten yet,
   and a later one) keeps the later write.
 - Blocks are kept oldest write first (next to be evicted), so the LRU order
@@ -83,7 +85,7 @@ def scan(directory: Path, layout: FileLayout, max_slots: int) -> ScanResult:
         path = directory / slab_name(number)
         whole = min(slabs[number] // layout.file_bytes, per_slab)
         if number * per_slab != slots or whole == 0:
-            removed["slab_after_a_gap" if number * per_slab != slots else "slab_beyond_capacity"] += 1
+            removed["slab_after_a_gap" if number * per_slab != slots else "slab_too_short"] += 1
             remove(path)
             continue
         present.append(_Slab(path, slots, whole, slabs[number]))
@@ -226,12 +228,12 @@ def _read_slab(
         try:
             for index in range(count):
                 try:
-                    meta, sequence = read_header_at(fd, index * layout.file_bytes, layout)
-                except IntegrityError as exc:
-                    if exc.reason != "bad_magic":  # zeros (never written, or invalidated) are just free
-                        damaged[exc.reason] += 1
+                    header = read_header_at(fd, index * layout.file_bytes, layout)
+                except IntegrityError as exc:  # free, counted: not zeros (never written, invalidated)
+                    damaged[exc.reason] += 1
                     continue
-                held.append((index, meta, sequence))
+                if header is not None:
+                    held.append((index, *header))
         finally:
             os.close(fd)
     except OSError as exc:

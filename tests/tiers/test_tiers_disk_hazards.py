@@ -208,3 +208,52 @@ def test_disk_dir_must_be_absolute(value: str, got: str) -> None:
         TierConfig(disk_dir=value)
     assert load_config(overrides=["tiers.disk_dir=/var/cache/kv"]).tiers.disk_dir == "/var/cache/kv"
     assert TierConfig().disk_dir is None
+
+
+@pytest.mark.parametrize("size", [0, 100, FILE_BYTES - 1])
+def test_a_slab_too_short_for_one_slot_is_removed_as_such(tmp_path: Path, size: int) -> None:
+    """An empty slab, or one cut inside its first slot, is removed as ``slab_too_short`` (it is not beyond the
+    capacity); the slab after it then follows a gap."""
+    directory = tmp_path / IDENTITY.digest()
+    directory.mkdir()
+    (directory / slab_name(0)).write_bytes(os.urandom(size))
+    metas, views = payloads(1)
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=4)
+        assert dict(tier.counters.scan_removed) == {"slab_too_short": 1}
+        assert os.listdir(directory) == [] and tier.disk_bytes == 0
+        assert await tier.write(metas[0], views[0]) and tier.disk_bytes == FILE_BYTES
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_slab_of_foreign_bytes_is_counted_not_silently_adopted_and_other_names_are_left_alone(
+    tmp_path: Path,
+) -> None:
+    """A slab full of random bytes: every slot's header is not a block's, counted ``bad_magic`` (a slot of
+    zeros, never written, is free and not counted); its slots are free and reused. Files whose names are not
+    a slab's (five digits, another suffix) are not the tier's: the scan leaves them as they are."""
+    directory = tmp_path / IDENTITY.digest()
+    directory.mkdir()
+    (directory / slab_name(0)).write_bytes(os.urandom(3 * FILE_BYTES) + bytes(FILE_BYTES))
+    foreign = {"junk.bin": os.urandom(1000), "00001.kvslab": os.urandom(FILE_BYTES), "000001.kvslab.bak": b"x"}
+    for name, content in foreign.items():
+        (directory / name).write_bytes(content)
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=8)
+        assert dict(tier.counters.scan_removed) == {"bad_magic": 3}
+        assert tier.num_blocks == 0 and tier.disk_bytes == 4 * FILE_BYTES and tier.used_bytes == 0
+        metas, views = payloads(4)
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas, views, strict=True)]))
+        assert tier.disk_bytes == 4 * FILE_BYTES  # the four free slots, no growth
+        out = out_buffer()
+        assert await tier.read_into(metas[1], out) and bytes(out) == bytes(views[1])
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
+    assert {name: (directory / name).read_bytes() for name in foreign} == foreign
