@@ -48,7 +48,9 @@ Contracts
   read-only file system refused the open, or the deadline passed before it
   started) the block is indexed again, so a read-only disk loses no block
   and keeps serving every one of them; writes are then *not stored*
-  (``read_only``).
+  (``read_only``). Writes keep away from a refused slab for
+  :data:`REFUSED_SLAB_S` while other slabs have room, so one slab that
+  cannot be written does not stop the rest.
 - The identity directory removed while the tier runs (found on an ENOENT)
   is made again; the blocks of its slabs are lost: dropped from the index,
   published as removed, counted ``missing``; the slabs start over from
@@ -65,8 +67,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -100,6 +103,8 @@ logger = logging.getLogger(__name__)
 # runs of 2-8 blocks (16 I/Os in flight either way): past a few MiB the device rewards more I/Os in flight,
 # not longer ones.
 RUN_BYTES = 4 * 1024 * 1024
+# How long writes keep away from a slab after the file system refused one into it (then it is tried again).
+REFUSED_SLAB_S = 60.0
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _REFUSED_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)  # a read-only (or locked-down) file system
 
@@ -155,6 +160,7 @@ class DiskTier:
         self._runner = IoRunner(max_concurrent_io, deadline_s, self.counters.deadline_expired)
         self._fsync = fsync
         self._growth_refused: int | None = None  # errno of the last failed growth (logged once)
+        self._refused_slabs: dict[int, float] = {}  # slab -> until when writes keep away from it (monotonic)
         self._events = MediumEvents(Medium.STORAGE, identity.block_size)
         # Prompts can be read back from KV, so the files are the tier user's alone: directories 0700
         # (tightened where an older version left them open), files 0600 (disk_files).
@@ -309,26 +315,56 @@ class DiskTier:
             path, offset = self._place(run[0][0])
             job = partial(write_run, path, offset, blocks, self._layout, direct, self._fsync)
             settled = [requests[position][2] for _, position in run]
-            ios.append(BlockIo([p for _, p in run], job, partial(self._settle_writes, blocks, settled)))
+            slab = run[0][0] // self._per_slab
+            ios.append(BlockIo([p for _, p in run], job, partial(self._settle_writes, blocks, settled, slab)))
         return answers, ios
 
     def _slots_for(self, count: int) -> tuple[list[int], OSError | None]:
         """Up to ``count`` slots to write: free ones, then new ones (the slabs grow), then evicted ones; and
         why a slab could not grow (None if it grew, or needed not), ENOSPC / EDQUOT left out: they lower the
         limit instead (``disk_full``)."""
-        slots = self._index.take_free(count)
+        avoid = self._avoid_refused_slabs()
+        slots = self._index.take_free(count, avoid)
         grow = self._index.slots_to_grow(count - len(slots))
         refused = None
         if grow:
             added, refused = self._grow(grow)
             slots += added
         if len(slots) < count:
-            evicted, gone = self._index.evict(count - len(slots))
-            slots += evicted
-            for entry in gone:  # being read: evicted now, their slots free once the reads end
-                self._events.removed(entry.meta)
-                self.counters.evictions += 1
+            slots += self._evict(count - len(slots), avoid)
+        if len(slots) < count and avoid is not None:  # nowhere else: the refused slabs are tried again
+            slots += self._index.take_free(count - len(slots))
+            if len(slots) < count:
+                slots += self._evict(count - len(slots), None)
         return slots, refused
+
+    def _evict(self, count: int, avoid: Callable[[int], bool] | None) -> list[int]:
+        """Up to ``count`` slots of least recently used blocks (passing over those ``avoid`` names)."""
+        evicted, gone = self._index.evict(count, avoid)
+        for entry in gone:  # being read: evicted now, their slots free once the reads end
+            self._events.removed(entry.meta)
+            self.counters.evictions += 1
+        return evicted
+
+    def _avoid_refused_slabs(self) -> Callable[[int], bool] | None:
+        """Which slots to keep writes away from: those of slabs whose last write the file system refused
+        (EACCES, EPERM, EROFS) less than :data:`REFUSED_SLAB_S` ago; None when there are none.
+
+        Without this, one slab the tier cannot write (mode 0400, immutable) stops every write once the tier
+        is full: each batch evicts that slab's least recently used blocks, the write is refused before it
+        touches them, they come back at the head of the LRU, and the next batch picks them again. Passed
+        over, they stay served while writes go to the other slabs; when every slab is refused (a read-only
+        file system) the writes go to them anyway and are *not stored* (``read_only``) as before.
+        """
+        if not self._refused_slabs:
+            return None
+        now = time.monotonic()
+        for slab, until in list(self._refused_slabs.items()):
+            if until <= now:
+                del self._refused_slabs[slab]
+        refused = set(self._refused_slabs)
+        per_slab = self._per_slab
+        return (lambda slot: slot // per_slab in refused) if refused else None
 
     def _grow(self, count: int) -> tuple[list[int], OSError | None]:
         """Grow the slab files by up to ``count`` slots, slab by slab: the slots that were added, and the
@@ -360,11 +396,16 @@ class DiskTier:
             self._growth_refused = None
         return added, None
 
-    def _settle_writes(self, blocks: list[RunWrite], settled: list[Settled], io: BlockIo) -> list[bool]:
+    def _settle_writes(self, blocks: list[RunWrite], settled: list[Settled], slab: int, io: BlockIo) -> list[bool]:
         ok = io.started and io.error is None
         error = io.error
         # Nothing was written when the run never started, or the file system refused to open the slab.
-        untouched = not io.started or (isinstance(error, OSError) and error.errno in _REFUSED_ERRNOS)
+        refused = io.started and isinstance(error, OSError) and error.errno in _REFUSED_ERRNOS
+        untouched = not io.started or refused
+        if refused:  # later writes go to other slabs for a while (_avoid_refused_slabs)
+            self._refused_slabs[slab] = time.monotonic() + REFUSED_SLAB_S
+        elif ok:
+            self._refused_slabs.pop(slab, None)
         try:
             for block in blocks:
                 entry, gone = self._index.end_write(block.meta, stored=ok, untouched=untouched)
@@ -519,6 +560,7 @@ class DiskTier:
         except OSError as exc:
             logger.warning("disk tier: could not make %s again: %s", self.directory, exc)
         gone = self._index.drop_all()
+        self._refused_slabs.clear()
         for entry in gone:
             self._events.removed(entry.meta)
         self.counters.integrity_failures["missing"] += len(gone)

@@ -52,6 +52,7 @@ import logging
 import os
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -152,10 +153,21 @@ class SlotIndex:
 
     # ---------------------------------------------------------------- writes
 
-    def take_free(self, count: int) -> list[int]:
-        """Up to ``count`` free slots, the lowest first."""
-        taken = self._free[:count]
-        del self._free[:count]
+    def take_free(self, count: int, avoid: Callable[[int], bool] | None = None) -> list[int]:
+        """Up to ``count`` free slots, the lowest first, leaving out those ``avoid`` names."""
+        if avoid is None:
+            taken = self._free[:count]
+            del self._free[:count]
+            return taken
+        taken = []
+        for slot in self._free:
+            if len(taken) == count:
+                break
+            if not avoid(slot):
+                taken.append(slot)
+        if taken:
+            left = set(taken)
+            self._free = [slot for slot in self._free if slot not in left]
         return taken
 
     def slots_to_grow(self, count: int) -> int:
@@ -170,16 +182,25 @@ class SlotIndex:
         self._slots += count
         return new
 
-    def evict(self, count: int) -> tuple[list[int], list[Entry]]:
+    def evict(self, count: int, avoid: Callable[[int], bool] | None = None) -> tuple[list[int], list[Entry]]:
         """Up to ``count`` slots of the least recently used blocks, for writes: each block is displaced
         (not served) until its slot's write settles (:meth:`end_write`). Blocks being read are evicted
-        too -- their slots free once the reads end -- and answered as ``gone``, along with the slots."""
+        too -- their slots free once the reads end -- and answered as ``gone``, along with the slots.
+        Blocks in slots ``avoid`` names are passed over (they keep their place in the LRU)."""
+        chosen: list[Entry] = []
+        found = 0
+        for entry in self._index.values():
+            if found == count:
+                break
+            if avoid is not None and avoid(entry.slot):
+                continue
+            chosen.append(entry)
+            found += entry.slot not in self._reading
         slots: list[int] = []
         gone: list[Entry] = []
-        while len(slots) < count and self._index:
-            block_hash, entry = next(iter(self._index.items()))
+        for entry in chosen:
             with self._lock:
-                del self._index[block_hash]
+                del self._index[entry.meta.block_hash]
             if entry.slot in self._reading:
                 self._releasing.add(entry.slot)
                 gone.append(entry)

@@ -7,6 +7,9 @@ import asyncio
 import errno
 import os
 import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import pytest
 from test_tiers_disk import FILE_BYTES, Settles, new_tier, out_buffer, payloads
 from tiers_helpers import IDENTITY
 
+import kvstore.tiers.disk_format as disk_format
 from kvstore.deploy.config import load_config
 from kvstore.errors import ConfigError
 from kvstore.events import BlockRemoved
@@ -257,3 +261,54 @@ def test_a_slab_of_foreign_bytes_is_counted_not_silently_adopted_and_other_names
 
     asyncio.run(scenario())
     assert {name: (directory / name).read_bytes() for name in foreign} == foreign
+
+
+@contextmanager
+def unwritable(path: Path) -> Iterator[None]:
+    """``path`` made read-only for real: mode 0400, and immutable (``chattr +i``) where the tests run as root,
+    whom modes do not stop; skips the test where neither holds on this file system."""
+    path.chmod(0o400)
+    immutable = os.geteuid() == 0 and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    try:
+        try:
+            os.close(os.open(path, os.O_WRONLY))
+        except PermissionError:
+            pass
+        else:
+            pytest.skip("cannot make a file unwritable here (root, without chattr +i)")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        path.chmod(0o600)
+
+
+def test_one_slab_the_tier_cannot_write_does_not_stop_every_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two slots a slab, the tier full across two slabs, slab 0 unwritable. The first write evicts slab 0's LRU
+    block, is refused before touching it (*not stored*, ``read_only``) and the block comes back at the head of
+    the LRU. Later writes keep away from slab 0 for a while, evicting slab 1's blocks instead -- rather than
+    picking the same block and being refused again, batch after batch -- and slab 0's blocks stay served."""
+    monkeypatch.setattr(disk_format, "SLAB_TARGET_BYTES", 2 * FILE_BYTES)
+
+    async def scenario() -> None:
+        tier = new_tier(tmp_path, files=4)
+        metas, views = payloads(7)
+        assert all(await tier.write_many([(m, v, Settles()) for m, v in zip(metas[:4], views[:4], strict=True)]))
+        assert [tier.path_of(m.block_hash).name for m in metas[:4]] == [slab_name(0)] * 2 + [slab_name(1)] * 2
+        with unwritable(tier.directory / slab_name(0)):
+            assert not await tier.write(metas[4], views[4])
+            assert dict(tier.counters.not_stored) == {"read_only": 1} and tier.counters.evictions == 0
+            assert await tier.write(metas[5], views[5])
+            assert await tier.write(metas[6], views[6])
+            assert dict(tier.counters.not_stored) == {"read_only": 1}
+            assert tier.lru_hashes() == [metas[i].block_hash for i in (0, 1, 5, 6)]
+            assert [tier.path_of(metas[i].block_hash).name for i in (5, 6)] == [slab_name(1)] * 2
+            for i in (0, 1, 5, 6):
+                out = out_buffer()
+                assert await tier.read_into(metas[i], out) and bytes(out) == bytes(views[i])
+        tier.check_invariants()
+        await tier.aclose()
+
+    asyncio.run(scenario())
