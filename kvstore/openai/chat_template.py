@@ -99,6 +99,9 @@ class ChatTemplate:
         continues it): the rendering is cut right after that message's text.
         ``extra`` (a request's ``chat_template_kwargs``) wins over the other
         arguments, ``messages`` aside, as vLLM lays a request's kwargs over its own.
+        Whatever ``extra`` holds, a failure is a ChatTemplateError (a 400), never
+        another exception: ``tools`` or ``documents`` in it that are not lists
+        (null aside) are refused naming the field.
         """
         overrides = {name: value for name, value in (extra or {}).items() if name not in ("messages", "chat_template")}
         add_generation_prompt = bool(overrides.pop("add_generation_prompt", add_generation_prompt))
@@ -108,13 +111,15 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
         variables: dict[str, Any] = {**special_tokens, **overrides}
-        variables.update(
-            messages=_tagged_final(messages) if continue_final_message else [dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            tools=list(tools) if tools is not None else None,
-            documents=list(documents) if documents is not None else None,
-        )
         try:
+            variables.update(
+                messages=_tagged_final(messages) if continue_final_message else [dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tools=_list_or_none("chat_template_kwargs.tools" if "tools" in (extra or {}) else "tools", tools),
+                documents=_list_or_none(
+                    "chat_template_kwargs.documents" if "documents" in (extra or {}) else "documents", documents
+                ),
+            )
             rendered = self._template.render(**variables)
         except ChatTemplateError:
             raise
@@ -126,6 +131,15 @@ class ChatTemplate:
         if continue_final_message:
             rendered = _cut_at_tag(rendered)
         return rendered
+
+
+def _list_or_none(name: str, value: Any) -> list[Any] | None:
+    """``value`` (a chat's ``tools`` or ``documents``, perhaps from its ``chat_template_kwargs``) as a list."""
+    if value is None:
+        return None
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
+        raise ChatTemplateError(f"{name} must be a list, not {type(value).__name__}")
+    return list(value)
 
 
 def with_parsed_arguments(call: Mapping[str, Any]) -> dict[str, Any]:

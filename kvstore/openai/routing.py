@@ -36,7 +36,6 @@ import msgspec
 
 from kvstore.openai.chat_template import (
     ChatTemplate,
-    ChatTemplateError,
     as_vllm_tool,
     request_template,
     with_parsed_arguments,
@@ -200,6 +199,6 @@ def _chat_tokens(data: dict[str, Any], tokenizer: Tokenizer | None, trust_templa
             documents=data.get("documents") if isinstance(data.get("documents"), list) else None,
             extra=extra,
         )
-    except ChatTemplateError:
+    except Exception:  # any rendering failure, a ChatTemplateError or not: the replica judges the body
         return None
     return tokenizer.encode(text, add_special_tokens=data.get("add_special_tokens") is True)

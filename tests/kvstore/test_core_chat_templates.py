@@ -425,3 +425,24 @@ def test_a_truncated_text_prompt_keeps_its_bos_as_vllm_tokenises_it(family: tupl
     expected = hf(text, truncation=True, max_length=4)["input_ids"]
     assert parse_completion(decode_completion(body), ours, ModelLimits(None, 4096)).token_ids == expected
     assert read_for_routing(body, "completion", ours).token_ids == expected
+
+
+@pytest.mark.parametrize("field", ["tools", "documents"])
+@pytest.mark.parametrize("value", [5, "a string", {"type": "function"}, True])
+def test_chat_template_kwargs_tools_or_documents_that_are_no_list_are_a_400_naming_the_field(
+    family: tuple[HFTokenizer, Any], field: str, value: Any
+) -> None:
+    """A request's ``chat_template_kwargs`` may hold anything: ``tools`` or ``documents`` that are not lists are
+    refused as the request's fault (a 400 naming the field), never a 500 with a traceback; the router, which
+    only reads a chat to route it, forwards such a body unread and routes it by load."""
+    from kvstore.openai.errors import ApiError
+    from kvstore.openai.routing import read_for_routing
+
+    ours, _ = family
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {field: value}}
+    with pytest.raises(ApiError) as refused:
+        _chat(ours, body)
+    assert refused.value.status == 400 and f"chat_template_kwargs.{field} must be a list" in refused.value.message
+    assert read_for_routing(json.dumps(body).encode(), "chat", ours).token_ids is None
+    listed = {**body, "chat_template_kwargs": {field: []}}  # a list (empty) renders as before
+    assert read_for_routing(json.dumps(listed).encode(), "chat", ours).token_ids == _chat(ours, listed).token_ids

@@ -688,3 +688,19 @@ def test_a_chat_with_its_own_template_is_forwarded_and_the_router_never_runs_it(
         assert response.status_code == 200, response.text
         assert served_by(replicas, response).last_body == raw
         assert time.monotonic() - started < 5, "the router rendered the request's template"
+
+
+@pytest.mark.parametrize("kwargs", [{"tools": 5}, {"documents": 5}, {"tools": "text"}])
+def test_a_chat_whose_template_kwargs_cannot_render_is_forwarded_and_routed_by_load(
+    router: Router, replicas: dict[str, Replica], kwargs: dict[str, Any]
+) -> None:
+    """``chat_template_kwargs`` the router's own rendering cannot use (``tools`` that are no list) are the
+    replica's to judge: the body goes to it unchanged, routed by load, and ``/route`` answers too -- never a
+    500 of the router's with a traceback."""
+    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                      "chat_template_kwargs": kwargs}).encode()  # fmt: skip
+    response = router.post("/v1/chat/completions", raw)
+    assert response.status_code == 200, response.text
+    assert served_by(replicas, response).last_body == raw
+    routed = router.post("/route", raw)
+    assert routed.status_code == 200 and routed.json()["replica"] in replicas, routed.text
