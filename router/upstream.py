@@ -19,11 +19,23 @@ small client instead. It does only what relaying needs:
 Closing an answer before its end closes its connection: that is how a
 replica (vLLM) learns that the client went away and aborts the request.
 
+Headers go both ways as lists of (name, value) pairs, in order and
+repeated as they came (``set-cookie``); an answer also has them as a
+mapping for looking one up (repeated values joined with ", ").
+
 Errors: :class:`UpstreamError` when the replica gave no answer -- refused,
-reset or timed out before its status line, or a malformed answer. A reused
-connection the replica had closed meanwhile is retried once on a new one
-(the request never reached the replica). Timeouts: ``connect_s`` to
-connect, ``timeout_s`` for the status line and for each read of the body
+reset or timed out before its status line, or a malformed answer;
+:class:`UpstreamTimeout` (one of them) when the request was sent and no
+status line came within ``timeout_s``. Its connection is closed, which is
+how vLLM learns to abort it; the caller must not send it again (vLLM writes
+a plain answer's status line only once the whole decode is done: the
+replica is slow, not gone). Sent once means once: a request is written a
+second time only when the replica provably never took it -- a pooled
+connection that ends (a clean EOF, not a reset) before any byte of an answer,
+which is the replica having closed it while idle -- and then once at most,
+on a new connection. A pooled connection is checked before reuse (its end
+already seen, its transport closing: it is dropped). Timeouts: ``connect_s``
+to connect, ``timeout_s`` for the status line and for each read of the body
 (:class:`_Stall`; a read that waits longer fails the body with TimeoutError).
 """
 
@@ -34,7 +46,7 @@ import re
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -44,6 +56,13 @@ _READ = 64 * 1024  # the most read at once from a body framed by length or by th
 
 class UpstreamError(Exception):
     """The replica gave no (well-formed) answer; nothing of it reached the client."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The request went out and no status line came back in time; its connection is closed (the replica aborts)."""
+
+
+Header = tuple[str, str]
 
 
 class _Connection:
@@ -59,12 +78,17 @@ class _Connection:
 
 
 class UpstreamAnswer(NamedTuple):
-    """The replica's status and headers (names lower-cased); ``body`` yields its bytes, ``close`` drops the rest."""
+    """The replica's status and headers (names lower-cased); ``body`` yields its bytes, ``close`` drops the rest.
+
+    ``fields``: the headers as they came, in order, a repeated one repeated; ``headers``: the same as a mapping
+    for lookups, a repeated header's values joined with ", " (wrong for ``set-cookie``: relay ``fields``).
+    """
 
     status: int
     headers: Mapping[str, str]
     body: AsyncIterator[bytes]
     close: _Closer
+    fields: list[Header]
 
 
 class _Closer:
@@ -104,29 +128,53 @@ class UpstreamPool:
         self._idle_s = idle_s
         self._idle: deque[_Connection] = deque()
 
-    async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamAnswer:
-        """POST ``body`` to the prefix + ``path`` with ``headers`` (none of them about the connection or length).
+    async def post(self, target: str, body: bytes, headers: Mapping[str, str] | Iterable[Header]) -> UpstreamAnswer:
+        """POST ``body`` to the prefix + ``target`` (a path, with its ``?query`` if any) with ``headers``.
 
-        Returns once the status line and headers arrived. Raises UpstreamError (module docstring).
+        ``headers``: a mapping or (name, value) pairs, sent in order (none of them about the connection or
+        the length). Returns once the status line and headers arrived. Raises UpstreamError, UpstreamTimeout
+        (module docstring).
         """
-        head = self._head(path, len(body), headers)
+        head = self._head(target, len(body), headers.items() if isinstance(headers, Mapping) else headers)
+        fresh = False
         while True:
-            connection, reused = await self._get()
+            connection, reused = await self._get(fresh=fresh)
+            sent = False
             try:
                 connection.writer.write(head + body)
+                sent = True
                 async with asyncio.timeout(self._timeout):
-                    status, answer_headers = await _read_head(connection.reader)
-            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError) as exc:
+                    try:
+                        first = await connection.reader.readuntil(b"\r\n")
+                    except asyncio.IncompleteReadError as exc:
+                        if reused and not fresh and not exc.partial:
+                            # A clean end before any byte of an answer on a pooled connection: the replica had
+                            # closed it while idle, and so never took the request (one that took it and failed
+                            # answers 5xx, or resets). Once, on a new connection: never a loop over the pool.
+                            connection.close()
+                            fresh = True
+                            continue
+                        raise
+                    status, answer_fields = await _read_head(connection.reader, first)
+            except TimeoutError:
+                connection.close()  # vLLM aborts a request whose connection closed
+                if sent:
+                    raise UpstreamTimeout(f"timed out: no status line within {self._timeout:g} s") from None
+                raise UpstreamError("timed out") from None
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
                 connection.close()
-                if reused and isinstance(exc, OSError | asyncio.IncompleteReadError):
-                    continue  # the replica closed it while idle: the request never reached it
                 raise UpstreamError(_describe(exc)) from None
             except BaseException:  # cancelled (the client left): the replica learns it from the closed connection
                 connection.close()
                 raise
+            answer_headers = _joined(answer_fields)
             closer = _Closer(self, connection)
             return UpstreamAnswer(
-                status, answer_headers, self._body(connection, status, answer_headers, closer), closer
+                status,
+                answer_headers,
+                self._body(connection, status, answer_headers, closer),
+                closer,
+                answer_fields,
             )
 
     def release(self, connection: _Connection) -> None:
@@ -137,19 +185,20 @@ class UpstreamPool:
         while self._idle:
             self._idle.popleft().close()
 
-    def _head(self, path: str, length: int, headers: Mapping[str, str]) -> bytes:
-        lines = [b"POST ", (self._prefix + path).encode("ascii"), b" HTTP/1.1\r\nhost: ", self._authority, b"\r\n"]
-        for name, value in headers.items():
+    def _head(self, target: str, length: int, headers: Iterable[Header]) -> bytes:
+        lines = [b"POST ", (self._prefix + target).encode("ascii"), b" HTTP/1.1\r\nhost: ", self._authority, b"\r\n"]
+        for name, value in headers:
             lines += (name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n")
         lines.append(b"accept-encoding: identity\r\ncontent-length: %d\r\n\r\n" % length)
         return b"".join(lines)
 
-    async def _get(self) -> tuple[_Connection, bool]:
+    async def _get(self, *, fresh: bool = False) -> tuple[_Connection, bool]:
+        """An idle pooled connection still open (the most recent first), else -- or when ``fresh`` -- a new one."""
         now = time.monotonic()
         idle = self._idle
         while idle and now - idle[0].idle_since >= self._idle_s:  # the oldest first: a burst's leftovers
             idle.popleft().close()
-        while idle:
+        while idle and not fresh:
             connection = idle.pop()  # the most recent: the least likely to have been closed by the replica
             if not connection.reader.at_eof() and not connection.writer.is_closing():
                 return connection, True
@@ -253,28 +302,38 @@ class _Stall:
             self._handle = None
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    """The status and headers of the next final (non-1xx) answer on ``reader``."""
+async def _read_head(reader: asyncio.StreamReader, status_line: bytes) -> tuple[int, list[Header]]:
+    """The status and headers of the next final (non-1xx) answer on ``reader``, whose first line was read.
+
+    Headers come as they were sent, in order (names lower-cased), a repeated one repeated.
+    """
     while True:
-        status_line = await reader.readuntil(b"\r\n")
         if not status_line.startswith(b"HTTP/1."):
             raise ValueError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
         status = int(status_line[9:12])
-        headers: dict[str, str] = {}
+        fields: list[Header] = []
         while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
             if not _HEADER_LINE.fullmatch(line):  # a name that is no token, a control byte in a value
                 raise ValueError(f"malformed header line {line[:80]!r}")
             name, _, value = line.decode("latin-1").partition(":")
-            key = name.lower()
-            value = value.strip(" \t\r\n")
-            headers[key] = f"{headers[key]}, {value}" if key in headers else value
-        if status_line.startswith(b"HTTP/1.0"):
-            headers.setdefault("connection", "close")
-        length = headers.get("content-length")
+            fields.append((name.lower(), value.strip(" \t\r\n")))
+        if status_line.startswith(b"HTTP/1.0") and not any(name == "connection" for name, _ in fields):
+            fields.append(("connection", "close"))  # HTTP/1.0's default, said: the connection is not reused
+        lengths = [value for name, value in fields if name == "content-length"]
+        length = ", ".join(lengths) if lengths else None
         if length is not None and not (length.isascii() and length.isdigit()):  # negative, two values, text
             raise ValueError(f"bad Content-Length {length[:40]!r}")
         if status >= 200:
-            return status, headers
+            return status, fields
+        status_line = await reader.readuntil(b"\r\n")
+
+
+def _joined(fields: list[Header]) -> dict[str, str]:
+    """``fields`` as a mapping for lookups: a repeated header's values joined with ", " (RFC 9110's list form)."""
+    headers: dict[str, str] = {}
+    for name, value in fields:
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return headers
 
 
 # RFC 9110: a header name is a token; a value has no control bytes but horizontal tab.

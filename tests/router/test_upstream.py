@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 
 import pytest
 
-from kvstore.router.upstream import UpstreamAnswer, UpstreamError, UpstreamPool
+from kvstore.router.upstream import UpstreamAnswer, UpstreamError, UpstreamPool, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -98,10 +100,28 @@ def test_a_chunked_answer_is_de_chunked_and_its_connection_reused() -> None:
     run(main())
 
 
-def test_informational_answers_are_skipped_and_repeated_headers_joined() -> None:
-    raw = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404 Not Found\r\nx: 1\r\nX: 2\r\ncontent-length: 3\r\n\r\nnah"
-    await_main = _one_answer(raw, lambda a, body: (a.status, a.headers["x"], body) == (404, "1, 2", b"nah"))
+def test_informational_answers_are_skipped_and_repeated_headers_kept_apart_and_joined_for_lookups() -> None:
+    raw = (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404 Not Found\r\nx: 1\r\nset-cookie: a=1; Expires=Wed, 21 Oct\r\n"
+           b"X: 2\r\nSet-Cookie: b=2\r\ncontent-length: 3\r\n\r\nnah")  # fmt: skip
+    fields = [("x", "1"), ("set-cookie", "a=1; Expires=Wed, 21 Oct"), ("x", "2"), ("set-cookie", "b=2"),
+              ("content-length", "3")]  # fmt: skip
+    await_main = _one_answer(
+        raw, lambda a, body: (a.status, a.headers["x"], a.fields, body) == (404, "1, 2", fields, b"nah")
+    )
     run(await_main)
+
+
+def test_repeated_request_headers_and_a_query_string_are_sent_as_given() -> None:
+    async def main() -> None:
+        async with Script(answer(b"HTTP/1.1 204 No Content\r\n\r\n")) as s:
+            pool = UpstreamPool(s.url, timeout_s=5)
+            await read(await pool.post("/v1/completions?a=1&b=%20", b"{}", [("x-d", "1"), ("x-e", "e"), ("x-d", "2")]))
+            head = s.requests[0].decode()
+            assert head.startswith("POST /prefix/v1/completions?a=1&b=%20 HTTP/1.1\r\n")
+            assert "\r\nx-d: 1\r\nx-e: e\r\nx-d: 2\r\n" in head
+            await pool.close()
+
+    run(main())
 
 
 def test_a_body_to_the_end_of_the_connection_and_http_1_0_are_not_reused() -> None:
@@ -170,8 +190,9 @@ def test_refused_and_silent_replicas_are_upstream_errors() -> None:
     async def main() -> None:
         async with Script(silent) as s:
             url = s.url
-            with pytest.raises(UpstreamError, match="timed out"):
+            with pytest.raises(UpstreamTimeout, match=r"timed out: no status line within 0\.2 s"):
                 await UpstreamPool(url, timeout_s=0.2).post("/x", b"", {})
+            assert len(s.requests) == 1, "a request that timed out is never sent again"
         with pytest.raises(UpstreamError, match="ConnectionRefused"):
             await UpstreamPool(url, timeout_s=5).post("/x", b"", {})
 
@@ -273,5 +294,64 @@ def test_a_body_that_stalls_times_out_and_a_slow_reader_does_not(head: bytes) ->
                     break
             assert got == b"data: abc"
             await answer.close()
+
+    run(main())
+
+
+class Poison:
+    """A keep-alive HTTP server that answers every request but a poisoned one, which it reads and then drops
+    without an answer -- by a reset (``abort``) or by closing the connection cleanly -- and counts."""
+
+    def __init__(self, drop: str) -> None:
+        self.drop = drop
+        self.poisoned = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                if b"poison" in await reader.readexactly(length):
+                    self.poisoned += 1
+                    await asyncio.sleep(0.02)
+                    if self.drop == "reset":  # a close that discards the connection: the peer gets a reset
+                        writer.get_extra_info("socket").setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+                    writer.close()
+                    return
+                await asyncio.sleep(0.05)  # long enough for the requests of a burst to overlap
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+@pytest.mark.parametrize(("drop", "times"), [("reset", 1), ("close", 2)])
+def test_a_request_the_replica_took_and_dropped_is_not_sent_again_on_every_pooled_connection(
+    drop: str, times: int
+) -> None:
+    """A replica that read a request and then dropped its connection without answering has the request: it is
+    not written again on each idle pooled connection in turn. A reset is no answer, and final; a clean close
+    before any byte is what a replica closing an idle connection looks like, so that alone is resent -- once,
+    on a new connection."""
+
+    async def main() -> None:
+        poison = Poison(drop)
+        pool = UpstreamPool(await poison.start(), timeout_s=5)
+        burst = await asyncio.gather(*[pool.post("/x", b"{}", {}) for _ in range(8)])
+        assert [await read(answer) for answer in burst] == [b"ok"] * 8 and len(pool._idle) == 8
+        with pytest.raises(UpstreamError):
+            await pool.post("/x", b'{"user": "poison"}', {})
+        assert poison.poisoned == times
+        assert await read(await pool.post("/x", b"{}", {})) == b"ok", "the pool serves on"
+        await pool.close()
+        assert poison.server is not None
+        poison.server.close()
 
     run(main())
