@@ -20,15 +20,21 @@ Two kinds, for the two kinds of fleet:
   request path).
 
 Errors: :class:`ReplicaUnavailable` means the replica failed before
-answering anything (dead, unreachable, 5xx) and the request may go
-elsewhere; :class:`ReplicaRejected` means it refused the request itself.
+answering anything (dead, unreachable, reset before a status line) and the
+request may go elsewhere; :class:`ReplicaRejected` means it refused the
+request itself; :class:`ReplicaTimedOut` means an HTTP replica took the
+request and gave no status line in time (it is slow, not gone: the request
+is not sent again). An HTTP replica's answer with a status line -- any
+status, a 5xx included -- is no error here: it is the replica's to give,
+and goes back to the client as it came (vLLM answers 500 or 501 for one
+request's own failure; the dispatcher decides about 502/503/504).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import httpx
@@ -37,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.errors import InvalidRequestError
 from kvstore.metrics import GPU_CACHE_USAGE, REQUESTS_RUNNING, REQUESTS_WAITING
-from kvstore.router.upstream import UpstreamError, UpstreamPool
+from kvstore.router.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from kvstore.worker_api import GenerateRequest, StreamChunk, WorkerLoad
 
 
@@ -47,6 +53,10 @@ class ReplicaUnavailable(Exception):
 
 class ReplicaRejected(Exception):
     """The replica refused the request as invalid; do not retry."""
+
+
+class ReplicaTimedOut(Exception):
+    """The replica took the request and did not answer in time; the connection is closed. Do not retry."""
 
 
 class ReplicaLoad(NamedTuple):
@@ -62,12 +72,17 @@ class ReplicaPoll(NamedTuple):
 
 
 class Forwarded(NamedTuple):
-    """An upstream answer: status and headers now, the body as it arrives (``close`` drops the connection)."""
+    """An upstream answer: status and headers now, the body as it arrives (``close`` drops the connection).
+
+    ``fields``: the headers as they came (pairs, in order, repeated ones repeated); ``headers``: a mapping of
+    them for lookups (repeated values joined with ", ").
+    """
 
     status: int
     headers: Mapping[str, str]
     body: AsyncIterator[bytes]
     close: Any  # async () -> None
+    fields: Sequence[tuple[str, str]] = ()
 
 
 class ReplicaBackend(Protocol):
@@ -175,26 +190,27 @@ class HttpBackend:
         )
         self._relay = UpstreamPool(self.base_url, timeout_s=timeout_s)  # the hot path: see kvstore.router.upstream
 
-    async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Forwarded:
-        """POST ``body`` to ``path`` unchanged; the answer comes back unread.
+    async def forward(self, target: str, body: bytes, headers: Mapping[str, str]) -> Forwarded:
+        """POST ``body`` to ``target`` (the client's path and ``?query``) unchanged; the answer comes back unread.
 
-        ``headers`` are the client's; those about its connection are dropped. A 5xx
-        (or no answer) is ReplicaUnavailable, with the upstream connection closed.
+        ``headers`` are the client's, every (name, value) pair its ``items()`` gives -- a repeated header
+        repeated (Starlette's Headers give them so) -- less those about its connection. Any answer with a
+        status line is returned as it came, a 5xx too. Raises ReplicaUnavailable when there was none (refused,
+        reset, malformed), ReplicaTimedOut when the request went out and none came in time (its connection
+        closed: vLLM aborts it).
         """
-        sent = {k: v for k, v in headers.items() if k.lower() not in self._drop}
-        sent.update(self._auth)
+        drop = self._drop
+        sent = [(name, value) for name, value in headers.items() if name.lower() not in drop]
+        sent += self._auth.items()
         if self.model is not None:
             body = _with_model(body, self.model)
         try:
-            answer = await self._relay.post(path, body, sent)
-            if answer.status >= 500:
-                text = b"".join([data async for data in answer.body])[:500].decode(errors="replace")
-                raise ReplicaUnavailable(f"{self.name}: HTTP {answer.status}: {text}")
+            answer = await self._relay.post(target, body, sent)
+        except UpstreamTimeout as exc:
+            raise ReplicaTimedOut(f"{self.name}: {exc}") from None
         except UpstreamError as exc:
             raise ReplicaUnavailable(f"{self.name}: {exc}") from None
-        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as exc:  # reading a 5xx's body
-            raise ReplicaUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        return Forwarded(answer.status, answer.headers, answer.body, answer.close)
+        return Forwarded(answer.status, answer.headers, answer.body, answer.close, answer.fields)
 
     async def poll(self) -> ReplicaPoll:
         try:

@@ -2,13 +2,26 @@
 
 A request is retried at most once, on another healthy replica, and only
 when the first replica failed before the client received anything
-(ReplicaUnavailable): for a stream, before its first chunk (or an external
-replica's status line); for a plain request, before the whole answer
-exists -- a worker that dies mid-decode costs a plain request a
-recomputation elsewhere, not an error. Once output has reached the client a
-retry would repeat it, so a failure then ends the stream with an error
-event. A request a replica refuses as invalid (ReplicaRejected) would
-be refused anywhere: the client gets 400.
+(ReplicaUnavailable; the replica is then marked unhealthy): for a stream,
+before its first chunk (or an external replica's status line); for a plain
+request, before the whole answer exists -- a worker that dies mid-decode
+costs a plain request a recomputation elsewhere, not an error. Once output
+has reached the client a retry would repeat it, so a failure then ends the
+stream with an error event. A request a replica refuses as invalid
+(ReplicaRejected) would be refused anywhere: the client gets 400.
+
+An external replica's answer is the replica's: whatever its status, it goes
+to the client as it came, once, and says nothing about the replica's health
+(vLLM answers 500/501 for one request's own failure: sending it elsewhere
+would run a bad request twice and mark a good fleet unhealthy; the health
+poll judges replicas). The one exception is 502, 503 and 504 -- a proxy or a
+draining server saying the request was not processed -- which is tried once
+on another replica, still without marking the first; when no other can take
+it, the client gets that answer as it came. A request that went out and got
+no status line within the replica's timeout (ReplicaTimedOut: vLLM writes a
+plain answer's only after its whole decode) is not sent again -- it may
+still be running -- and the client gets 504 (its connection to the replica
+closed, which makes vLLM abort it).
 
 Load bookkeeping: while a request is out, its replica's
 :class:`~kvstore.router.load.PrefillLoad` counts the prefill it was sent,
@@ -34,6 +47,7 @@ from kvstore.router.backends import (
     HttpBackend,
     RayActorBackend,
     ReplicaRejected,
+    ReplicaTimedOut,
     ReplicaUnavailable,
 )
 from kvstore.router.index_lookup import NO_MATCH
@@ -45,7 +59,22 @@ from kvstore.worker_api import GenerateRequest, StreamChunk
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 2
+# An external replica's statuses that say the request was not processed there (a proxy in front of it, a server
+# draining): tried once elsewhere, and relayed as they came when no other replica can take the request.
+NOT_PROCESSED = frozenset({502, 503, 504})
 T = TypeVar("T")
+
+
+class _Declined(Exception):
+    """A replica's answer that another replica may be asked instead (NOT_PROCESSED); the answer is kept open.
+
+    ``keep()``: the answer to relay after all; ``drop()``: discard it (its prefill finished, connection closed).
+    """
+
+    def __init__(self, reason: str, keep: Callable[[], Any], drop: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(reason)
+        self.keep = keep
+        self.drop = drop
 
 
 class Opened(NamedTuple):
@@ -173,10 +202,12 @@ class Dispatcher:
     async def forward(
         self, prompt: Prompt, routed: RouteResult, path: str, body: bytes, headers: Mapping[str, str]
     ) -> Relayed:
-        """POST the client's ``body`` to a replica (the routed one, or one retry elsewhere), unchanged.
+        """POST the client's ``body`` to ``path`` (with the client's ``?query``) on a replica, unchanged.
 
-        Returns once the replica answered with a status; its body is relayed as it arrives.
-        Raises ApiError(503) when it failed and no other replica could serve.
+        Returns once a replica answered with a status line, whatever the status; its body is relayed as it
+        arrives (module docstring: which answers are tried on another replica first). Raises ApiError(503)
+        when the replica gave no answer and no other could serve, ApiError(504) when it took the request
+        and gave no answer in time.
         """
         started = time.monotonic()
 
@@ -188,8 +219,18 @@ class Dispatcher:
             except BaseException:
                 replica.prefill.finished(prefill)
                 raise
-            relayed = self._relay_bytes(replica, prefill, upstream, started)
-            return upstream._replace(body=relayed)
+
+            def keep() -> Forwarded:
+                return upstream._replace(body=self._relay_bytes(replica, prefill, upstream, started))
+
+            if upstream.status in NOT_PROCESSED:
+
+                async def drop() -> None:
+                    replica.prefill.finished(prefill)
+                    await upstream.close()
+
+                raise _Declined(f"{replica.spec.name} answered {upstream.status}", keep, drop)
+            return keep()
 
         try:
             upstream, name, retried = await self._try(prompt, routed, attempt)
@@ -218,7 +259,8 @@ class Dispatcher:
                         if _is_event_stream(upstream.headers):
                             replica.prefill.observe(prefill, time.monotonic() - started)
                     yield data
-                outcome = "ok" if upstream.status < 400 else "rejected"
+                # the replica's answer, relayed whole: counted by its status, as one of the router's own would be
+                outcome = "ok" if upstream.status < 400 else "rejected" if upstream.status < 500 else "failed"
             except Exception:  # the answer broke off (not the client leaving: that closes or cancels this generator)
                 outcome = "failed"
                 raise
@@ -234,28 +276,53 @@ class Dispatcher:
     ) -> tuple[T, str, bool]:
         tried: list[str] = []
         target = routed.decision.replica
-        while True:
-            tried.append(target)
-            replica = self._replicas.get(target)
-            try:
-                if replica is None:
-                    raise ReplicaUnavailable(f"{target} was removed")
-                prefill = self._prefill_guess(prompt, routed, target)
-                replica.prefill.dispatched(prefill, time.monotonic())
-                return await attempt(replica, prefill), target, len(tried) > 1
-            except ReplicaRejected as exc:
-                self._metrics.finished("rejected")
-                raise ApiError(400, str(exc)) from None
-            except ReplicaUnavailable as exc:
-                logger.warning("replica %s failed a request: %s", target, exc)
-                self._replicas.mark_unhealthy(target)
-                retry = self._retry_target(prompt, tried)
-                if retry is None or len(tried) >= MAX_ATTEMPTS:
+        held: tuple[_Declined, str] | None = None  # a declined answer, relayed if no other replica answers
+        try:
+            while True:
+                tried.append(target)
+                replica = self._replicas.get(target)
+                try:
+                    if replica is None:
+                        raise ReplicaUnavailable(f"{target} was removed")
+                    prefill = self._prefill_guess(prompt, routed, target)
+                    replica.prefill.dispatched(prefill, time.monotonic())
+                    return await attempt(replica, prefill), target, len(tried) > 1
+                except ReplicaRejected as exc:
+                    self._metrics.finished("rejected")
+                    raise ApiError(400, str(exc)) from None
+                except ReplicaTimedOut as exc:  # it took the request and may still run it: never sent again
+                    logger.warning("replica %s did not answer in time: %s", target, exc)
                     self._metrics.finished("failed")
-                    reason = public_reason(exc)
-                    raise ApiError(503, f"replica {target} failed and no other replica could serve: {reason}") from None
-                self._metrics.retried()
-                target = retry
+                    raise ApiError(504, f"replica {target} did not answer in time: {public_reason(exc)}") from None
+                except _Declined as declined:  # not processed there: another replica may take it (health untouched)
+                    retry = self._retry_target(prompt, tried) if len(tried) < MAX_ATTEMPTS else None
+                    if retry is None:
+                        return declined.keep(), target, len(tried) > 1
+                    logger.info("%s; trying %s", declined, retry)
+                    if held is not None:
+                        await held[0].drop()
+                    held = (declined, target)
+                    self._metrics.retried()
+                    target = retry
+                except ReplicaUnavailable as exc:
+                    logger.warning("replica %s failed a request: %s", target, exc)
+                    self._replicas.mark_unhealthy(target)
+                    retry = self._retry_target(prompt, tried)
+                    if retry is None or len(tried) >= MAX_ATTEMPTS:
+                        if held is not None:  # an earlier replica's own answer beats one of the router's
+                            kept, name = held
+                            held = None
+                            return kept.keep(), name, len(tried) > 1
+                        self._metrics.finished("failed")
+                        reason = public_reason(exc)
+                        raise ApiError(
+                            503, f"replica {target} failed and no other replica could serve: {reason}"
+                        ) from None
+                    self._metrics.retried()
+                    target = retry
+        finally:
+            if held is not None:  # another replica answered, or the request ended otherwise
+                await held[0].drop()
 
     def _prefill_guess(self, prompt: Prompt, routed: RouteResult, name: str) -> int:
         matched = routed.matched.get(name, NO_MATCH)

@@ -1,11 +1,13 @@
 """Completions in front of external replicas (vLLM, SGLang): the client's body forwarded, the answer relayed.
 
 The body is only read, to route it (:func:`~kvstore.openai.routing.read_for_routing`),
-and goes to the chosen replica byte for byte; the replica's status, body
-and SSE chunks come back as it sent them, its headers too (``x-request-id``,
-say; not those about the one connection: :func:`relayed_headers`), with what
-the router adds in ``x-kvstore-*`` headers
-(:func:`~kvstore.router.response.routing_headers`).
+and goes to the chosen replica byte for byte, to the path the client named
+with its query string as received, with the client's headers in order (a
+repeated one repeated); the replica's status -- a 5xx too -- body and SSE
+chunks come back as it sent them, its headers too, in order and repeated
+as they came (``x-request-id``, ``set-cookie``; not those about the one
+connection: :func:`relayed_headers`), with what the router adds in
+``x-kvstore-*`` headers (:func:`~kvstore.router.response.routing_headers`).
 
 This runs as plain ASGI beside the FastAPI app rather than as one of its
 routes (the router's front sends these paths here): every request and every
@@ -14,8 +16,9 @@ middleware, response classes and per-chunk send wrappers would add a good
 part of what the router costs a stream's first token. What it answers
 itself: 400 for a body no replica could serve, 413 for one beyond
 ``router``'s body bounds (:mod:`kvstore.openai.bounds`), 503 when no replica
-can take it, 502 when the replica's plain answer breaks off (all as OpenAI
-error bodies); a stream that breaks off after its 200 went out ends with an
+can take it (none answered at all), 504 when the replica took it and gave no
+status line within its timeout, 502 when the replica's plain answer breaks
+off (all as OpenAI error bodies); a stream that breaks off after its 200 went out ends with an
 error event (502) and ``data: [DONE]``, as a worker's failed stream does. A client that disconnects --
 mid-stream, or while a plain answer is still being computed -- closes the
 upstream connection, which is how the replica learns to abort.
@@ -24,7 +27,8 @@ upstream connection, which is how the replica learns to abort.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable
 from typing import Literal
 
 from fastapi import Request
@@ -47,6 +51,8 @@ _NOT_RELAYED = frozenset(
 _UPSTREAM_FAILED = (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError)
 KINDS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 _INLINE_TEXT_BYTES = 2048  # shorter text tokenises faster than a hop to a thread and back
+# Bytes a request target cannot carry as they are (a server that let them into a query string): percent-encoded.
+_NOT_IN_TARGET = re.compile(rb"[\x00-\x20\x7f-\xff]")
 
 
 class RelayApp:
@@ -68,7 +74,8 @@ class RelayApp:
             prompt, routed = await self._route(body, kind)
             # From here the client may leave at any time -- while a plain answer is being computed too:
             # the relay is then cancelled, which closes the upstream connection.
-            await until_disconnected(request, self._relay(send, prompt, routed, scope["path"], body, request))
+            target = scope["path"] + _query(scope.get("query_string", b""))
+            await until_disconnected(request, self._relay(send, prompt, routed, target, body, request))
         except ApiError as exc:  # raised before anything was sent
             await error_response(exc)(scope, receive, send)
         except ClientDisconnected:
@@ -89,12 +96,12 @@ class RelayApp:
         return prompt, service.route(prompt)
 
     async def _relay(
-        self, send: Send, prompt: Prompt, routed: RouteResult, path: str, body: bytes, request: Request
+        self, send: Send, prompt: Prompt, routed: RouteResult, target: str, body: bytes, request: Request
     ) -> None:
-        relayed = await self._service.relay(prompt, routed, path, body, request.headers)
+        relayed = await self._service.relay(prompt, routed, target, body, request.headers)
         answer = relayed.upstream
-        headers = relayed_headers(answer.headers)
-        headers.update(routing_headers(relayed.replica, relayed.retried, routed))
+        headers = relayed_headers(answer.fields)
+        headers += routing_headers(relayed.replica, relayed.retried, routed).items()
         media_type = answer.headers.get("content-type")
         try:
             if media_type and media_type.startswith("text/event-stream"):
@@ -115,22 +122,26 @@ class RelayApp:
                     content = b"".join([data async for data in answer.body])
                 except _UPSTREAM_FAILED as exc:  # nothing sent yet: an error answer of our own
                     raise ApiError(502, f"replica {relayed.replica} failed while answering: {_describe(exc)}") from None
-                headers["content-length"] = str(len(content))
+                headers.append(("content-length", str(len(content))))
                 await send({"type": "http.response.start", "status": answer.status, "headers": _raw(headers)})
                 await send({"type": "http.response.body", "body": content, "more_body": False})
         finally:  # the dispatcher's generator: it settles the replica's books and the connection
             await answer.body.aclose()  # type: ignore[attr-defined]
 
 
-def relayed_headers(upstream: Mapping[str, str]) -> dict[str, str]:
-    """The replica's answer headers a client gets: all but those about this one connection (hop-by-hop),
-    the length (set again for the body as relayed), the ones the router's server writes itself (``date``,
-    ``server``: never two of each) and ``x-kvstore-*`` (the router's own)."""
-    return {
-        name: value
-        for name, value in upstream.items()
-        if name not in _NOT_RELAYED and not name.startswith("x-kvstore-")
-    }
+def relayed_headers(upstream: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The replica's answer headers a client gets, in order, a repeated one repeated (``set-cookie``): all but
+    those about this one connection (hop-by-hop), the length (set again for the body as relayed), the ones the
+    router's server writes itself (``date``, ``server``: never two of each) and ``x-kvstore-*`` (the router's
+    own). Names are lower-case, as the relay's client reads them."""
+    return [(name, value) for name, value in upstream if name not in _NOT_RELAYED and not name.startswith("x-kvstore-")]
+
+
+def _query(raw: bytes) -> str:
+    """``?`` and the client's query string as received (empty when it sent none)."""
+    if not raw:
+        return ""
+    return "?" + _NOT_IN_TARGET.sub(lambda byte: b"%%%02X" % byte[0][0], raw).decode("ascii")
 
 
 def _describe(exc: BaseException) -> str:
@@ -139,5 +150,5 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
-    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+def _raw(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]

@@ -669,9 +669,11 @@ def test_only_headers_about_the_replicas_connection_stay_behind() -> None:
                 "connection": "keep-alive", "keep-alive": "timeout=5", "transfer-encoding": "chunked",
                 "content-length": "12", "date": "Fri, 27 Nov 2026 03:00:00 GMT", "server": "uvicorn",
                 "x-kvstore-replica": "spoofed", "x-vendor": "v"}  # fmt: skip
-    assert relayed_headers(upstream) == {
-        "content-type": "application/json", "x-request-id": "r1", "content-encoding": "identity", "x-vendor": "v"
-    }  # fmt: skip
+    cookies = [("set-cookie", "a=1"), ("set-cookie", "b=2")]
+    assert relayed_headers([*upstream.items(), *cookies]) == [
+        ("content-type", "application/json"), ("x-request-id", "r1"), ("content-encoding", "identity"),
+        ("x-vendor", "v"), *cookies
+    ]  # fmt: skip
 
 
 def test_a_chat_with_its_own_template_is_forwarded_and_the_router_never_runs_it(
