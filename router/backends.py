@@ -33,7 +33,9 @@ request's own failure; the dispatcher decides about 502/503/504).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -45,6 +47,8 @@ from kvstore.errors import InvalidRequestError
 from kvstore.metrics import GPU_CACHE_USAGE, REQUESTS_RUNNING, REQUESTS_WAITING
 from kvstore.router.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from kvstore.worker_api import GenerateRequest, StreamChunk, WorkerLoad
+
+logger = logging.getLogger(__name__)
 
 
 class ReplicaUnavailable(Exception):
@@ -249,13 +253,55 @@ def parse_load(metrics_text: str) -> ReplicaLoad:
     return ReplicaLoad(int(first(_RUNNING)), int(first(_WAITING)), float(first(_USAGE)))
 
 
+_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
+# One token of a JSON text, for walking its top level: a string; an opening or closing bracket; a run of anything
+# else (numbers, literals, whitespace, commas and colons -- an array of a prompt's token ids is one run).
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]|[^"\[\]{}]+')
+_KEY_END = re.compile(rb"\s*:\s*")
+
+
 def _with_model(body: bytes, model: str) -> bytes:
-    """``body`` with its ``model`` field set (every other field and value as the client sent it)."""
-    data = msgspec.json.decode(body)
-    if not isinstance(data, dict):
+    """``body`` with its ``model`` value replaced by ``model``: only those bytes, every other byte as sent.
+
+    A body with no ``model`` gets ``"model": ...`` as its first field. A body that is no JSON object, or whose
+    ``model`` cannot be located, goes unchanged (the replica judges it: a 400 of its own, not ours).
+    Duplicate ``model`` keys: the last is replaced -- the one a JSON parser keeps.
+    """
+    try:
+        fields = _TOP_LEVEL.decode(body)
+    except (msgspec.DecodeError, ValueError):
         return body
-    data["model"] = model
-    return msgspec.json.encode(data)
+    named = msgspec.json.encode(model)
+    if "model" not in fields:
+        start = body.index(b"{") + 1  # the first byte that is no whitespace: it decoded as an object
+        return body[:start] + b'"model": ' + named + (b", " if fields else b"") + body[start:]
+    span = _model_span(body, bytes(fields["model"]))
+    if span is None:
+        logger.warning("a body's model field could not be located; forwarded without the replica's model name")
+        return body
+    return body[: span[0]] + named + body[span[1] :]
+
+
+def _model_span(body: bytes, value: bytes) -> tuple[int, int] | None:
+    """Where the last top-level ``"model"`` key's value (``value``, as decoded) lies in ``body``; None if nowhere."""
+    found = None
+    depth = 0
+    for token in _TOKEN.finditer(body):
+        first = token[0][:1]
+        if first in (b"[", b"{"):
+            depth += 1
+        elif first in (b"]", b"}"):
+            depth -= 1
+        elif first == b'"' and depth == 1 and (colon := _KEY_END.match(body, token.end())) is not None:
+            try:
+                key = msgspec.json.decode(token[0])
+            except (msgspec.DecodeError, ValueError):
+                return None
+            if key == "model":
+                found = colon.end()
+    if found is None or body[found : found + len(value)] != value:
+        return None
+    return found, found + len(value)
 
 
 def _model_cards(response: httpx.Response) -> list[dict[str, Any]]:

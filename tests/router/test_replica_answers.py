@@ -259,3 +259,36 @@ def test_the_query_string_and_repeated_headers_pass_both_ways_as_they_came(made:
     assert sent == [("x-dup", "1"), ("x-other", "o"), ("x-dup", "2")]
     assert response.headers.get_list("set-cookie") == ["a=1; Expires=Wed, 21 Oct 2026 07:28:00 GMT", "b=2"]
     assert response.headers.get_list("x-multi") == ["one", "two"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "forwarded"),
+    [
+        # Every byte but the model's value as sent: spacing, escapes, number spellings, key order, a number no
+        # float holds, duplicate keys (the last model is the one a parser keeps, and the one replaced).
+        (b'{ "model" : "alias",\n "prompt":[1,2,3], "max_tokens":1, "stop":["\\u00e9"], "temperature":1.0,'
+         b' "vendor_x":1e400, "top_p":1E0, "s":"\\"model\\": \\"no\\"", "nested":{"model":"kept"}}',
+         b'{ "model" : "m",\n "prompt":[1,2,3], "max_tokens":1, "stop":["\\u00e9"], "temperature":1.0,'
+         b' "vendor_x":1e400, "top_p":1E0, "s":"\\"model\\": \\"no\\"", "nested":{"model":"kept"}}'),
+        (b'{"model":"x","prompt":[1],"model":  "alias" ,"max_tokens":1}',
+         b'{"model":"x","prompt":[1],"model":  "m" ,"max_tokens":1}'),
+        (b'{"mod\\u0065l":"alias","prompt":[1],"max_tokens":1}', b'{"mod\\u0065l":"m","prompt":[1],"max_tokens":1}'),
+        # No model: one put first, the rest untouched.
+        (b'{"prompt":[1,2],"max_tokens":1,"seed":18446744073709551616}',
+         b'{"model": "m", "prompt":[1,2],"max_tokens":1,"seed":18446744073709551616}'),
+    ],
+    ids=["spelling", "duplicate-keys", "escaped-key", "no-model"],
+)  # fmt: skip
+def test_the_configured_model_rewrites_only_the_model_value_s_bytes(
+    made: list[Any], raw: bytes, forwarded: bytes
+) -> None:
+    """``[[router.replicas]].model`` replaces the model's value and nothing else: the body is not decoded and
+    encoded again (a number beyond a float was a 500 with a traceback; escapes, spellings and key order
+    changed)."""
+    replica = Replica("a")
+    made.append(replica)
+    router = Router([replica], model=MODEL)
+    made.append(router)
+    response = router.post("/v1/completions", raw)
+    assert response.status_code == 200, response.text
+    assert replica.seen[-1]["body"] == forwarded
