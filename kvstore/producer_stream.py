@@ -39,7 +39,9 @@ a snapshot, which replaces the producer's state whichever incarnation it is.
 replay from ``next - 1`` must return that batch as it was applied (same
 payload). A different one is a new incarnation that happened to reach our
 seq: reset, replay from 0. No answer, or one that starts later (no replay
-socket, a buffer that moved on), proves nothing: the stream continues.
+socket, a buffer that moved on), proves nothing: the stream continues. When
+the batch before ``next`` is not known (the last sync was a snapshot, whose
+batches all carry its seq), a snapshot decides instead.
 
 A replay that does not start at ``next`` (the producer's buffer no longer
 holds it, or the reply is empty) falls back to a snapshot: reset, apply the
@@ -237,7 +239,14 @@ class ProducerStream:
                 self._buffer(seq, payload)
                 self._verify = self._tail
                 return self._start_replay(seq - 1)
-            # seq == next (nothing to check it against): the same stream; seq < next: a restart (below).
+            if seq == self.next_seq:
+                # Nothing to check it against (we last synced by a snapshot, whose batches all carry its seq):
+                # a restarted producer that reached our seq would go unseen, so its state is asked for again.
+                self._buffer(seq, payload)
+                actions = self._start_snapshot()
+                self._maybe_restarted = True
+                return actions
+            # seq < next: a restart (below).
         if self._stale_through is not None:
             if seq <= self._stale_through:
                 self.stale += 1

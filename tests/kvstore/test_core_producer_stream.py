@@ -507,3 +507,19 @@ def test_check_invariants_catches_a_batch_buffered_with_no_sync_in_flight() -> N
     s._pending[5] = p(5)
     with pytest.raises(AssertionError, match="no sync"):
         s.check_invariants()
+
+
+def test_after_a_snapshot_a_disconnect_and_seq_next_is_settled_by_another_snapshot() -> None:
+    """Synced by a snapshot, the stream knows no batch at next - 1 to check the next one against: a producer
+    that restarted and reached our seq would be taken for the same stream. A snapshot settles it."""
+    s = streaming_at(1)
+    assert s.on_live(5, p(5)) == [RequestReplay(1)]
+    assert s.on_sync_end() == [RequestSnapshot()]
+    assert s.on_sync_item(6, b"snap") == []
+    assert s.on_sync_end() == [Reset(), Apply(6, b"snap")]
+    s.on_disconnect()
+    assert s.on_live(7, q(7)) == [RequestSnapshot()]  # not applied on trust
+    assert s.on_sync_item(8, b"snap-of-the-new-one") == []
+    assert s.on_sync_end() == [Reset(), Apply(8, b"snap-of-the-new-one")]  # the buffered 7 is covered
+    assert s.next_seq == 9
+    s.check_invariants()
