@@ -105,11 +105,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Render a ``chat_template`` sent in a chat request (vLLM's ``--trust-request-chat-template``). Off, such a
     request is a 400: a template is a program, and one request's could hold a core and memory for as long as it
     likes. In front of a vLLM fleet, off, the router routes such a request by load alone and forwards it."""
-    tool_call_parser: Literal["", "hermes"] = ""
+    tool_call_parser: Literal["", "hermes", "llama3_json"] = ""
     """Parse tool calls out of chat answers with this parser (vLLM's ``--enable-auto-tool-choice
     --tool-call-parser``): ``hermes`` for models that answer ``<tool_call>{"name": ..., "arguments": ...}
-    </tool_call>`` (Qwen2.5, Hermes). Set, a chat with ``tools`` and ``tool_choice`` ``"auto"`` (the default
-    with tools) is served; unset, it is a 400. Our workers' fronts only: a vLLM fleet parses its own."""
+    </tool_call>`` (Qwen2.5, Hermes), ``llama3_json`` for Llama 3.1+'s ``{"name": ..., "parameters": ...}``.
+    Set, a chat with ``tools`` and ``tool_choice`` ``"auto"`` (the default with tools) is served; unset, it is
+    a 400. Our workers' fronts only: a vLLM fleet parses its own."""
     max_json_values: PositiveInt = 262_144
     """Array items plus object members a request body may hold (a 256k-token prompt as ids fits); counted on
     the raw bytes before the body is decoded, so a body of a million tiny values costs a scan, not a decode."""

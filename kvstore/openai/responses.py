@@ -105,7 +105,7 @@ class ResponseBuilder:
             entry: dict[str, Any] = {"index": choice.index}
             finish_reason = str(choice.finish_reason)
             if self.chat and prompt.tool_parser is not None:
-                found = extract(choice.text)
+                found = extract(choice.text, prompt.tool_parser)
                 content = (prompt.echo_text or "") + (found.content or "")
                 entry["message"] = {"role": prompt.role, "content": content or None, "tool_calls": found.tool_calls}
                 if found.tool_calls:
@@ -206,7 +206,8 @@ class ResponseBuilder:
     ) -> tuple[str, list[dict[str, Any]], str | None]:
         """A streamed chat delta's text through its choice's tool-call parser: the content that can go out, the
         tool calls completed, and the finish reason (``tool_calls`` once the choice has made any)."""
-        stream = self._tool_streams.setdefault(index, ToolCallStream())
+        parser = self._prompt_of(index).tool_parser or "hermes"
+        stream = self._tool_streams.setdefault(index, ToolCallStream(parser))
         piece = stream.push(text)
         content, calls = piece.content, piece.tool_calls
         if finish_reason is not None:

@@ -27,6 +27,16 @@ tools are sent) has its answer turned into OpenAI ``tool_calls``:
   delta per call reads the same as vLLM's argument-by-argument deltas. A
   block that is not a valid call goes out as content.
 
+``llama3_json`` (Llama 3.1+, vLLM's ``--tool-call-parser llama3_json``): the
+model answers a call as a JSON object, ``{"name": ..., "parameters": ...}``
+(or ``"arguments"``), several separated by ``; ``, after an optional
+``<|python_tag|>``. Plain (:func:`extract`), every top-level JSON object in
+the answer is a call and the content is None; any object that does not
+parse or lacks a name leaves the whole answer as content, as vLLM falls
+back. Streamed, an answer that starts with ``{`` or ``<|python_tag|>`` is
+held whole and parsed at its end (calls, or the text as content if it is
+none); any other answer streams as content as it comes.
+
 Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them.
 """
 
@@ -37,8 +47,10 @@ import re
 import uuid
 from typing import Any, NamedTuple
 
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "llama3_json")
 START, END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+_DECODER = json.JSONDecoder()
 _BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
@@ -59,12 +71,19 @@ def _call(text: str) -> dict[str, Any] | None:
         return None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
         return None
-    arguments = json.dumps(parsed.get("arguments", {}), ensure_ascii=False)
-    return {"id": call_id(), "type": "function", "function": {"name": parsed["name"], "arguments": arguments}}
+    return _as_call(parsed["name"], parsed.get("arguments", {}))
 
 
-def extract(text: str) -> Extracted:
-    """A whole answer's content and tool calls (see the module docstring)."""
+def _as_call(name: str, arguments: Any) -> dict[str, Any]:
+    """An OpenAI tool call; ``arguments`` re-serialised as JSON text (non-ASCII kept, as vLLM writes them)."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def extract(text: str, parser: str = "hermes") -> Extracted:
+    """A whole answer's content and tool calls, by ``parser`` (see the module docstring)."""
+    if parser == "llama3_json":
+        return _extract_json(text)
     if START not in text:
         return Extracted(text, [])
     calls = [_call(closed or open_) for closed, open_ in _BLOCKS.findall(text)]
@@ -72,6 +91,26 @@ def extract(text: str) -> Extracted:
         return Extracted(text, [])
     content = text[: text.find(START)]
     return Extracted(content or None, [c for c in calls if c is not None])
+
+
+def _extract_json(text: str) -> Extracted:
+    """llama3_json: every top-level JSON object in ``text`` is a call; any that is not leaves it all content."""
+    calls: list[dict[str, Any]] = []
+    end = -1
+    for start in range(len(text)):
+        if text[start] != "{" or start <= end:
+            continue
+        try:
+            parsed, length = _DECODER.raw_decode(text, start)
+        except ValueError:
+            return Extracted(text, [])
+        end = length - 1
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+            return Extracted(text, [])
+        calls.append(
+            _as_call(parsed["name"], parsed["arguments"] if "arguments" in parsed else parsed.get("parameters", {}))
+        )
+    return Extracted(None, calls) if calls else Extracted(text, [])
 
 
 class Piece(NamedTuple):
@@ -82,13 +121,17 @@ class Piece(NamedTuple):
 class ToolCallStream:
     """One choice's streamed text, split into content and whole tool calls (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self._held = ""  # text not yet sent: a possible start tag's prefix, or an open block
+    def __init__(self, parser: str = "hermes") -> None:
+        self._parser = parser
+        self._held = ""  # text not yet sent: a possible start tag's prefix, or an open block (a JSON answer)
         self._in_block = False
+        self._decided = parser != "llama3_json"  # llama3_json: whether the answer is calls is told by its start
         self.calls = 0  # tool calls sent so far (the next one's index)
 
     def push(self, text: str) -> Piece:
         """The next delta's text; returns what can go out now."""
+        if not self._decided:
+            return self._push_json(text)
         buffer = self._held + text
         content: list[str] = []
         calls: list[dict[str, Any]] = []
@@ -113,8 +156,28 @@ class ToolCallStream:
         self._held = buffer
         return Piece("".join(content), calls)
 
+    def _push_json(self, text: str) -> Piece:
+        """llama3_json: hold the answer while its start may be ``{`` or ``<|python_tag|>``; stream it once not."""
+        held = self._held + text
+        if held.startswith(("{", PYTHON_TAG)):
+            self._held, self._in_block = held, True  # calls, most likely: parsed whole at the end
+            return Piece("", [])
+        if held and PYTHON_TAG.startswith(held):
+            self._held = held  # may still become the tag
+            return Piece("", [])
+        self._held, self._decided = "", bool(held)
+        return Piece(held, [])
+
     def finish(self) -> Piece:
         """The answer ended: what is still held (an unclosed block is a call if it parses, else content)."""
+        if self._parser == "llama3_json":
+            held, self._held, self._in_block = self._held, "", False
+            if not held:
+                return Piece("", [])
+            found = _extract_json(held)
+            numbered = [{"index": index, **call} for index, call in enumerate(found.tool_calls, self.calls)]
+            self.calls += len(numbered)
+            return Piece(found.content or "", numbered)
         held, self._held = self._held, ""
         content: list[str] = []
         calls: list[dict[str, Any]] = []

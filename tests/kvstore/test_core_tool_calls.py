@@ -134,3 +134,56 @@ def test_a_stream_carries_the_calls_as_the_openai_client_accumulates_them(size: 
     assert [c.function.name for c in message.tool_calls or []] == ["get_weather", "get_time"]
     assert json.loads((message.tool_calls or [])[0].function.arguments) == {"city": "Zürich", "days": 2}
     assert [f for f in finishes if f is not None] == ["tool_calls"]
+
+
+LLAMA_CALLS = '{"name": "get_weather", "parameters": {"city": "Zürich"}}; {"name": "get_time", "arguments": {}}'
+
+
+def test_llama3_json_reads_every_object_as_a_call_or_leaves_the_answer_as_content() -> None:
+    for text in (LLAMA_CALLS, "<|python_tag|>" + LLAMA_CALLS):
+        found = extract(text, "llama3_json")
+        assert found.content is None
+        assert [c["function"]["name"] for c in found.tool_calls] == ["get_weather", "get_time"]
+        assert json.loads(found.tool_calls[0]["function"]["arguments"]) == {"city": "Zürich"}  # parameters, as vLLM
+    for text in ["It is sunny.", "use {braces} loosely", '{"city": "Paris"}', '{"name": "f"} and {oops']:
+        assert extract(text, "llama3_json") == (text, [])
+
+
+@pytest.mark.parametrize("size", [1, 3, 500])
+def test_llama3_json_streams_prose_as_it_comes_and_holds_a_json_answer_whole(size: int) -> None:
+    def run(text: str) -> tuple[str, list[dict[str, Any]], list[str]]:
+        stream = ToolCallStream("llama3_json")
+        content, calls, early = [], [], []
+        for start in range(0, len(text), size):
+            piece = stream.push(text[start : start + size])
+            content.append(piece.content)
+            early.append(piece.content)
+            calls.extend(piece.tool_calls)
+        tail = stream.finish()
+        return "".join(content) + tail.content, calls + tail.tool_calls, early
+
+    content, calls, early = run("<|python_tag|>" + LLAMA_CALLS)
+    assert content == "" and [(c["index"], c["function"]["name"]) for c in calls] == [
+        (0, "get_weather"),
+        (1, "get_time"),
+    ]
+    content, calls, early = run("<|pyth is not a tag, and {this} is prose.")
+    assert content == "<|pyth is not a tag, and {this} is prose." and calls == []
+    assert "".join(early) == content  # streamed as it came, not held to the end
+    content, calls, _ = run('{"no": "name"}')
+    assert content == '{"no": "name"}' and calls == []
+
+
+def test_a_llama3_json_stream_reads_back_as_calls_through_the_openai_client() -> None:
+    made = ResponseBuilder(parsed_chat("llama3_json", stream=True), TOK, model="m", request_id="chatcmpl-2")
+    state = ChatCompletionStreamState(input_tools=TOOLS)  # type: ignore[arg-type]
+    for chunk in chunks_of("<|python_tag|>" + LLAMA_CALLS, 5):
+        for event in made.events(chunk):
+            state.handle_chunk(ChatCompletionChunk.model_validate(json.loads(event[6:])))
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    assert [c.function.name for c in final.message.tool_calls or []] == ["get_weather", "get_time"]
+    body = ResponseBuilder(parsed_chat("llama3_json"), TOK, model="m", request_id="c").body(
+        fold_stream(chunks_of(LLAMA_CALLS, 9), 1)
+    )
+    assert ChatCompletion.model_validate(body).choices[0].finish_reason == "tool_calls"
