@@ -129,7 +129,7 @@ class KVCacheManager:
     # ------------------------------------------------------------- allocation
 
     def allocate_slots(
-        self, request: CacheRequest, num_new_tokens: int, hit: PrefixHit = NO_HIT
+        self, request: CacheRequest, num_new_tokens: int, hit: PrefixHit = NO_HIT, *, looked_up: bool = True
     ) -> list[KVCacheBlock] | None:
         """Reserve slots for ``num_new_tokens`` more tokens (after ``hit``'s tokens).
 
@@ -138,6 +138,8 @@ class KVCacheManager:
         returns the newly allocated blocks. Returns None, changing nothing,
         when the pool cannot supply them (a new request must also leave the
         watermark free). ``hit`` is only accepted on a request's first call.
+        ``looked_up`` False: the request was admitted without a lookup (it scores its prompt, so it may take no
+        hit) and is not counted in the prefix-cache stats, as vLLM does not count it.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -156,7 +158,7 @@ class KVCacheManager:
             return None
         if state is None:
             state = self._requests[request.request_id] = _RequestBlocks()
-            if self.pool.enable_caching:
+            if self.pool.enable_caching and looked_up:  # a request that may take no hit asked the cache nothing
                 self._queries += request.num_tokens
                 self._hits += hit.num_tokens
         if hit.blocks:

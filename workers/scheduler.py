@@ -261,7 +261,8 @@ class Scheduler:
                 continue
             hit = promotion.hit
             num_new = min(state.num_tokens - hit.num_tokens, budget)
-            if self.manager.allocate_slots(state.cache_request, num_new, hit) is None:
+            looked_up = not state.skip_prefix_cache
+            if self.manager.allocate_slots(state.cache_request, num_new, hit, looked_up=looked_up) is None:
                 # Nothing runs, so nothing will free a block: loaded requests behind this one must not keep
                 # their blocks from it (it would wait forever, and everything behind it).
                 if not self.running and self.offloader.release_ready(state.cache_request):

@@ -407,7 +407,8 @@ def parse_chat(
         raise ApiError(400, "the rendered conversation is empty", param="messages")
     token_ids = truncated(token_ids, req.truncate_prompt_tokens, limits.max_context)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    sampling = _sampling(req, top, limits, tokenizer, prompt_logprobs=_prompt_logprobs(req, top))
+    # As vLLM: a chat's echo scores the prompt with top_logprobs alternatives (vLLM's default 0) even without logprobs
+    sampling = _sampling(req, top, limits, tokenizer, prompt_logprobs=_prompt_logprobs(req, req.top_logprobs or 0))
     explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if explicit is None and limits.max_context is not None:
         explicit = limits.max_context - len(token_ids)

@@ -265,6 +265,10 @@ class ResponseBuilder:
             return None
         if self.chat:
             return {"content": [self._chat_entry(e) for e in entries]}
+        if echoed:  # the prompt may be scored with more alternatives (prompt_logprobs) than logprobs shows
+            top = self._prompt_of(index).logprobs or 0
+            echoed = [(t, e if e is None or len(e.top) <= top else msgspec.structs.replace(e, top=e.top[:top]))
+                      for t, e in echoed]  # fmt: skip
         steps = [*(echoed or ()), *((e.token_id, e) for e in entries)]
         tokens, offsets = [], []
         offset = self._offsets.get(index, 0)

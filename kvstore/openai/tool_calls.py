@@ -16,7 +16,7 @@ tools are sent) has its answer turned into OpenAI ``tool_calls``:
   re-serialised as JSON text (``ensure_ascii=False``); the message's
   ``content`` is the text before the first block (None when empty), and
   the choice ends with ``finish_reason: "tool_calls"``. If any block is not
-  a JSON object with a string ``name``, nothing is a call: the whole answer
+  a JSON object with a string ``name`` and ``arguments``, nothing is a call: the whole answer
   is the content, as vLLM falls back.
 - streamed (:class:`ToolCallStream`): text outside the blocks streams as
   content as it comes (a possible start of ``<tool_call>`` at the end of a
@@ -69,9 +69,9 @@ def _call(text: str) -> dict[str, Any] | None:
         parsed = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-        return None
-    return _as_call(parsed["name"], parsed.get("arguments", {}))
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or "arguments" not in parsed:
+        return None  # vLLM's parser needs both keys too
+    return _as_call(parsed["name"], parsed["arguments"])
 
 
 def _as_call(name: str, arguments: Any) -> dict[str, Any]:
@@ -107,9 +107,9 @@ def _extract_json(text: str) -> Extracted:
         end = length - 1
         if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
             return Extracted(text, [])
-        calls.append(
-            _as_call(parsed["name"], parsed["arguments"] if "arguments" in parsed else parsed.get("parameters", {}))
-        )
+        if "arguments" not in parsed and "parameters" not in parsed:  # vLLM's parser needs one of them
+            return Extracted(text, [])
+        calls.append(_as_call(parsed["name"], parsed["arguments"] if "arguments" in parsed else parsed["parameters"]))
     return Extracted(None, calls) if calls else Extracted(text, [])
 
 
@@ -132,6 +132,8 @@ class ToolCallStream:
         """The next delta's text; returns what can go out now."""
         if not self._decided:
             return self._push_json(text)
+        if self._parser == "llama3_json":  # decided: prose, streamed as it comes (no tags in this format)
+            return Piece(text, [])
         buffer = self._held + text
         content: list[str] = []
         calls: list[dict[str, Any]] = []

@@ -278,3 +278,22 @@ def test_bad_words_are_tokenised_as_vllm_does_at_the_start_and_after_a_space() -
     with pytest.raises(ApiError, match="length <= 64") as info:
         decode_completion(json.dumps({"prompt": "hi", "bad_words": ["w"] * 65}).encode())
     assert info.value.param == "bad_words"
+
+
+def test_echoed_prompt_scores_show_only_logprobs_alternatives_and_a_chat_echo_scores_as_vllm() -> None:
+    """A prompt scored with more alternatives (prompt_logprobs=5) than the echo's logprobs=1 shows at most the
+    token and one alternative per position, as vLLM cuts them; a chat's echo asks for prompt_logprobs=0."""
+    raw = b'{"prompt": "abc", "max_tokens": 1, "echo": true, "logprobs": 1, "prompt_logprobs": 5}'
+    parsed = parse_completion(decode_completion(raw), TOK, LIMITS)
+    assert parsed.sampling.prompt_logprobs == 5
+    top5 = [(100 + i, -1.0 - i) for i in range(5)]
+    scored = [None] + [TokenLogprob(t, -3.0, top5, 7) for t in parsed.token_ids[1:]]
+    delta = ChoiceDelta(0, [120], "x", [TokenLogprob(120, -1.0, [(120, -1.0)])], FinishReason.LENGTH, None, scored)
+    body = ResponseBuilder(parsed, TOK, model="m", request_id="c").body(
+        fold_stream([StreamChunk("r", [delta], STATS)], 1)
+    )
+    tops = body["choices"][0]["logprobs"]["top_logprobs"]
+    assert tops[0] is None and [len(t) for t in tops[1:]] == [2, 2, 1]
+    assert len(body["choices"][0]["prompt_logprobs"][1]) == 6  # the field itself keeps all 5 and the token
+    echo = parse_chat(decode_chat(b'{"messages": [{"role": "user", "content": "hi"}], "echo": true}'), TOK, LIMITS)
+    assert echo.sampling.prompt_logprobs == 0 and echo.sampling.logprobs is None

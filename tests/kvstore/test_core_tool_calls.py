@@ -187,3 +187,15 @@ def test_a_llama3_json_stream_reads_back_as_calls_through_the_openai_client() ->
         fold_stream(chunks_of(LLAMA_CALLS, 9), 1)
     )
     assert ChatCompletion.model_validate(body).choices[0].finish_reason == "tool_calls"
+
+
+def test_review_cases_prose_in_llama3_json_and_calls_without_arguments() -> None:
+    """A llama3_json answer that is prose streams as it came, whatever tags it holds, however it is cut; a call
+    without its arguments is no call, as in vLLM's parsers (the answer stays content)."""
+    for text in ["see <tool_call> and more", 'prose <tool_call>{"name": "f", "arguments": {}}</tool_call> end']:
+        for size in (1, 3, 1000):
+            stream = ToolCallStream("llama3_json")
+            pieces = [stream.push(text[i : i + size]) for i in range(0, len(text), size)] + [stream.finish()]
+            assert "".join(p.content for p in pieces) == text and not any(p.tool_calls for p in pieces)
+    assert extract('<tool_call>{"name": "f"}</tool_call>') == ('<tool_call>{"name": "f"}</tool_call>', [])
+    assert extract('{"name": "f"}', "llama3_json") == ('{"name": "f"}', [])

@@ -115,3 +115,16 @@ def test_zero_alternatives_and_a_one_token_prompt(worker: KVWorker, qwen2_checkp
 def test_out_of_range_prompt_logprobs_are_refused(worker: KVWorker, value: object) -> None:
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         worker.submit(ask([1, 2, 3], score=value))  # type: ignore[arg-type]
+
+
+def test_scoring_requests_are_not_counted_as_prefix_cache_queries(worker: KVWorker) -> None:
+    """They look nothing up (vLLM counts neither their queries nor hits): the hit rate stays that of the rest."""
+    prompt = [random.Random(6).randrange(300) for _ in range(50)]
+    worker.generate(ask(prompt, score=None))
+    before = worker._manager.prefix_cache_stats
+    for _ in range(3):
+        worker.generate(ask(prompt, score=0))
+    assert worker._manager.prefix_cache_stats == before
+    worker.generate(ask(prompt, score=None))
+    after = worker._manager.prefix_cache_stats
+    assert (after.queries - before.queries, after.hits - before.hits) == (50, 48)
