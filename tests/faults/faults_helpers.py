@@ -43,12 +43,20 @@ BLOCK = 16
 VOCAB = 512
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.02) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout`` seconds pass (bounded: never hangs)."""
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout: float = 20.0,
+    interval: float = 0.02,
+    tick: Callable[[], object] | None = None,
+) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass (bounded: never hangs); ``tick`` runs
+    between polls (a producer's next batch, say)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
+        if tick is not None:
+            tick()
         time.sleep(interval)
     return predicate()
 

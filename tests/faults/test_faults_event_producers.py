@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
+from faults_helpers import wait_for
 
 import kvstore.producer_stream as producer_stream
 from kvstore.config import EventsConfig
@@ -107,20 +108,9 @@ def ctx() -> Iterator[zmq.Context]:
     context.destroy(linger=0)
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, tick: Callable[[], object] | None = None) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        if tick is not None:
-            tick()
-        time.sleep(0.01)
-    return predicate()
-
-
 def health(listener: EventListener, name: str) -> ProducerHealth:
     """``name``'s health, once the listener thread has taken it up (within a poll of ``add_producer``)."""
-    assert wait_until(lambda: any(h.producer == name for h in listener.health()), timeout=5), f"{name} not followed"
+    assert wait_for(lambda: any(h.producer == name for h in listener.health()), timeout=5), f"{name} not followed"
     return next(h for h in listener.health() if h.producer == name)
 
 
@@ -138,7 +128,7 @@ def follow_good(listener: EventListener, good: ZmqEventPublisher, sink: Sink) ->
     listener.add_producer("good", endpoints.endpoint, endpoints.replay_endpoint)
 
     def flows(h: int) -> bool:
-        return wait_until(lambda: sink.view("good")[h] >= 1, tick=lambda: good.publish([stored(h)]))
+        return wait_for(lambda: sink.view("good")[h] >= 1, tick=lambda: good.publish([stored(h)]))
 
     return flows
 
@@ -187,7 +177,7 @@ def test_a_snapshot_reply_that_never_ends_is_abandoned_at_its_bound(
         flows = follow_good(listener, good, sink)
         listener.add_producer("flood", hostile.endpoint, hostile.replay)
         seq = iter(range(5, 10_000))
-        assert wait_until(
+        assert wait_for(
             lambda: health(listener, "flood").oversized >= 1, tick=lambda: hostile.live(next(seq), payload(9))
         )
         h = health(listener, "flood")
@@ -219,8 +209,8 @@ def test_a_replay_reply_that_trickles_on_is_cut_off(ctx: zmq.Context, good: ZmqE
     try:
         flows = follow_good(listener, good, sink)
         listener.add_producer("trickle", hostile.endpoint, hostile.replay)
-        assert wait_until(lambda: health(listener, "trickle").sync_timeouts >= 1, timeout=20)
-        assert wait_until(lambda: sink.view("trickle")[50] >= 1)  # the snapshot asked for next was applied
+        assert wait_for(lambda: health(listener, "trickle").sync_timeouts >= 1, timeout=20)
+        assert wait_for(lambda: sink.view("trickle")[50] >= 1)  # the snapshot asked for next was applied
         assert flows(4)
     finally:
         listener.close()
@@ -251,9 +241,9 @@ def test_a_live_seq_far_ahead_of_the_producer_does_not_start_a_resync_storm(
     try:
         flows = follow_good(listener, good, sink)
         listener.add_producer("p", hostile.endpoint, hostile.replay)
-        assert wait_until(lambda: sink.view("p")[61] >= 1 and health(listener, "p").syncing is None)
+        assert wait_for(lambda: sink.view("p")[61] >= 1 and health(listener, "p").syncing is None)
         hostile.live(2**64 - 1, payload(666))
-        assert wait_until(lambda: health(listener, "p").dropped >= 1)
+        assert wait_for(lambda: health(listener, "p").dropped >= 1)
         asked = len(hostile.requests)
         time.sleep(1.0)
         h = health(listener, "p")
@@ -261,7 +251,7 @@ def test_a_live_seq_far_ahead_of_the_producer_does_not_start_a_resync_storm(
         assert sink.view("p")[666] == 0
         held[2] = payload(62)
         hostile.live(2, held[2])
-        assert wait_until(lambda: sink.view("p")[62] >= 1)
+        assert wait_for(lambda: sink.view("p")[62] >= 1)
         assert health(listener, "p").next_seq == 3
         assert flows(5)
     finally:
@@ -279,10 +269,10 @@ def test_a_batch_that_cannot_be_encoded_costs_its_seq_not_the_publisher(ctx: zmq
         endpoints = publisher.endpoints
         assert endpoints is not None
         listener.add_producer("p", endpoints.endpoint, endpoints.replay_endpoint)
-        assert wait_until(lambda: sink.view("p")[1] >= 1, tick=lambda: publisher.publish([stored(1)]))
+        assert wait_for(lambda: sink.view("p")[1] >= 1, tick=lambda: publisher.publish([stored(1)]))
         bad = BlockStored([2], None, [1, 2], 2, None, "GPU", None, extra_keys=[[2**70]])
         publisher.publish([bad])
-        assert wait_until(lambda: sink.view("p")[3] >= 1, tick=lambda: publisher.publish([stored(3)]))
+        assert wait_for(lambda: sink.view("p")[3] >= 1, tick=lambda: publisher.publish([stored(3)]))
         assert publisher.flush() and publisher.stats.dropped == 1
         assert sink.view("p")[2] == 0
     finally:
