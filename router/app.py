@@ -59,13 +59,15 @@ from kvstore.openai.http import (
 )
 from kvstore.openai.protocol import (
     ParsedRequest,
+    detokenize,
     parse_request,
+    tokenize,
 )
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.routing import read_for_routing, read_token_ids
 from kvstore.router.dispatch import Opened
 from kvstore.router.metrics import RequestCounting
-from kvstore.router.relay import KINDS, Kind, RelayApp
+from kvstore.router.relay import FORWARDED, KINDS, Kind, RelayApp
 from kvstore.router.response import batch_route, kvstore_extras, medium_dict, routing_headers
 from kvstore.router.routing import Prompt, RouteResult
 from kvstore.router.service import RouterService
@@ -134,6 +136,30 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await completion(request, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        """vLLM's /tokenize, for our workers' model (a vLLM fleet's goes to a replica: the relay)."""
+        try:
+            body = await read_body(request, bounds)
+            tokenizer = service.tokenizer
+            assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
+            answer = await asyncio.to_thread(
+                tokenize, body, tokenizer, service.limits, service.model_name, trust_template=trust_template
+            )
+            return JSONResponse(answer)
+        except ApiError as exc:
+            return error_response(exc)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        try:
+            body = await read_body(request, bounds)
+            tokenizer = service.tokenizer
+            assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
+            return JSONResponse(detokenize(body, tokenizer, service.limits, service.model_name))
+        except ApiError as exc:
+            return error_response(exc)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -204,7 +230,12 @@ class RouterApp:
         self._service = service
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in KINDS and scope["method"] == "POST" and self._service.forwards:
+        if (
+            scope["type"] == "http"
+            and scope["path"] in FORWARDED
+            and scope["method"] == "POST"
+            and self._service.forwards
+        ):
             await self._relay(scope, receive, send)
         else:
             await self._fastapi(scope, receive, send)

@@ -29,8 +29,9 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
+import msgspec
 from fastapi import Request
 from starlette.types import Receive, Scope, Send
 
@@ -50,6 +51,8 @@ _NOT_RELAYED = frozenset(
 # A replica's answer that breaks off: its connection reset or closed mid-body, a stalled read, a bad chunk header.
 _UPSTREAM_FAILED = (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError)
 KINDS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+# vLLM's tokenizer endpoints: forwarded as the completions are, to the least loaded replica serving the model.
+FORWARDED = frozenset({*KINDS, "/tokenize", "/detokenize"})
 _INLINE_TEXT_BYTES = 2048  # shorter text tokenises faster than a hop to a thread and back
 # Bytes a request target cannot carry as they are (a server that let them into a query string): percent-encoded.
 _NOT_IN_TARGET = re.compile(rb"[\x00-\x20\x7f-\xff]")
@@ -67,11 +70,15 @@ class RelayApp:
         self._bounds = service.config.router.body_bounds()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = KINDS[scope["path"]]
+        kind = KINDS.get(scope["path"])
         request = Request(scope, receive)
         try:
             body = await read_body(request, self._bounds)
-            prompt, routed = await self._route(body, kind)
+            if kind is None:  # /tokenize, /detokenize: no prefix to match, the load decides
+                prompt = Prompt([], None, model=_model_named(body))
+                routed = self._service.route(prompt)
+            else:
+                prompt, routed = await self._route(body, kind)
             # From here the client may leave at any time -- while a plain answer is being computed too:
             # the relay is then cancelled, which closes the upstream connection.
             target = scope["path"] + _query(scope.get("query_string", b""))
@@ -127,6 +134,15 @@ class RelayApp:
                 await send({"type": "http.response.body", "body": content, "more_body": False})
         finally:  # the dispatcher's generator: it settles the replica's books and the connection
             await answer.body.aclose()  # type: ignore[attr-defined]
+
+
+def _model_named(body: bytes) -> str | None:
+    """The ``model`` a body names, if it is a JSON object naming one (anything else: None; the replica judges)."""
+    try:
+        model = msgspec.json.decode(body, type=dict[str, Any]).get("model")
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+        return None
+    return model if isinstance(model, str) else None
 
 
 def relayed_headers(upstream: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:

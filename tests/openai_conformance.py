@@ -293,6 +293,30 @@ def echo_with_logprobs_scores_the_prompt(base_url: str, model: str) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs", refused.text
 
 
+def tokenize_and_detokenize(base_url: str, model: str) -> None:
+    """vLLM's ``/tokenize`` and ``/detokenize``: a prompt's or a chat's tokens, counted as the completion counts
+    them; back to text; the tokens' vocabulary spellings on request; another model a 404, a bad id a 400."""
+    c = client(base_url)
+    prompt = "The KV cache makes the second request faster."
+    counted = c.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0).usage
+    tokens = httpx.post(f"{base_url}/tokenize", json={"model": model, "prompt": prompt}, timeout=30).json()
+    assert counted is not None and tokens["count"] == len(tokens["tokens"]) == counted.prompt_tokens, tokens
+    assert isinstance(tokens["max_model_len"], int) and tokens["token_strs"] is None
+    chat_counted = c.chat.completions.create(model=model, messages=CHAT, max_tokens=1, temperature=0).usage  # type: ignore[arg-type]
+    chat = httpx.post(f"{base_url}/tokenize", json={"model": model, "messages": CHAT, "return_token_strs": True},
+                      timeout=30).json()  # fmt: skip
+    assert chat_counted is not None and chat["count"] == chat_counted.prompt_tokens
+    assert len(chat["token_strs"]) == chat["count"] and all(isinstance(t, str) for t in chat["token_strs"])
+    text = httpx.post(f"{base_url}/detokenize", json={"model": model, "tokens": tokens["tokens"]}, timeout=30).json()
+    assert prompt in text["prompt"], text  # a BOS the tokenizer adds reads back too
+    other = httpx.post(f"{base_url}/tokenize", json={"model": "no-such-model", "prompt": "x"}, timeout=30)
+    assert other.status_code == 404 and other.json()["error"]["type"] == "NotFoundError", other.text
+    bad = httpx.post(f"{base_url}/detokenize", json={"model": model, "tokens": [-1]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens", bad.text
+    neither = httpx.post(f"{base_url}/tokenize", json={"model": model}, timeout=30)
+    assert neither.status_code == 400, neither.text
+
+
 def every_behaviour() -> list[Behaviour]:
     """The checks every front must pass (disconnect_mid_stream needs a way to see the cancel: run it apart)."""
     return [
@@ -307,6 +331,7 @@ def every_behaviour() -> list[Behaviour]:
         batched_prompts,
         client_request_id_is_prefixed,
         echo_with_logprobs_scores_the_prompt,
+        tokenize_and_detokenize,
     ]
 
 

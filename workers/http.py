@@ -31,7 +31,9 @@ from kvstore.openai.http import answer_errors_openai_style, error_response, mode
 from kvstore.openai.protocol import (
     ModelLimits,
     ParsedRequest,
+    detokenize,
     parse_request,
+    tokenize,
 )
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.worker_api import GenerateRequest, RequestStats, StreamChunk, WorkerShutdownError
@@ -109,6 +111,21 @@ def create_worker_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await endpoint(request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        try:
+            body = await read_body(request, bounds)
+            return JSONResponse(tokenize(body, tokenizer, limits, info.model_name, trust_template=trust_template))
+        except ApiError as exc:
+            return error_response(exc)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        try:
+            return JSONResponse(detokenize(await read_body(request, bounds), tokenizer, limits, info.model_name))
+        except ApiError as exc:
+            return error_response(exc)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

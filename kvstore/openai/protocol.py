@@ -373,11 +373,7 @@ def parse_chat(
     (vLLM's ``--tool-call-parser``): with it, ``tool_choice`` ``"auto"`` is served and the answer's tool calls
     are parsed out of its text."""
     _refuse_unsupported(req)
-    own = request_template({"chat_template": req.chat_template, "chat_template_kwargs": req.chat_template_kwargs})
-    if own is not None and not trust_template:
-        raise ApiError(400, UNTRUSTED_TEMPLATE, param="chat_template")
-    if own is not None and not isinstance(own, str):
-        raise ApiError(400, "chat_template must be a string", param="chat_template")
+    own = _own_template(req.chat_template, req.chat_template_kwargs, trust_template)
     tools = _tools(req.tools, req.tool_choice, tool_parser)
     calls_parsed = tool_parser if req.tools and req.tool_choice in (None, "auto") else None
     if calls_parsed is not None:  # as vLLM's hermes parser: tool-call tags may be special tokens, keep them
@@ -386,25 +382,11 @@ def parse_chat(
         raise ApiError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    messages = [_message(m, i) for i, m in enumerate(req.messages)]
-    if not messages:
-        raise ApiError(400, "messages must not be empty", param="messages")
-    template = _template(own, tokenizer)
-    try:
-        text = template.render(
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            special_tokens=tokenizer.special_tokens,
-            tools=tools,
-            documents=req.documents,
-            extra=req.chat_template_kwargs,
-        )
-    except ChatTemplateError as exc:
-        raise ApiError(400, str(exc), param="messages") from None
-    token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-    if not token_ids:
-        raise ApiError(400, "the rendered conversation is empty", param="messages")
+    messages, token_ids = _render_chat(
+        req.messages, tokenizer, own, tools=tools, documents=req.documents, extra=req.chat_template_kwargs,
+        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+        add_special_tokens=req.add_special_tokens,
+    )  # fmt: skip
     token_ids = truncated(token_ids, req.truncate_prompt_tokens, limits.max_context)
     top = (req.top_logprobs or 0) if req.logprobs else None
     # As vLLM: a chat's echo scores the prompt with top_logprobs alternatives (vLLM's default 0) even without logprobs
@@ -426,6 +408,123 @@ def parse_chat(
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
         role=role, tool_parser=calls_parsed
     )
+
+
+def _own_template(chat_template: Any, kwargs: Any, trust_template: bool) -> str | None:
+    """The template a request brings, if any, when this front may run it (400 otherwise, as vLLM refuses one)."""
+    own = request_template({"chat_template": chat_template, "chat_template_kwargs": kwargs})
+    if own is not None and not trust_template:
+        raise ApiError(400, UNTRUSTED_TEMPLATE, param="chat_template")
+    if own is not None and not isinstance(own, str):
+        raise ApiError(400, "chat_template must be a string", param="chat_template")
+    return own
+
+
+def _render_chat(
+    raw: list[Any],
+    tokenizer: Tokenizer,
+    own: str | None,
+    *,
+    tools: list[Any] | None,
+    documents: list[Any] | None,
+    extra: dict[str, Any] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    add_special_tokens: bool,
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """A conversation's messages, checked, and the token ids of its rendering through the chat template."""
+    messages = [_message(m, i) for i, m in enumerate(raw)]
+    if not messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    template = _template(own, tokenizer)
+    try:
+        text = template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            special_tokens=tokenizer.special_tokens,
+            tools=tools,
+            documents=documents,
+            extra=extra,
+        )
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not token_ids:
+        raise ApiError(400, "the rendered conversation is empty", param="messages")
+    return messages, token_ids
+
+
+# ------------------------------------------------------------------- tokenize
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /tokenize``, as vLLM takes it: a ``prompt``, or chat ``messages`` rendered as a chat request's."""
+
+    model: Name | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    documents: list[Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /detokenize``: token ids back to text (special tokens kept, as vLLM decodes them)."""
+
+    model: Name | None = None
+    tokens: list[int]
+
+
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+
+
+def tokenize(
+    body: bytes, tokenizer: Tokenizer, limits: ModelLimits, model_name: str, *, trust_template: bool = False
+) -> dict[str, Any]:
+    """vLLM's ``/tokenize`` answer for ``body``: ``count``, ``max_model_len``, ``tokens`` and ``token_strs`` (the
+    tokens as the vocabulary spells them, when ``return_token_strs``). ApiError(400/404) for a bad body."""
+    req: TokenizeRequest = _decode(body, _tokenize_decoder, TokenizeRequest)
+    if req.model is not None and req.model != model_name:
+        raise model_not_found(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "send either prompt or messages", param="prompt" if req.prompt is None else "messages")
+    if req.prompt is not None:
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        token_ids = tokenizer.encode(req.prompt, add_special_tokens=special)
+    else:
+        assert req.messages is not None
+        own = _own_template(req.chat_template, req.chat_template_kwargs, trust_template)
+        _, token_ids = _render_chat(
+            req.messages, tokenizer, own, tools=_tools(req.tools, "none"), documents=req.documents,
+            extra=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, add_special_tokens=bool(req.add_special_tokens),
+        )  # fmt: skip
+    return {
+        "count": len(token_ids),
+        "max_model_len": limits.max_context,
+        "tokens": token_ids,
+        "token_strs": tokenizer.token_strings(token_ids) if req.return_token_strs else None,
+    }
+
+
+def detokenize(body: bytes, tokenizer: Tokenizer, limits: ModelLimits, model_name: str) -> dict[str, Any]:
+    """vLLM's ``/detokenize`` answer for ``body``: ``{"prompt": text}``. ApiError(400/404) for a bad body."""
+    req: DetokenizeRequest = _decode(body, _detokenize_decoder, DetokenizeRequest)
+    if req.model is not None and req.model != model_name:
+        raise model_not_found(req.model)
+    vocab = limits.vocab_size
+    bad = next((t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is out of range [0, {vocab if vocab is not None else '...'})",
+                       param="tokens")  # fmt: skip
+    return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
 
 def truncated(token_ids: list[int], keep: int | None, max_context: int | None) -> list[int]:

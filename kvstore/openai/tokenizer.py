@@ -53,6 +53,10 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (``convert_ids_to_tokens``: ``Ġhello``, not `` hello``)."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255; ids >= 256 decode to ``?`` (not U+FFFD, which the detokenizer reads as a
@@ -79,6 +83,10 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         data = bytes(t if 0 <= t < 256 else 0x3F for t in token_ids)
         return data.decode("utf-8", errors="replace")
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """A byte's token is that byte read as Latin-1 (one character per byte); ids >= 256 are ``?``."""
+        return [chr(t) if 0 <= t < 256 else "?" for t in token_ids]
 
 
 class HFTokenizer:
@@ -130,6 +138,9 @@ class HFTokenizer:
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [self._tok.id_to_token(t) or "" for t in token_ids]
 
 
 BYTES = "bytes"
