@@ -10,12 +10,15 @@ names are the core's constants, which the router's HTTP backend reads.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvstore.metrics import REQUESTS_RUNNING, REQUESTS_WAITING
+
+if TYPE_CHECKING:
+    from kvstore.kv_cache_manager import KVCacheManager
 
 
 class WorkerCounters:
@@ -145,6 +148,46 @@ class WorkerCollector(Collector):
             gauge.add_metric(labels, value)
             families.append(gauge)
         yield from families
+
+
+class VllmCollector(Collector):
+    """The same numbers under vLLM's own metric names (``vllm:...``, labelled ``model_name``), so what reads a
+    vLLM server's ``/metrics`` -- a vLLM-aware router or autoscaler, vLLM's Grafana dashboards -- reads ours.
+
+    Each series is one of the ``kvstore_`` ones above, read at the same scrape: the load gauges
+    (``num_requests_running`` / ``_waiting``, ``kv_cache_usage_perc`` 0-1), the prefix cache's query and hit
+    tokens, prompt and generation tokens, and preemptions.
+    """
+
+    def __init__(
+        self, model_name: str, manager: KVCacheManager, counters: WorkerCounters, gauges: Callable[[], LoopGauges]
+    ) -> None:
+        self._model = model_name
+        self._manager = manager
+        self._counters = counters
+        self._gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        labels, c, g, manager = [self._model], self._counters, self._gauges(), self._manager
+        stats = manager.prefix_cache_stats
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", g.running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", g.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", manager.usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", stats.queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.hits),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", g.preemptions),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
 
 
 class TierLinkCollector(Collector):

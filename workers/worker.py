@@ -176,8 +176,9 @@ class KVWorker:
         else:
             self._publisher = NullEventPublisher()
         self._registry = worker_registry(
-            name, self._manager, self._counters, self._gauges, self._offload.link_state, self._offload.state
-        )
+            name, self._manager, self._counters, self._gauges, self._offload.link_state, self._offload.state,
+            model_name=self.served.name,
+        )  # fmt: skip
         self._thread = threading.Thread(target=self._loop, name=f"kv-worker-{name}", daemon=True)
         self._thread.start()
 

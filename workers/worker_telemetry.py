@@ -32,6 +32,7 @@ from kvstore.workers.metrics import (
     OffloadState,
     TierLinkCollector,
     TierLinkState,
+    VllmCollector,
     WorkerCollector,
     WorkerCounters,
 )
@@ -56,11 +57,15 @@ def worker_registry(
     gauges: Callable[[], LoopGauges],
     tier_link: Callable[[], TierLinkState | None],
     offload: Callable[[], OffloadState | None],
+    model_name: str | None = None,
 ) -> CollectorRegistry:
-    """The registry of worker ``name``: its pool and prefix cache, its request loop, its tier link and offloader."""
+    """The registry of worker ``name``: its pool and prefix cache, its request loop, its tier link and offloader;
+    with ``model_name``, the load and cache numbers under vLLM's names too (:class:`VllmCollector`)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CacheCollector(lambda: [(name, manager)]))
     registry.register(WorkerCollector(name, counters, gauges))
+    if model_name is not None:
+        registry.register(VllmCollector(model_name, manager, counters, gauges))
     registry.register(TierLinkCollector(name, tier_link))
     registry.register(OffloadCollector(name, counters, offload))
     return registry

@@ -12,9 +12,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 from workers_testlib import make_config
 
+from kvstore.router.backends import parse_load
 from kvstore.workers.http import create_worker_app
 from kvstore.workers.worker import KVWorker
 from tests import openai_conformance as check
@@ -197,3 +199,28 @@ def test_a_front_with_a_tool_call_parser_serves_tool_choice_auto(served: tuple[s
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"  # no parser there
     finally:
         server.stop()
+
+
+def test_metrics_carry_vllms_names_for_what_reads_a_vllm_server(served: tuple[str, KVWorker]) -> None:
+    """A vLLM-aware router or dashboard reads ``vllm:*`` series: each equals its ``kvstore_*`` twin, parsed by the
+    Prometheus client's own text parser, and the router's HTTP backend reads the load from them."""
+    url = served[0]
+    check.client(url).completions.create(model=MODEL, prompt="metrics, please", max_tokens=3, temperature=0)
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    pairs = {
+        "vllm:num_requests_running": "kvstore_requests_running",
+        "vllm:num_requests_waiting": "kvstore_requests_waiting",
+        "vllm:kv_cache_usage_perc": "kvstore_gpu_cache_usage_perc",
+        "vllm:prefix_cache_queries_total": "kvstore_prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total": "kvstore_prefix_cache_hits_total",
+        "vllm:prompt_tokens_total": "kvstore_prompt_tokens_total",
+        "vllm:generation_tokens_total": "kvstore_generation_tokens_total",
+        "vllm:num_preemptions_total": "kvstore_preemptions_total",
+    }
+    for vllm_name, ours in pairs.items():
+        assert samples[vllm_name].labels == {"model_name": MODEL}, vllm_name
+        assert samples[vllm_name].value == samples[ours].value, (vllm_name, ours)
+    assert samples["vllm:generation_tokens_total"].value >= 3
+    load = parse_load(text)
+    assert load.running == samples["vllm:num_requests_running"].value
