@@ -478,7 +478,10 @@ class EventListener:
             dealer.setsockopt(zmq.LINGER, 0)
             self._secure(dealer, producer)
             dealer.connect(producer.replay_endpoint)
-            dealer.send_multipart((b"", body), zmq.NOBLOCK)
+            try:
+                dealer.send_multipart((b"", body), zmq.NOBLOCK)
+            except zmq.Again:  # no room to queue it (never seen on a fresh socket): it times out and is asked again
+                logger.warning("producer %s: a replay/snapshot request could not be queued", producer.name)
         except zmq.ZMQError as exc:
             dealer.close(linger=0)
             producer.decode_errors += 1
