@@ -46,6 +46,7 @@ def _serve(args: argparse.Namespace, config: Config, sock: socket.socket) -> int
         bounds=config.router.body_bounds(),
         trust_template=config.router.trust_request_chat_template,
         tool_parser=config.router.tool_call_parser or None,
+        reasoning_parser=config.router.reasoning_parser or None,
     )
     app.router.lifespan_context = lifespan
     endpoints = worker.event_endpoints()

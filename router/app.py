@@ -91,6 +91,7 @@ def create_app(
     bounds = config.body_bounds()
     trust_template = config.trust_request_chat_template
     tool_parser = config.tool_call_parser or None
+    reasoning_parser = config.reasoning_parser or None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -119,7 +120,7 @@ def create_app(
             assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
             parsed = parse_request(
                 body, kind == "chat", tokenizer, service.limits, service.model_name, trust_template=trust_template,
-                tool_parser=tool_parser,
+                tool_parser=tool_parser, reasoning_parser=reasoning_parser,
             )  # fmt: skip
         except ApiError as exc:
             # Answered here, not raised on: the error's traceback would keep the decoded body alive

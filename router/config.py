@@ -111,6 +111,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     </tool_call>`` (Qwen2.5, Hermes), ``llama3_json`` for Llama 3.1+'s ``{"name": ..., "parameters": ...}``.
     Set, a chat with ``tools`` and ``tool_choice`` ``"auto"`` (the default with tools) is served; unset, it is
     a 400. Our workers' fronts only: a vLLM fleet parses its own."""
+    reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""
+    """Split chat answers' reasoning (before ``</think>``) from their content (vLLM's ``--reasoning-parser``):
+    the message's ``reasoning`` / ``reasoning_content``. Our workers' fronts only: a vLLM fleet splits its own."""
     max_json_values: PositiveInt = 262_144
     """Array items plus object members a request body may hold (a 256k-token prompt as ids fits); counted on
     the raw bytes before the body is decoded, so a body of a million tiny values costs a scan, not a decode."""

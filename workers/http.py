@@ -47,12 +47,14 @@ def create_worker_app(
     bounds: BodyBounds | None = None,
     trust_template: bool = False,
     tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over ``worker`` (which the caller owns and shuts down).
 
     ``bounds``: what a request body may hold (default: 4 MiB and :class:`BodyBounds`' defaults).
     ``trust_template``: render a ``chat_template`` a request sends (``router.trust_request_chat_template``).
     ``tool_parser``: parse tool calls out of chat answers (``router.tool_call_parser``; None: no parser).
+    ``reasoning_parser``: split chat answers' reasoning from their content (``router.reasoning_parser``).
     """
     bounds = bounds or BodyBounds(4 << 20)
     info = worker.info()
@@ -98,8 +100,9 @@ def create_worker_app(
         try:
             body = await read_body(request, bounds)
             parsed = parse_request(
-                body, chat, tokenizer, limits, info.model_name, trust_template=trust_template, tool_parser=tool_parser
-            )
+                body, chat, tokenizer, limits, info.model_name, trust_template=trust_template, tool_parser=tool_parser,
+                reasoning_parser=reasoning_parser,
+            )  # fmt: skip
         except ApiError as exc:  # answered here: a raised error's traceback would keep the decoded body alive
             return error_response(exc)
         return await serve(request, parsed, "chatcmpl" if chat else "cmpl")

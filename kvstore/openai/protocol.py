@@ -39,6 +39,7 @@ from kvstore.openai.chat_template import (
     with_parsed_arguments,
 )
 from kvstore.openai.errors import ApiError, model_not_found
+from kvstore.openai.reasoning import parser_for
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.worker_api import SamplingParams
 
@@ -208,6 +209,7 @@ class ParsedRequest(NamedTuple):
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     echo_only: bool = False  # completions' echo with max_tokens 0: one token is generated, only the prompt shown
     tool_parser: str | None = None  # chat: the answer's tool calls are parsed out of its text by this parser
+    reasoning_parser: str | None = None  # chat: the answer's reasoning is split from its content by this parser
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -329,14 +331,18 @@ def parse_request(
     *,
     trust_template: bool = False,
     tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> list[ParsedRequest]:
     """A completions or chat body as our fronts serve it: its prompts, each checked (one, unless a completions
     request sent a batch), and vLLM's 404s for another model or an adapter (:func:`check_served`).
     ``tool_parser``: the front's tool-call parser (:mod:`kvstore.openai.tool_calls`), None for none."""
     if chat:
         batch = [
-            parse_chat(decode_chat(body), tokenizer, limits, trust_template=trust_template, tool_parser=tool_parser)
-        ]
+            parse_chat(
+                decode_chat(body), tokenizer, limits, trust_template=trust_template, tool_parser=tool_parser,
+                reasoning_parser=reasoning_parser,
+            )
+        ]  # fmt: skip
     else:
         batch = parse_completions(decode_completion(body), tokenizer, limits)
     check_served(batch[0], model_name)
@@ -367,11 +373,13 @@ def parse_chat(
     *,
     trust_template: bool = False,
     tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> ParsedRequest:
     """Check ``req``, render its messages through the chat template and tokenise them. ``trust_template``:
     render a ``chat_template`` the request sends (else a 400, as vLLM refuses one by default). ``tool_parser``
     (vLLM's ``--tool-call-parser``): with it, ``tool_choice`` ``"auto"`` is served and the answer's tool calls
-    are parsed out of its text."""
+    are parsed out of its text. ``reasoning_parser`` (vLLM's ``--reasoning-parser``): the answer's reasoning is
+    split from its content (:mod:`kvstore.openai.reasoning`)."""
     _refuse_unsupported(req)
     own = _own_template(req.chat_template, req.chat_template_kwargs, trust_template)
     tools = _tools(req.tools, req.tool_choice, tool_parser)
@@ -406,7 +414,7 @@ def parse_chat(
     role = "assistant" if req.add_generation_prompt else last["role"]
     echo = last["content"] if req.echo and last["role"] == role else None
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
-        role=role, tool_parser=calls_parsed
+        role=role, tool_parser=calls_parsed, reasoning_parser=parser_for(reasoning_parser, req.chat_template_kwargs)
     )
 
 

@@ -27,6 +27,11 @@ tool calls are parsed out of its text (:mod:`kvstore.openai.tool_calls`):
 the message (or the stream's deltas) carries ``tool_calls`` and the choice
 ends with ``finish_reason: "tool_calls"``, as vLLM answers.
 
+With a reasoning parser (``ParsedRequest.reasoning_parser``), a chat answer's
+reasoning (before ``</think>``) is split from its content
+(:mod:`kvstore.openai.reasoning`): the message or delta carries it as
+``reasoning`` and ``reasoning_content``; a tool-call parser reads the content only.
+
 Beyond vLLM, choices carry ``token_ids`` and the body (or the stream's
 last chunk) a ``kvstore`` object the caller supplies: which replica served
 the request, cached tokens per medium, timings.
@@ -41,6 +46,7 @@ from typing import Any
 import msgspec
 
 from kvstore.openai.protocol import ParsedRequest
+from kvstore.openai.reasoning import ReasoningStream, split
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.openai.tool_calls import ToolCallStream, extract
 from kvstore.worker_api import ChoiceDelta, GenerateResult, PromptLogprobs, RequestStats, StreamChunk, TokenLogprob
@@ -93,6 +99,7 @@ class ResponseBuilder:
         self._offsets: dict[int, int] = {}  # completions' logprobs text_offset, per choice
         self._generated: dict[int, int] = {}  # tokens each choice has generated so far (continuous usage)
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice, with a tool-call parser (streamed chat)
+        self._reasoning_streams: dict[int, ReasoningStream] = {}  # per choice, with a reasoning parser
 
     # ------------------------------------------------------------------ plain
 
@@ -104,14 +111,22 @@ class ResponseBuilder:
             text = (prompt.echo_text or "") + (choice.text if shown else "")
             entry: dict[str, Any] = {"index": choice.index}
             finish_reason = str(choice.finish_reason)
-            if self.chat and prompt.tool_parser is not None:
-                found = extract(choice.text, prompt.tool_parser)
-                content = (prompt.echo_text or "") + (found.content or "")
-                entry["message"] = {"role": prompt.role, "content": content or None, "tool_calls": found.tool_calls}
-                if found.tool_calls:
-                    finish_reason = "tool_calls"
-            elif self.chat:
-                entry["message"] = {"role": prompt.role, "content": text}
+            if self.chat:
+                answer: str | None = choice.text
+                message: dict[str, Any] = {"role": prompt.role}
+                if prompt.reasoning_parser is not None:
+                    reasoning, answer = split(choice.text)
+                    message["reasoning"] = message["reasoning_content"] = reasoning
+                if prompt.tool_parser is not None:
+                    found = extract(answer or "", prompt.tool_parser)
+                    answer = found.content
+                    message["tool_calls"] = found.tool_calls
+                    if found.tool_calls:
+                        finish_reason = "tool_calls"
+                content = (prompt.echo_text or "") + (answer or "")
+                plain = prompt.tool_parser is None and prompt.reasoning_parser is None
+                message["content"] = content if plain or content else None  # as before, unless a parser split it
+                entry["message"] = {"role": message.pop("role"), "content": message.pop("content"), **message}
             else:
                 entry["text"] = text
             entry["logprobs"] = self._logprobs(
@@ -181,15 +196,32 @@ class ResponseBuilder:
         logprobs = self._logprobs(delta.index, entries, scored)
         finish_reason = None if delta.finish_reason is None else str(delta.finish_reason)
         calls: list[dict[str, Any]] = []
+        reasoning = ""
+        if self.chat and self._prompt_of(delta.index).reasoning_parser is not None:
+            stream = self._reasoning_streams.setdefault(delta.index, ReasoningStream())
+            piece = stream.push(text)
+            if finish_reason is not None:
+                tail = stream.finish()
+                piece = piece._replace(reasoning=piece.reasoning + tail.reasoning, content=piece.content + tail.content)
+            reasoning, text = piece
         if self.chat and self._prompt_of(delta.index).tool_parser is not None:
             text, calls, finish_reason = self._tool_piece(delta.index, text, finish_reason)
-        if not text and not calls and not delta.token_ids and finish_reason is None and logprobs is None:
+        if (
+            not text
+            and not reasoning
+            and not calls
+            and not delta.token_ids
+            and finish_reason is None
+            and logprobs is None
+        ):
             return out
         # A token whose text is held back (an unfinished UTF-8 character) still goes out, with its id and no
         # text, as vLLM sends it: the chunks' token_ids add up to the answer's.
         choice: dict[str, Any] = {"index": delta.index}
         if self.chat:
-            choice["delta"] = {"content": text} if text or (delta.token_ids and not calls) else {}
+            choice["delta"] = {"content": text} if text or (delta.token_ids and not calls and not reasoning) else {}
+            if reasoning:
+                choice["delta"]["reasoning"] = choice["delta"]["reasoning_content"] = reasoning
             if calls:
                 choice["delta"]["tool_calls"] = calls
         else:
