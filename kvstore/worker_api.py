@@ -74,6 +74,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's bad_words, as token sequences (the front tokenises the words): a sequence's last token is never
     # sampled right after the output's last tokens equal the rest of it (a one-token sequence: never)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's guided_choice (structured_outputs.choice), as token sequences: the output is one of them, whole (its
+    # last token ends the choice unless a longer one goes on from it, when EOS may end it there)
+    choice_token_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):

@@ -98,6 +98,8 @@ class ChoiceRecord:
             text, stop = self.detokenizer.push([token], search_stop=search)
         if stop is not None:
             state.finish(FinishReason.STOP, stop)
+        elif not state.is_finished and self.sampling.choice_done(state.output_token_ids):
+            state.finish(FinishReason.STOP)  # a guided choice's whole sequence, none longer to go on to
         elif count >= state.max_tokens:
             state.finish(FinishReason.LENGTH)
         if state.is_finished:

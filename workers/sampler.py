@@ -95,6 +95,9 @@ class ChoiceSampling:
         self.logit_bias = dict(params.logit_bias or {})
         self._allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long) if params.allowed_token_ids else None
         self._bad_words = params.bad_words_token_ids
+        self._choices = params.choice_token_ids  # guided choice: the output is one of these sequences
+        self._output: list[int] = []  # the output so far (kept only for a guided choice)
+        self._step_allowed: list[int] | None = None  # what the guided choice lets this step draw
         # The output's last tokens, as many as the longest bad word's prefix (none without bad words).
         self._recent: deque[int] = deque(maxlen=max((len(w) - 1 for w in self._bad_words), default=0))
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
@@ -118,6 +121,7 @@ class ChoiceSampling:
             and not self.frequency_penalty
             and not self.logit_bias
             and self._allowed is None
+            and self._choices is None
             and not self._bad_words
             and not (self._blocked and self.num_output < self.min_tokens)
         )
@@ -127,6 +131,24 @@ class ChoiceSampling:
         self.num_output += 1
         if self._recent.maxlen:
             self._recent.append(token_id)
+        if self._choices is not None:
+            self._output.append(token_id)
+
+    def choice_done(self, output: Sequence[int]) -> bool:
+        """A guided choice's output is one of its sequences and no longer one goes on from it: it must end here."""
+        if self._choices is None:
+            return False
+        n, out = len(output), tuple(output)
+        return out in self._choices and not any(len(c) > n and c[:n] == out for c in self._choices)
+
+    def _guided(self) -> list[int]:
+        """The tokens a guided choice may draw next: each sequence's next token where the output is its prefix,
+        and EOS once the output is a whole sequence."""
+        out, n = tuple(self._output), len(self._output)
+        allowed = {c[n] for c in self._choices or () if len(c) > n and c[:n] == out}
+        if out in (self._choices or ()):
+            allowed.update(self.eos_token_ids)
+        return sorted(allowed)
 
     def process(self, row: torch.Tensor) -> None:
         """Allowed tokens, bias, min_tokens and penalties, in place on one row of float32 logits."""
@@ -134,6 +156,13 @@ class ChoiceSampling:
             kept = row[self._allowed]
             row.fill_(float("-inf"))
             row[self._allowed] = kept
+        if self._choices is not None:
+            self._step_allowed = self._guided()
+            if self._step_allowed:  # else the choice is past every sequence (max_tokens cuts it short first)
+                guided = torch.tensor(self._step_allowed, dtype=torch.long)
+                kept = row[guided]
+                row.fill_(float("-inf"))
+                row[guided] = kept
         if self._bad_words:
             banned = self._banned()
             if banned:
@@ -177,6 +206,11 @@ class ChoiceSampling:
             return torch.where(infinite, raw, torch.full_like(raw, float("-inf")))
         if bool(torch.isfinite(row).any()):
             return row
+        allowed = self._step_allowed if self._choices is not None and self._step_allowed else None
+        if allowed is not None:  # the guided choice's next tokens always, whatever else ruled them out
+            fallback = torch.full_like(raw, float("-inf"))
+            fallback[allowed] = raw[allowed]
+            return fallback
         if self._allowed is None:
             return raw.clone()
         fallback = torch.full_like(raw, float("-inf"))

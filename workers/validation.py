@@ -66,6 +66,8 @@ _MAX_N = 16
 _MAX_LOGPROBS = 20
 _MAX_BAD_SEQUENCES = 128  # the HTTP front's 64 words, each with and without a leading space
 _MAX_BAD_TOKENS = 4096
+_MAX_CHOICES = 256
+_MAX_CHOICE_TOKENS = 1024
 
 
 def _validate_sampling(sampling: Any, max_tokens: int, limits: RequestLimits) -> None:
@@ -97,6 +99,13 @@ def _validate_sampling(sampling: Any, max_tokens: int, limits: RequestLimits) ->
     words = s.bad_words_token_ids
     check(len(words) <= _MAX_BAD_SEQUENCES, f"bad_words_token_ids: at most {_MAX_BAD_SEQUENCES} sequences")
     check(all(0 < len(w) <= _MAX_BAD_TOKENS for w in words), f"bad_words_token_ids: 1..{_MAX_BAD_TOKENS} ids each")
+    choices = s.choice_token_ids
+    check(choices is None or 0 < len(choices) <= _MAX_CHOICES, f"choice_token_ids: 1..{_MAX_CHOICES} sequences")
+    check(
+        all(0 < len(c) <= _MAX_CHOICE_TOKENS for c in choices or ()),
+        f"choice_token_ids: 1..{_MAX_CHOICE_TOKENS} ids each",
+    )
     ids = [*s.stop_token_ids, *(s.logit_bias or {}), *(s.allowed_token_ids or ()), *(t for w in words for t in w)]
+    ids += [t for c in choices or () for t in c]
     check(all(type(t) is int and 0 <= t < limits.vocab_size for t in ids), "token ids must be in the vocabulary")
     check(all(-100 <= v <= 100 for v in (s.logit_bias or {}).values()), "logit_bias values must be in [-100, 100]")

@@ -100,14 +100,15 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     service_tier: Name | None = None
     prompt_cache_key: Name | None = None
     safety_identifier: Name | None = None
+    # vLLM's structured output: its choice only (checked where it is read, _choices).
+    structured_outputs: Any = None
+    guided_choice: Any = None
     # vLLM fields this server does not implement: refused by name when set.
     use_beam_search: bool = False
     length_penalty: float | None = None
     response_format: Any = None
-    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
-    guided_choice: Any = None
     guided_grammar: Any = None
     logits_processors: Any = None
     priority: int = 0
@@ -163,10 +164,8 @@ _UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": None,
     "response_format": None,
-    "structured_outputs": None,
     "guided_json": None,
     "guided_regex": None,
-    "guided_choice": None,
     "guided_grammar": None,
     "logits_processors": None,
     "priority": 0,
@@ -721,6 +720,40 @@ def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest, logprobs: i
     return asked
 
 
+MAX_CHOICES = 256
+
+
+def _choices(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None) -> tuple[tuple[int, ...], ...] | None:
+    """vLLM's guided choice (``guided_choice``, or ``structured_outputs: {"choice": [...]}``) as token sequences,
+    each choice tokenised alone, as the output will read it; the rest of structured output is refused by name."""
+    structured, legacy = req.structured_outputs, req.guided_choice
+    if structured is not None:
+        if not isinstance(structured, dict) or set(structured) - {"choice"}:
+            others = sorted(set(structured) - {"choice"}) if isinstance(structured, dict) else []
+            raise ApiError(400, f"structured_outputs supports only choice here, not {', '.join(others) or 'this'}",
+                           param="structured_outputs")  # fmt: skip
+        if legacy is not None:
+            raise ApiError(400, "send guided_choice or structured_outputs.choice, not both", param="guided_choice")
+        legacy, where = structured.get("choice"), "structured_outputs.choice"
+    else:
+        where = "guided_choice"
+    if legacy is None:
+        return None
+    if not isinstance(legacy, list) or not legacy or len(legacy) > MAX_CHOICES:
+        raise ApiError(400, f"{where} must be a list of 1 to {MAX_CHOICES} strings", param=where)
+    sequences: list[tuple[int, ...]] = []
+    for index, choice in enumerate(legacy):
+        if not isinstance(choice, str) or not choice or len(choice) > MAX_NAME_CHARS:
+            raise ApiError(400, f"{where}[{index}] must be a non-empty string of at most {MAX_NAME_CHARS} characters",
+                           param=f"{where}[{index}]")  # fmt: skip
+        ids = tuple(tokenizer.encode(choice))
+        if not ids or any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
+            raise ApiError(400, f"{where}[{index}] does not tokenise into this model's vocabulary",
+                           param=f"{where}[{index}]")  # fmt: skip
+        sequences.append(ids)
+    return tuple(dict.fromkeys(sequences))
+
+
 def _sampling(
     req: _GenerationFields,
     logprobs: int | None,
@@ -779,6 +812,7 @@ def _sampling(
         skip_special_tokens=req.skip_special_tokens,
         allowed_token_ids=_allowed(req.allowed_token_ids, vocab),
         bad_words_token_ids=_bad_words(req.bad_words, tokenizer, vocab),
+        choice_token_ids=_choices(req, tokenizer, vocab),
     )
 
 
