@@ -25,15 +25,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import BinaryIO, Literal, NamedTuple
 
 from kvstore.errors import ConfigError
 from kvstore.hashing import BlockHash, BlockHasher, to_external
 
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
+MAX_LINE_BYTES = 1 << 20  # a line of the real trace is at most ~2 KB; 1 MiB holds ~100k hash ids
+MAX_HASH_ID = 1 << 63  # hash ids are 0 .. 2**63 - 1: what every tool can hash and send
 HashMode = Literal["tokens", "derived"]
 HASH_MODES: tuple[HashMode, ...] = ("tokens", "derived")
 
@@ -51,32 +55,99 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[MooncakeReque
 
 
 def iter_trace(path: str | Path, limit: int | None = None) -> Iterator[MooncakeRequest]:
+    """The trace's requests, read one line at a time; raises ConfigError naming the file, line and field.
+
+    Each field must have its JSON type (no ``7.9`` for a hash id, no ``"78"``
+    for a length), hash ids lie in ``0 .. 2**63 - 1`` (what every tool can
+    hash and send), the prompt fills its last block (``(len(hash_ids) - 1) *
+    512 < input_length <= len(hash_ids) * 512``), timestamps are finite and
+    never decrease, and no line is longer than :data:`MAX_LINE_BYTES`.
+    """
     path = Path(path)
-    try:
-        fh = path.open()
-    except OSError as exc:
-        raise ConfigError(f"cannot read trace {path}: {exc.strerror}") from None
-    with fh:
+    with open_trace(path) as fh:
         count = 0
-        for line_no, line in enumerate(fh, 1):
-            if limit is not None and count >= limit:
+        line_no = 0
+        previous_ms = -math.inf
+        while limit is None or count < limit:
+            data = fh.readline(MAX_LINE_BYTES + 1)
+            if not data:
                 return
-            if not line.strip():
+            line_no += 1
+            if len(data) > MAX_LINE_BYTES:
+                raise ConfigError(f"{path}:{line_no}: line longer than {MAX_LINE_BYTES} bytes; not a Mooncake trace")
+            if not data.strip():
                 continue
             try:
-                raw = json.loads(line)
-                request = MooncakeRequest(
-                    float(raw["timestamp"]),
-                    int(raw["input_length"]),
-                    int(raw["output_length"]),
-                    tuple(int(h) for h in raw["hash_ids"]),
+                raw = json.loads(data.decode("utf-8-sig" if line_no == 1 else "utf-8"))
+            except UnicodeDecodeError:
+                raise ConfigError(f"{path}:{line_no}: not UTF-8 text; not a Mooncake trace") from None
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{line_no}: not a Mooncake trace line (invalid JSON: {exc.msg})") from None
+            except ValueError as exc:  # e.g. an integer of more digits than Python converts
+                raise ConfigError(f"{path}:{line_no}: not a Mooncake trace line ({exc})") from None
+            except RecursionError:
+                raise ConfigError(f"{path}:{line_no}: not a Mooncake trace line (JSON nested too deeply)") from None
+            request = _parse_request(raw, f"{path}:{line_no}")
+            if request.timestamp_ms < previous_ms:
+                raise ConfigError(
+                    f"{path}:{line_no}: timestamp {request.timestamp_ms:g} is before the previous line's "
+                    f"{previous_ms:g}; a trace must be in arrival order"
                 )
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise ConfigError(f"{path}:{line_no}: not a Mooncake trace line ({exc!r})") from None
-            if request.input_length < 1 or request.output_length < 0:
-                raise ConfigError(f"{path}:{line_no}: input_length must be >= 1 and output_length >= 0")
+            previous_ms = request.timestamp_ms
             count += 1
             yield request
+
+
+def open_trace(path: Path) -> BinaryIO:
+    """``path`` opened for binary reading; a ConfigError when it is missing, unreadable or not a regular
+    file (a directory, a FIFO or a device would fail later, or never)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise ConfigError(f"cannot read trace {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, a device or a socket)"
+        raise ConfigError(f"trace {path} is {kind}; give a Mooncake JSONL file")
+    try:
+        return path.open("rb")
+    except OSError as exc:
+        raise ConfigError(f"cannot read trace {path}: {exc.strerror}") from None
+
+
+def _parse_request(raw: object, where: str) -> MooncakeRequest:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: not a Mooncake trace line (a JSON object)")
+    for field in ("timestamp", "input_length", "output_length", "hash_ids"):
+        if field not in raw:
+            raise ConfigError(f"{where}: not a Mooncake trace line (no {field!r})")
+    timestamp = raw["timestamp"]
+    if type(timestamp) not in (int, float) or not math.isfinite(timestamp):
+        raise ConfigError(f"{where}: timestamp must be a finite number of milliseconds, got {_short(timestamp)}")
+    input_length, output_length, hash_ids = raw["input_length"], raw["output_length"], raw["hash_ids"]
+    if type(input_length) is not int or input_length < 1:
+        raise ConfigError(f"{where}: input_length must be an integer >= 1, got {_short(input_length)}")
+    if type(output_length) is not int or output_length < 0:
+        raise ConfigError(f"{where}: output_length must be an integer >= 0, got {_short(output_length)}")
+    if type(hash_ids) is not list:
+        raise ConfigError(f"{where}: hash_ids must be a list of integers, got {_short(hash_ids)}")
+    for index, hash_id in enumerate(hash_ids):
+        if type(hash_id) is not int or not 0 <= hash_id < MAX_HASH_ID:
+            raise ConfigError(f"{where}: hash_ids[{index}] must be an integer in 0..2**63-1, got {_short(hash_id)}")
+    blocks = len(hash_ids)
+    if not blocks:
+        raise ConfigError(f"{where}: hash_ids is empty; a prompt covers at least one block")
+    if not (blocks - 1) * MOONCAKE_BLOCK_TOKENS < input_length <= blocks * MOONCAKE_BLOCK_TOKENS:
+        raise ConfigError(
+            f"{where}: input_length {input_length} does not match its {blocks} hash_ids of "
+            f"{MOONCAKE_BLOCK_TOKENS} tokens (it must be in {(blocks - 1) * MOONCAKE_BLOCK_TOKENS + 1}.."
+            f"{blocks * MOONCAKE_BLOCK_TOKENS})"
+        )
+    return MooncakeRequest(float(timestamp), input_length, output_length, tuple(hash_ids))
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class ExpandedRequest(NamedTuple):

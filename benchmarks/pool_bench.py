@@ -1,7 +1,7 @@
 """``kvstore bench pool``: block operations per second on a recorded trace.
 
 The trace is recorded from the Mooncake conversation trace: each request's
-512-token hash ids are expanded into ``block_size``-token blocks (chained
+512-token hash ids are expanded into the ``block_size``-token blocks its prompt fills (chained
 hashes, deterministic tokens), and requests overlap in a window of
 ``--concurrency`` (a request's blocks are freed ``concurrency`` requests
 later). Per request the driver does what a scheduler does: walk the prefix
@@ -30,14 +30,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from kvstore.benchmarks.mooncake import DEFAULT_TRACE, MOONCAKE_BLOCK_TOKENS, iter_trace
 from kvstore.block_pool import BlockPool
 from kvstore.errors import ConfigError
 from kvstore.events import BlockRemoved, BlockStored, KVEvent
 from kvstore.hashing import BlockHash, to_external
 from kvstore.heap import freeze_startup_heap
-
-DEFAULT_TRACE = Path(__file__).parent / "data" / "mooncake_conversation_trace.jsonl"
-MOONCAKE_BLOCK_TOKENS = 512
 
 
 class TraceRequest(NamedTuple):
@@ -167,27 +165,23 @@ class BaselinePool:
 
 
 def record_trace(path: Path, limit: int, block_size: int) -> list[TraceRequest]:
-    """Expand Mooncake requests into chained ``block_size``-token blocks."""
+    """Expand Mooncake requests into chained ``block_size``-token blocks: the prompt's full blocks only, as
+    the pool caches them. Raises ConfigError for a bad trace (naming the file and line) or an empty one."""
     per_id = MOONCAKE_BLOCK_TOKENS // block_size
     requests: list[TraceRequest] = []
-    with path.open() as fh:
-        for line_no, line in enumerate(fh, 1):
-            if len(requests) >= limit:
-                break
-            try:
-                ids = json.loads(line)["hash_ids"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ConfigError(f"{path}:{line_no}: not a Mooncake trace line ({exc})") from None
-            hashes: list[bytes] = []
-            tokens: list[int] = []
-            parent = b"kvstore-bench"
-            for hash_id in ids:
-                for sub in range(per_id):
-                    parent = hashlib.sha256(parent + hash_id.to_bytes(8, "big") + sub.to_bytes(4, "big")).digest()
-                    hashes.append(parent)
-                    base = (hash_id * per_id + sub) * block_size
-                    tokens.extend(range(base, base + block_size))
-            requests.append(TraceRequest(hashes, tokens))
+    for request in iter_trace(path, limit):
+        hashes: list[bytes] = []
+        tokens: list[int] = []
+        parent = b"kvstore-bench"
+        for index in range(request.input_length // block_size):
+            hash_id, sub = request.hash_ids[index // per_id], index % per_id
+            parent = hashlib.sha256(parent + hash_id.to_bytes(8, "big") + sub.to_bytes(4, "big")).digest()
+            hashes.append(parent)
+            base = (hash_id * per_id + sub) * block_size
+            tokens.extend(range(base, base + block_size))
+        requests.append(TraceRequest(hashes, tokens))
+    if not requests:
+        raise ConfigError(f"trace {path} holds no requests")
     return requests
 
 

@@ -167,7 +167,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["--url", "http://127.0.0.1:1", "--compare"], "pass --url URL of a running router, or --compare"),
         (["--url", "ftp://127.0.0.1:1"], "--url must be http://HOST:PORT"),
         (["--url", "http://127.0.0.1:1", "--format", "csv"], "--format must be one of mooncake, synthetic"),
-        (["--url", "http://127.0.0.1:1", "--trace", "/nonexistent.jsonl"], "--trace /nonexistent.jsonl: no such file"),
+        (["--url", "http://127.0.0.1:1", "--trace", "/nonexistent.jsonl"], "trace /nonexistent.jsonl: No such"),
         (["--url", "http://127.0.0.1:1", "--limit", "0"], "--limit must be >= 1"),
         (["--url", "http://127.0.0.1:1", "--block-tokens", "0", "--limit", "1"], "--block-tokens must be in 1..512"),
         (["--url", "http://127.0.0.1:1", "--limit", "1", "--max-tokens", "2048"], "leaves no room for a prompt"),
@@ -208,7 +208,10 @@ def test_malformed_trace_line_names_file_and_line(tmp_path: Path, capsys: pytest
     assert f"{trace}:3: not a Mooncake trace line" in err and len(err.strip().splitlines()) == 1
     trace.write_text(json.dumps(good) + "\n" + json.dumps({**good, "hash_ids": []}) + "\n")
     code, _, err = run_cli(["--url", "http://127.0.0.1:1", "--trace", str(trace)], capsys)
-    assert code == 2 and f"{trace}: request 2 has no hash_ids" in err
+    assert code == 2 and f"{trace}:2: hash_ids is empty" in err
+    for path in (tmp_path, tmp_path / "missing.jsonl"):
+        code, _, err = run_cli(["--url", "http://127.0.0.1:1", "--trace", str(path)], capsys)
+        assert code == 2 and ("is a directory" if path == tmp_path else "No such file") in err
 
 
 def test_schedule_and_url_checks() -> None:
