@@ -8,11 +8,25 @@ publisher needs ``--curve-server-key``; one that admits only listed clients
 (``events.curve_allowed_client_keys``) also needs ``--curve-client-cert``,
 the secret certificate file of a listed client (a file, not a flag value, so
 that the secret key never shows in the process list).
+
+While a recovery is under way the live stream is held back, so a replay
+endpoint that never answers (a wrong port, a firewall) would leave the tool
+silent while events arrive. Once :data:`SYNC_FAILURES_TO_WARN` recoveries
+have timed out it prints one line on stderr naming the replay endpoint,
+and keeps going: like ``tail -f``, it follows a producer that may come back
+(a restarting worker answers later), and the line tells a user who mistyped
+the endpoint what to fix.
+
+When the reader of stdout goes away (``kvstore events tail ... | head -n 2``)
+the tool stops quietly with exit code 0, its stdout pointed at /dev/null as
+Python's documentation advises for SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import threading
 import time
@@ -24,34 +38,48 @@ from kvstore.errors import ConfigError, EventDecodeError
 from kvstore.events import EventBatch
 from kvstore.subscriber import EventListener, load_client_cert
 
+SYNC_FAILURES_TO_WARN = 3  # recoveries that time out before the replay endpoint is called unreachable
+
 
 class JsonLinesSink:
-    """A BatchSink that writes one JSON object per event; stops after ``limit`` events."""
+    """A BatchSink that writes one JSON object per event; stops after ``limit`` events, or when ``out`` can
+    no longer be written (``closed``: its reader has gone)."""
 
     def __init__(self, out: IO[str], limit: int | None) -> None:
         self._out = out
         self._limit = limit
         self._encoder = msgspec.json.Encoder()
         self.count = 0
+        self.closed = False
         self.done = threading.Event()
 
     def apply_batch(self, producer: str, seq: int, batch: EventBatch) -> None:
+        lines = []
         for event in batch.events:
             if self.done.is_set():
-                return
+                break
             record = msgspec.to_builtins(event)
             record.update(producer=producer, seq=seq, ts=batch.ts)
             if batch.data_parallel_rank is not None:
                 record["data_parallel_rank"] = batch.data_parallel_rank
-            self._out.write(self._encoder.encode(record).decode() + "\n")
+            lines.append(self._encoder.encode(record).decode() + "\n")
             self.count += 1
             if self._limit is not None and self.count >= self._limit:
                 self.done.set()
-        self._out.flush()
+        self._write("".join(lines))
 
     def reset_producer(self, producer: str) -> None:
-        self._out.write(self._encoder.encode({"type": "Resync", "producer": producer}).decode() + "\n")
-        self._out.flush()
+        self._write(self._encoder.encode({"type": "Resync", "producer": producer}).decode() + "\n")
+
+    def _write(self, text: str) -> None:
+        if self.closed:
+            return
+        try:
+            self._out.write(text)
+            self._out.flush()
+        except OSError:  # BrokenPipeError: the reader has gone (| head); any other: nowhere to write
+            self.closed = True
+            self.done.set()
 
     def decode_error(self, producer: str, error: EventDecodeError) -> None:
         print(f"kvstore events tail: dropped an undecodable batch from {producer}: {error}", file=sys.stderr)
@@ -68,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     replay = _check_endpoint(args.replay_endpoint, "--replay-endpoint") if args.replay_endpoint else None
     if args.count is not None and args.count < 1:
         raise ConfigError("--count must be >= 1")
+    if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
+        raise ConfigError(f"--duration must be a number of seconds > 0, got {args.duration}")
     cert = args.curve_client_cert
     client_keys = None if cert is None else load_client_cert(cert, field="--curve-client-cert")
     sink = JsonLinesSink(sys.stdout, args.count)
@@ -78,14 +108,43 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     listener.start()
     deadline = None if args.duration is None else time.monotonic() + args.duration
+    warned = False
     try:
         while not sink.done.is_set():
             if deadline is not None and time.monotonic() >= deadline:
                 break
             sink.done.wait(0.1)
+            if replay is not None and not warned:
+                warned = _warn_when_sync_fails(listener, replay)
     finally:
         listener.close()
+    if sink.closed:
+        _discard_stdout()
     return 0
+
+
+def _warn_when_sync_fails(listener: EventListener, replay: str) -> bool:
+    """Print one stderr line (and return True) once recoveries from ``replay`` keep timing out."""
+    failures = max((h.sync_timeouts for h in listener.health()), default=0)
+    if failures < SYNC_FAILURES_TO_WARN:
+        return False
+    print(
+        f"kvstore events tail: no answer from --replay-endpoint {replay} after {failures} tries; events are "
+        "held until a recovery completes (is it the producer's replay endpoint?); still trying",
+        file=sys.stderr,
+    )
+    return True
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush to a reader that has gone does not fail."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a test's capture): nothing of ours to flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
