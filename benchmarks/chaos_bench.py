@@ -36,13 +36,13 @@ import statistics
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import uvicorn
 import zmq
 
 from kvstore.benchmarks.lossy_proxy import LossyProxy
+from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.deploy.config import Config, load_config
 from kvstore.errors import ConfigError
 from kvstore.openai.protocol import ModelLimits
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
             "kv_usage_after": held,
             "clients_still_waiting": stragglers,
         }
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_output("--json", args.json, json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0 if stragglers == 0 and converged_s is not None and not any(held.values()) else 1
 
@@ -373,4 +373,4 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--config", default=None, help="TOML config (over the benchmark defaults)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--json", default=None, help="write the results here")
-    p.set_defaults(func=run)
+    p.set_defaults(func=benchmark_command(run))

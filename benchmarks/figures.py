@@ -28,5 +28,7 @@ def save_figure(fig: Any, path: str | Path, *, dpi: int) -> None:
         fig.savefig(path, dpi=dpi)
     except OSError as exc:
         raise ConfigError(f"cannot write --plot {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a file type matplotlib cannot write (outputs.check_plot refuses it up front)
+        raise ConfigError(f"cannot write --plot {path}: {exc}") from None
     finally:
         pyplot().close(fig)

@@ -74,6 +74,7 @@ from tqdm import tqdm
 
 from kvstore.benchmarks.figures import pyplot, save_figure
 from kvstore.benchmarks.offload_ttft import TTFTRow, measure_ttft
+from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.deploy.config import load_config
 from kvstore.deploy.model_args import add_model_arguments, model_overrides
 from kvstore.errors import ConfigError
@@ -854,7 +855,7 @@ def run(args: argparse.Namespace) -> int:
             f"(runs {_spread(dhead.read_ratio_runs)}); target >= {DISK_TARGETS.get(dhead.shape, float('nan')):.2f}"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_output("--json", args.json, json.dumps(result, indent=2) + "\n")
     if args.plot:
         plot(cpu_rows, disk_rows, ttft_rows, Path(args.plot))
     return 0
@@ -918,4 +919,4 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     # The TTFT rows' model: --model PATH (a checkpoint) or --shape NAME (a real architecture, random weights).
     add_model_arguments(p, shapes=True)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=benchmark_command(run))

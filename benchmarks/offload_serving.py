@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.benchmarks.ttft_bench import BENCH_MODEL
 from kvstore.deploy.config import Config, load_config
 from kvstore.tiers.client import LocalTierClient
@@ -370,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
     result = measure(args)
     print_report(result)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_output("--json", args.json, json.dumps(result, indent=2) + "\n")
     return 0
 
 
@@ -386,4 +387,4 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--phase-timeout-s", type=float, default=120.0, help="longest a phase may run")
     p.add_argument("--seed", type=int, default=0, help="prompts' seed")
     p.add_argument("--json", default=None, help="write the results here")
-    p.set_defaults(func=run)
+    p.set_defaults(func=benchmark_command(run))

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from kvstore.benchmarks.mooncake import DEFAULT_TRACE, MOONCAKE_BLOCK_TOKENS, iter_trace
+from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.block_pool import BlockPool
 from kvstore.errors import ConfigError
 from kvstore.events import BlockRemoved, BlockStored, KVEvent
@@ -300,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
             "block_size": args.block_size,
             "concurrency": args.concurrency,
         }
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_output("--json", args.json, json.dumps(report, indent=2) + "\n")
     return 0
 
 
@@ -313,4 +314,4 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--concurrency", type=int, default=8, help="requests holding blocks at once")
     p.add_argument("--repeat", type=int, default=3, help="runs per pool; the median is reported")
     p.add_argument("--json", default=None, help="write the results here")
-    p.set_defaults(func=run)
+    p.set_defaults(func=benchmark_command(run))

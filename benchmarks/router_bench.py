@@ -50,10 +50,10 @@ import tracemalloc
 from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvstore.benchmarks.mooncake import DEFAULT_TRACE, MOONCAKE_BLOCK_TOKENS, TraceExpander, read_trace
+from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.block_pool import BlockPool
 from kvstore.config import CacheConfig, EventsConfig
 from kvstore.errors import ConfigError
@@ -500,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
     _summarise(report, radix_tree is not None)
     _print(report)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_output("--json", args.json, json.dumps(report, indent=2) + "\n")
     return 0
 
 
@@ -699,4 +699,4 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     p.add_argument("--no-dynamo", action="store_true", help="skip Dynamo even if installed")
     p.add_argument("--json", default=None, help="write the results here")
-    p.set_defaults(func=run)
+    p.set_defaults(func=benchmark_command(run))

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.config import CacheConfig, EventsConfig
 from kvstore.errors import ConfigError
 from kvstore.events import BlockStored
@@ -479,7 +480,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = {"benchmark": "overhead", "cpu_count": os.cpu_count(), "machine": platform.machine(),
                "python": platform.python_version(), "runs": reports}  # fmt: skip
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_output("--json", args.json, json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
@@ -505,4 +506,4 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         "default: a byte-level BPE trained on the spot")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument("--json", default=None, help="write the results here")
-    p.set_defaults(func=run)
+    p.set_defaults(func=benchmark_command(run))

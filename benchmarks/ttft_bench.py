@@ -28,12 +28,12 @@ import os
 import platform
 import random
 import statistics
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
 import torch
 
+from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.deploy.config import Config, load_config
 from kvstore.deploy.model_args import add_model_arguments, model_overrides
 from kvstore.errors import ConfigError
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             "hit_speedup_longest": longest.speedup,
             "prefill_tokens_per_s": longest.prefill_tokens_per_s,
         }
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_output("--json", args.json, json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
@@ -182,4 +182,4 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--config", default=None, help="TOML config (applied over the benchmark model)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--json", default=None, help="write the results here")
-    p.set_defaults(func=run)
+    p.set_defaults(func=benchmark_command(run))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.benchmarks.mooncake import DEFAULT_TRACE
+from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.benchmarks.replay.client import RunResult, Schedule, check_url, make_schedule, run_replay
 from kvstore.benchmarks.replay.compare import BASE_OVERRIDES, RUNS, run_comparison, run_config
 from kvstore.benchmarks.replay.plot import write_plot
@@ -52,9 +53,6 @@ def run(args: argparse.Namespace) -> int:
     schedule = make_schedule(
         rate=args.rate, concurrency=args.concurrency, speedup=args.speedup, has_timestamps=has_timestamps
     )
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None:
-            _check_writable(flag, Path(path))
     progress = not args.no_progress
     num_workers = DEFAULT_COMPARE_WORKERS if args.workers is None else args.workers
     overrides: dict[str, list[str]] = {}
@@ -85,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(reports))
     if args.json:
         report = replay_json(workload, schedule, shape, args, reports, overrides, num_workers if args.compare else None)
-        write_output(args.json, json.dumps(report, indent=1) + "\n")
+        write_output("--json", args.json, json.dumps(report, indent=1) + "\n")
     if args.plot:
         write_plot(reports, args.plot, title=heading.splitlines()[0])
     return 0
@@ -192,21 +190,6 @@ def _model_shape(args: argparse.Namespace) -> ModelShape:
     return shape
 
 
-def _check_writable(flag: str, path: Path) -> None:
-    if path.is_dir():
-        raise ConfigError(f"{flag} {path} is a directory; give a file path")
-    if not path.parent.is_dir():
-        raise ConfigError(f"{flag} {path}: directory {path.parent} does not exist")
-
-
-def write_output(path: str, text: str) -> None:
-    """Write a command's output file; a path that cannot be written is the user's to fix (ConfigError)."""
-    try:
-        Path(path).write_text(text)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
 def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "replay",
@@ -262,4 +245,4 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     out.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     out.add_argument("--api-key", default=None, help="--url: bearer token of a router with router.api_key")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=benchmark_command(run))

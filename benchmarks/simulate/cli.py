@@ -19,7 +19,7 @@ import msgspec
 
 from kvstore.benchmarks.figures import pyplot, save_figure
 from kvstore.benchmarks.mooncake import DEFAULT_TRACE, HASH_MODES, MOONCAKE_BLOCK_TOKENS, TraceExpander, read_trace
-from kvstore.benchmarks.replay.cli import write_output
+from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.benchmarks.simulate.engine import (
     DEFAULT_CAPACITY_TOKENS,
     DEFAULT_UTILIZATION,
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             "policies": {name: result.as_json() for name, result in results.items()},
         }
         report.update(_ratios(results))
-        write_output(args.json, json.dumps(report, indent=2) + "\n")
+        write_output("--json", args.json, json.dumps(report, indent=2) + "\n")
     if args.plot:
         write_plot(
             results, args.plot, title=f"{len(trace)} requests, {settings.replicas} replicas, speedup {speedup:.3g}"
@@ -243,4 +243,4 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG here: TTFT CDF, hit rate vs load imbalance")
-    p.set_defaults(func=run)
+    p.set_defaults(func=benchmark_command(run))

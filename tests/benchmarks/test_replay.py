@@ -181,7 +181,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["--compare", "--limit", "1", "--workers", "0"], "--workers must be >= 1"),
         (["--compare"], "pass --limit N"),
         (["--compare", "--set", "pool.num_blocks=-1", "--limit", "1"], "pool.num_blocks"),
-        (["--url", "http://127.0.0.1:1", "--limit", "1", "--json", "/nonexistent/dir/r.json"], "does not exist"),
+        (["--url", "http://127.0.0.1:1", "--limit", "1", "--json", "/nonexistent/dir/r.json"], "cannot write --json"),
     ],
 )
 def test_bad_flags_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
