@@ -52,7 +52,13 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
-from kvstore.benchmarks.mooncake import DEFAULT_TRACE, MOONCAKE_BLOCK_TOKENS, TraceExpander, read_trace
+from kvstore.benchmarks.mooncake import (
+    DEFAULT_TRACE,
+    MOONCAKE_BLOCK_TOKENS,
+    TraceExpander,
+    iter_trace,
+    read_trace,
+)
 from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.block_pool import BlockPool
 from kvstore.config import CacheConfig, EventsConfig
@@ -438,9 +444,12 @@ def agreement(index: PrefixIndex, tree: Any, queries: list[list[int]], replicas:
 
 
 def run(args: argparse.Namespace) -> int:
-    replica_counts = sorted({int(r) for r in str(args.replicas).split(",") if r.strip()})
+    try:
+        replica_counts = sorted({int(r) for r in str(args.replicas).split(",") if r.strip()})
+    except ValueError:
+        replica_counts = []
     if not replica_counts or min(replica_counts) < 1:
-        raise ConfigError("--replicas must list positive counts, e.g. 8,64")
+        raise ConfigError(f"--replicas must list positive counts, e.g. 8,64; got {args.replicas!r}")
     for flag in ("block_size", "lookup_block_size"):
         size = getattr(args, flag)
         if size < 1 or MOONCAKE_BLOCK_TOKENS % size:
@@ -449,6 +458,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--blocks, --repeat, --queries and --limit must be >= 1")
     if args.scale_replicas < 0 or args.scale_spread < 1:
         raise ConfigError("--scale-replicas must be >= 0 (0 skips the scale run) and --scale-spread >= 1")
+    _check_lookups(args.trace, args.lookup_limit, args.lookup_block_size)
     rng = random.Random(0)
     radix_tree = None if args.no_dynamo else load_dynamo()
     report: dict[str, Any] = {
@@ -502,6 +512,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_output("--json", args.json, json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def _check_lookups(trace: str, limit: int | None, block_size: int) -> None:
+    """Raise ConfigError, before any work, unless some prompt of the trace gives a lookup to time (one
+    of :data:`QUERY_BLOCKS` full blocks), naming the trace and the flags that decide it."""
+    requests = 0
+    for request in iter_trace(trace, limit):
+        requests += 1
+        if request.input_length // block_size >= QUERY_BLOCKS:
+            return
+    if not requests:
+        raise ConfigError(f"trace {trace} holds no requests")
+    raise ConfigError(
+        f"no prompt of the {requests} requests of {trace} fills {QUERY_BLOCKS} blocks of --lookup-block-size "
+        f"{block_size} tokens, so there is no lookup to time; use a trace with longer prompts (or more of "
+        "them: --lookup-limit) or a smaller --lookup-block-size"
+    )
 
 
 def measure_lookup_index(

@@ -86,3 +86,32 @@ def test_scale_flags_are_checked() -> None:
         run_bench([*TINY, "--replicas", "2", "--scale-spread", "0"])
     with pytest.raises(ConfigError, match="scale"):
         run_bench([*TINY, "--replicas", "2", "--scale-replicas", "-1"])
+
+
+def test_router_bench_refuses_traces_and_flags_it_cannot_measure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty trace, one whose prompts are all shorter than a lookup, a bad --replicas: one line, exit 2."""
+    short = tmp_path / "short.jsonl"
+    short.write_text(
+        "".join(
+            json.dumps({"timestamp": i, "input_length": 700, "output_length": 1, "hash_ids": [0, i + 1]}) + "\n"
+            for i in range(5)
+        )
+    )
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cases = [
+        (["--trace", str(short)], f"no prompt of the 5 requests of {short} fills 32 blocks"),
+        (["--trace", str(empty)], f"trace {empty} holds no requests"),
+        (["--replicas", "abc"], "--replicas must list positive counts, e.g. 8,64; got 'abc'"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(ConfigError) as info:
+            run_bench([*TINY, "--no-e2e", "--scale-replicas", "0", *argv])
+        assert message in str(info.value)
+    # a smaller lookup block size makes the same short prompts long enough
+    assert (
+        run_bench([*TINY, "--no-e2e", "--scale-replicas", "0", "--trace", str(short), "--lookup-block-size", "16"]) == 0
+    )
+    assert "lookup" in capsys.readouterr().out
