@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import math
 import random
 import statistics
 import threading
@@ -248,11 +249,11 @@ def _ms(value: float | None, scale: float = 1e3, digits: int = 1) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.duration < 3:
-        raise ConfigError("--duration must be at least 3 seconds")
+    if not (math.isfinite(args.duration) and args.duration >= 3):
+        raise ConfigError(f"--duration must be at least 3 seconds, got {args.duration}")
     if args.workers < 2:
         raise ConfigError("--workers must be at least 2 (a killed worker's requests need somewhere to go)")
-    if args.clients < 1 or not 0.0 <= args.loss < 1.0 or args.kill_every <= 0:
+    if args.clients < 1 or not 0.0 <= args.loss < 1.0 or not (math.isfinite(args.kill_every) and args.kill_every > 0):
         raise ConfigError("--clients must be >= 1, --loss in [0, 1), --kill-every > 0")
     config = load_config(args.config, overrides=(*BENCH_DEFAULTS, *args.set))
     chaos = ChaosRun(config, args)

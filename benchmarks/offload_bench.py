@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import mmap
 import os
 import platform
@@ -783,10 +784,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("total_mib", "disk_total_mib"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (0 skips that part)")
-    if args.deadline_s <= 0:
-        raise ConfigError("--deadline-s must be > 0")
-    if args.settle_s < 0:
-        raise ConfigError("--settle-s must be >= 0")
+    if not (math.isfinite(args.deadline_s) and args.deadline_s > 0):
+        raise ConfigError(f"--deadline-s must be a number of seconds > 0, got {args.deadline_s}")
+    if not (math.isfinite(args.settle_s) and args.settle_s >= 0):
+        raise ConfigError(f"--settle-s must be a number of seconds >= 0, got {args.settle_s}")
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     disk_shapes = [s.strip() for s in args.disk_shapes.split(",") if s.strip()]
     unknown = sorted(set(shapes + disk_shapes) - set(SHAPES))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -47,6 +48,7 @@ from typing import Any, NamedTuple
 from kvstore.benchmarks.outputs import benchmark_command, write_output
 from kvstore.benchmarks.ttft_bench import BENCH_MODEL
 from kvstore.deploy.config import Config, load_config
+from kvstore.errors import ConfigError
 from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.link import TierLink
 from kvstore.worker_api import GenerateRequest, SamplingParams
@@ -367,7 +369,9 @@ def print_report(result: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.steps < 1 or args.repeats < 1 or args.doc_blocks < 1:
-        raise SystemExit("--batch, --steps, --repeats and --doc-blocks must be >= 1")
+        raise ConfigError("--batch, --steps, --repeats and --doc-blocks must be >= 1")
+    if not (math.isfinite(args.phase_timeout_s) and args.phase_timeout_s > 0):
+        raise ConfigError(f"--phase-timeout-s must be a number of seconds > 0, got {args.phase_timeout_s}")
     result = measure(args)
     print_report(result)
     if args.json:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -466,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("streams", "requests", "repeats", "max_tokens", "prompt_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0 or args.ttft_ms < 0 or args.itl_ms < 0:
+    if args.warmup < 0 or not all(math.isfinite(ms) and ms >= 0 for ms in (args.ttft_ms, args.itl_ms)):
         raise ConfigError("--warmup, --ttft-ms and --itl-ms must be >= 0")
     reports = {}
     for text in (False, True) if args.prompts == "both" else (args.prompts == "text",):

@@ -18,6 +18,7 @@ replay measures the service, errors included.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, NamedTuple
@@ -54,7 +55,7 @@ def make_schedule(
     if speedup is not None and (rate is not None or concurrency is not None):
         raise ConfigError("--speedup compresses trace timestamps; it does not apply with --rate or --concurrency")
     if rate is not None:
-        if not rate > 0:
+        if not (math.isfinite(rate) and rate > 0):
             raise ConfigError(f"--rate must be > 0 requests/s, got {rate}")
         return Schedule("rate", rate)
     if concurrency is not None:
@@ -64,7 +65,7 @@ def make_schedule(
     if not has_timestamps:
         raise ConfigError("this workload has no timestamps: pass --rate R or --concurrency C")
     speedup = 1.0 if speedup is None else speedup
-    if not speedup > 0:
+    if not (math.isfinite(speedup) and speedup > 0):
         raise ConfigError(f"--speedup must be > 0, got {speedup}")
     return Schedule("trace", speedup)
 

@@ -38,6 +38,8 @@ from kvstore.hashing import BlockHasher
 
 def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise ConfigError(f"--policies must name at least one of {', '.join(POLICIES)}")
     for policy in policies:
         if policy not in POLICIES:
             raise ConfigError(f"--policies: unknown policy {policy!r}; choose from {', '.join(POLICIES)}")

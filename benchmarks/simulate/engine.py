@@ -80,6 +80,7 @@ DEFAULT_CAPACITY_TOKENS = 1_000_000
 DEFAULT_UTILIZATION = 0.8
 """Default offered prefill load: the trace's prompt tokens, uncached, over the fleet's prefill capacity."""
 DEFAULT_WINDOW_S = 10.0
+MIN_WINDOW_S = 0.01  # an hour of simulated time is then 360,000 samples; a microsecond would be 3.6e9
 
 _STEP_END, _DONE = 0, 1  # event kinds; a step end sorts before a completion at the same instant
 
@@ -112,7 +113,10 @@ class SimulationSettings(NamedTuple):
             (self.decode_tps > 0 and math.isfinite(self.decode_tps), "--decode-tps must be > 0"),
             (self.step_tokens >= 1, "--step-tokens must be >= 1"),
             (self.speedup > 0 and math.isfinite(self.speedup), "--speedup must be > 0"),
-            (self.window_s > 0, "--window-s must be > 0"),
+            (
+                self.window_s >= MIN_WINDOW_S and math.isfinite(self.window_s),
+                f"--window-s must be at least {MIN_WINDOW_S:g} s (each window is a sample kept in memory)",
+            ),
         )
         for ok, message in checks:
             if not ok:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.benchmarks import offload_serving
+from kvstore.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,5 +37,5 @@ def test_offload_serving_writes_json(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_offload_serving_refuses_a_zero_batch() -> None:
     args = build_parser().parse_args(["bench", "offload-serving", "--batch", "0"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--batch, --steps, --repeats and --doc-blocks must be >= 1"):
         args.func(args)
