@@ -174,6 +174,8 @@ def _check_mode(args: argparse.Namespace) -> None:
             raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     elif args.set or args.config is not None or args.workers is not None:
         raise ConfigError("--workers, --config and --set configure --compare's in-process service; drop them")
+    else:
+        check_url(args.url)  # a mistyped URL is told before the trace is read and expanded
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
 

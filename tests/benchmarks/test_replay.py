@@ -214,6 +214,13 @@ def test_malformed_trace_line_names_file_and_line(tmp_path: Path, capsys: pytest
         assert code == 2 and ("is a directory" if path == tmp_path else "No such file") in err
 
 
+def test_the_url_is_checked_before_the_trace_is_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("not json\n")
+    code, _, err = run_cli(["--url", "ftp://127.0.0.1:1", "--trace", str(trace)], capsys)
+    assert code == 2 and "--url must be http://HOST:PORT" in err
+
+
 def test_schedule_and_url_checks() -> None:
     assert make_schedule(rate=None, concurrency=None, speedup=None, has_timestamps=True) == ("trace", 1.0)
     assert make_schedule(rate=2.5, concurrency=None, speedup=None, has_timestamps=False) == ("rate", 2.5)
