@@ -24,6 +24,7 @@ from kvstore.benchmarks.simulate.engine import (
     DEFAULT_CAPACITY_TOKENS,
     DEFAULT_UTILIZATION,
     DEFAULT_WINDOW_S,
+    MIN_WINDOW_S,
     POLICIES,
     PolicyResult,
     SimulationSettings,
@@ -229,7 +230,8 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--window-s",
         type=float,
         default=DEFAULT_WINDOW_S,
-        help=f"load-imbalance sampling period, simulated seconds (default {DEFAULT_WINDOW_S:g})",
+        help=f"load-imbalance sampling period, simulated seconds, at least {MIN_WINDOW_S:g} "
+        f"(default {DEFAULT_WINDOW_S:g})",
     )
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ", ".join(POLICIES))
     p.add_argument("--seed", type=int, default=0, help="seed of the tie-breaking and random policies")
