@@ -121,7 +121,7 @@ def _parse_request(raw: object, where: str) -> MooncakeRequest:
         if field not in raw:
             raise ConfigError(f"{where}: not a Mooncake trace line (no {field!r})")
     timestamp = raw["timestamp"]
-    if type(timestamp) not in (int, float) or not math.isfinite(timestamp):
+    if type(timestamp) not in (int, float) or not math.isfinite(_as_float(timestamp)):
         raise ConfigError(f"{where}: timestamp must be a finite number of milliseconds, got {_short(timestamp)}")
     input_length, output_length, hash_ids = raw["input_length"], raw["output_length"], raw["hash_ids"]
     if type(input_length) is not int or input_length < 1:
@@ -138,11 +138,19 @@ def _parse_request(raw: object, where: str) -> MooncakeRequest:
         raise ConfigError(f"{where}: hash_ids is empty; a prompt covers at least one block")
     if not (blocks - 1) * MOONCAKE_BLOCK_TOKENS < input_length <= blocks * MOONCAKE_BLOCK_TOKENS:
         raise ConfigError(
-            f"{where}: input_length {input_length} does not match its {blocks} hash_ids of "
+            f"{where}: input_length {_short(input_length)} does not match its {blocks} hash_ids of "
             f"{MOONCAKE_BLOCK_TOKENS} tokens (it must be in {(blocks - 1) * MOONCAKE_BLOCK_TOKENS + 1}.."
             f"{blocks * MOONCAKE_BLOCK_TOKENS})"
         )
-    return MooncakeRequest(float(timestamp), input_length, output_length, tuple(hash_ids))
+    return MooncakeRequest(_as_float(timestamp), input_length, output_length, tuple(hash_ids))
+
+
+def _as_float(number: float) -> float:
+    """``number`` as a float; an integer beyond the float range (JSON allows one) is infinite, not an error."""
+    try:
+        return float(number)
+    except OverflowError:
+        return math.inf
 
 
 def _short(value: object) -> str:

@@ -47,6 +47,8 @@ def write_lines(path: Path, *lines: str) -> Path:
         ({"timestamp": False}, "timestamp must be a finite number"),
         ({"timestamp": float("nan")}, "timestamp must be a finite number of milliseconds, got nan"),
         ({"timestamp": float("inf")}, "got inf"),
+        ({"timestamp": 10**400}, "timestamp must be a finite number of milliseconds, got 1000000000"),
+        ({"input_length": 10**400}, "input_length 1000000000000000000000000000000000000... does not match"),
     ],
 )
 def test_bad_field_names_file_line_and_field(tmp_path: Path, fields: dict[str, object], message: str) -> None:
