@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -282,6 +284,20 @@ def test_replay_synthetic_shared_prefixes_hit_the_cache(
     assert sum(run["replica_requests"].values()) == 40 and run["max_mean_requests"] >= 1.0
     assert len(run["ttft_ms_sorted"]) == 40 and run["ttft_ms_sorted"] == sorted(run["ttft_ms_sorted"])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.ray
+def test_replay_ends_quietly_when_stdout_is_closed(router_url: str) -> None:
+    """``kvstore replay ... | head -1``: exit 0, nothing on stderr (it was a BrokenPipeError traceback)."""
+    argv = ["--url", router_url, "--format", "synthetic", "--limit", "4", "--max-tokens", "2", "--concurrency", "2",
+            "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "replay", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # the reader is gone before the first line
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (0, "")
 
 
 @pytest.mark.ray
