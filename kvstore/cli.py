@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -122,5 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVStoreError as exc:
         print(f"kvstore: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader left (``| head``): end quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        return 0
     except KeyboardInterrupt:
         return 130

@@ -75,6 +75,9 @@ LAG_BUCKETS_S: tuple[float, ...] = (
 """Upper bounds of the lag histogram: live batches land in milliseconds; replayed ones can be a minute old."""
 
 
+_MAX_CERT_BYTES = 64 << 10  # a certificate is a few hundred bytes
+
+
 class CurveKeyPair(NamedTuple):
     """A CURVE client's key pair, Z85 text (``zmq.curve_keypair()``, or ``zmq.auth.load_certificate``)."""
 
@@ -87,8 +90,12 @@ def load_client_cert(path: str, *, field: str) -> CurveKeyPair:
 
     ``field`` names where the path came from (a flag, a config field), for the ConfigError a bad file gets.
     """
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConfigError(f"{field}: no file {path}")
+    if not os.path.isfile(path):  # a directory, a FIFO (whose read would wait for a writer), a device
+        raise ConfigError(f"{field}: {path} is not a regular file")
+    if os.path.getsize(path) > _MAX_CERT_BYTES:
+        raise ConfigError(f"{field}: {path} is larger than a CURVE certificate ({_MAX_CERT_BYTES} bytes at most)")
     try:
         public, secret = zmq.auth.load_certificate(path)
     except ValueError as exc:

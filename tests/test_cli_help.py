@@ -86,3 +86,31 @@ def test_an_unknown_log_level_is_a_usage_error_not_a_traceback(capsys: pytest.Ca
         main(["--log-level", "nope", "events", "tail", "--help"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'NOPE'" in capsys.readouterr().err
+
+
+def test_a_command_whose_reader_leaves_ends_quietly() -> None:
+    """``kvstore ... | head``: a command that writes after its reader left ends with exit 0 and no traceback."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import kvstore.cli as cli\n"
+        "real = cli.build_parser\n"
+        "def build(chosen):\n"
+        "    parser = real(['events'])\n"
+        "    def spew(args):\n"
+        "        while True:\n"
+        "            print('x' * 4096)\n"
+        "    parser.set_defaults(func=spew)\n"
+        "    return parser\n"
+        "cli.build_parser = build\n"
+        "sys.exit(cli.main(['events', 'tail', '--endpoint', 'tcp://127.0.0.1:1']))\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.read(10)
+        child.stdout.close()
+        errors = child.stderr.read()
+        assert child.wait(timeout=30) == 0, errors
+    assert b"Traceback" not in errors

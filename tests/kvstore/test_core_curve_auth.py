@@ -8,15 +8,19 @@ context must not change that.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
 
 from kvstore import curve_auth
 from kvstore.config import EventsConfig
+from kvstore.errors import ConfigError
 from kvstore.publisher import ZmqEventPublisher
+from kvstore.subscriber import load_client_cert
 
 Keys = tuple[str, str]  # (public, secret), Z85
 
@@ -78,3 +82,17 @@ def test_publishers_sharing_a_context_each_keep_their_own_admission(ctx: zmq.Con
     finally:
         for publisher in (a, b, open_to_all):
             publisher.close()
+
+
+def test_a_client_certificate_path_that_is_no_certificate_file_is_one_clear_error(tmp_path: Path) -> None:
+    """A directory, a FIFO (whose read would wait forever for a writer) or a huge file named as the client
+    certificate: a ConfigError naming the field, at once."""
+    fifo = tmp_path / "cert.fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.key_secret"
+    huge.write_bytes(b"#" * (1 << 20))
+    for path, message in [(tmp_path, "not a regular file"), (fifo, "not a regular file"),
+                          (huge, "larger than a CURVE certificate"), (tmp_path / "none", "no file")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message) as info:
+            load_client_cert(str(path), field="router.curve_client_cert")
+        assert str(info.value).startswith("router.curve_client_cert: ")
