@@ -25,7 +25,16 @@ class WorkerCounters:
     """Counters the worker bumps (under its lock); read racily by scrapes, which is fine for ints."""
 
     __slots__ = (
-        "aborted", "failed", "finished", "generation_tokens", "prompt_tokens", "rejected", "step_seconds", "steps",
+        "aborted",
+        "failed",
+        "finished",
+        "generation_tokens",
+        "prompt_tokens",
+        "prompts_started",
+        "rejected",
+        "step_seconds",
+        "steps",
+        "tokens_sampled",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -37,6 +46,9 @@ class WorkerCounters:
         self.generation_tokens = 0  # of finished and of cancelled choices
         self.steps = 0
         self.step_seconds = 0.0  # wall time of the step loop's steps (schedule, forward, sampling, update)
+        # As vLLM counts them, per step: tokens sampled, and the prompt tokens of requests whose first token came.
+        self.tokens_sampled = 0
+        self.prompts_started = 0
 
 
 class TierLinkCounters:
@@ -156,7 +168,9 @@ class VllmCollector(Collector):
 
     Each series is one of the ``kvstore_`` ones above, read at the same scrape: the load gauges
     (``num_requests_running`` / ``_waiting``, ``kv_cache_usage_perc`` 0-1), the prefix cache's query and hit
-    tokens, prompt and generation tokens, and preemptions.
+    tokens, prompt and generation tokens, and preemptions. The token counters move every step, as vLLM's
+    do (generation: each token sampled; prompt: a request's prompt once its first token is sampled), not when
+    a request finishes as the ``kvstore_`` ones; the ``engine`` label is vLLM's (one engine: ``0``).
     """
 
     def __init__(
@@ -168,24 +182,24 @@ class VllmCollector(Collector):
         self._gauges = gauges
 
     def collect(self) -> Iterator[Metric]:
-        labels, c, g, manager = [self._model], self._counters, self._gauges(), self._manager
+        labels, c, g, manager = [self._model, "0"], self._counters, self._gauges(), self._manager  # one engine
         stats = manager.prefix_cache_stats
         for name, doc, value in (
             ("vllm:num_requests_running", "Number of requests in model execution batches.", g.running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", g.waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", manager.usage),
         ):
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
             gauge.add_metric(labels, value)
             yield gauge
         for name, doc, value in (
             ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", stats.queries),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.hits),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens),
-            ("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompts_started),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", c.tokens_sampled),
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", g.preemptions),
         ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
             counter.add_metric(labels, value)
             yield counter
 

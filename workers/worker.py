@@ -427,12 +427,17 @@ class KVWorker:
     def _finish_step(self, output: SchedulerOutput, sampled: Sampled) -> None:
         deltas: dict[int, tuple[RequestGroup, list[ChoiceDelta]]] = {}
         tokens: dict[int, int] = {}
+        prompts = 0  # prompt tokens of requests whose first token this step sampled (vLLM's per-step count)
         for row, state, record, (token, logprob) in zip(*sampled, strict=True):
             tokens[row] = token
             delta = record.accept(state, token, logprob)
             deltas.setdefault(id(record.group), (record.group, []))[1].append(delta)
+            if record.index == 0 and len(state.output_token_ids) == 1:
+                prompts += state.prompt_tokens
         now = time.monotonic()
         with self._lock:
+            self._counters.tokens_sampled += len(tokens)
+            self._counters.prompts_started += prompts
             finished = self._scheduler.update(output, tokens, now)
             if finished:
                 self._offload.launch_stores()  # the finished choices' cached blocks

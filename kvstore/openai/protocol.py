@@ -412,8 +412,11 @@ def parse_chat(
     last = messages[-1]
     role = "assistant" if req.add_generation_prompt else last["role"]
     echo = last["content"] if req.echo and last["role"] == role else None
+    # A guided choice constrains the answer from its first token, so no thinking precedes it: not split (vLLM would
+    # let the model think freely first; the choice here is the whole answer, its content).
+    reasoning = None if sampling.choice_token_ids else parser_for(reasoning_parser, req.chat_template_kwargs)
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
-        role=role, tool_parser=calls_parsed, reasoning_parser=parser_for(reasoning_parser, req.chat_template_kwargs)
+        role=role, tool_parser=calls_parsed, reasoning_parser=reasoning
     )
 
 
@@ -728,8 +731,9 @@ def _choices(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None) ->
     each choice tokenised alone, as the output will read it; the rest of structured output is refused by name."""
     structured, legacy = req.structured_outputs, req.guided_choice
     if structured is not None:
-        if not isinstance(structured, dict) or set(structured) - {"choice"}:
-            others = sorted(set(structured) - {"choice"}) if isinstance(structured, dict) else []
+        set_keys = {k for k, v in structured.items() if v is not None} if isinstance(structured, dict) else set()
+        if not isinstance(structured, dict) or set_keys - {"choice"}:  # vLLM's other keys, left null, are fine
+            others = sorted(set_keys - {"choice"})
             raise ApiError(400, f"structured_outputs supports only choice here, not {', '.join(others) or 'this'}",
                            param="structured_outputs")  # fmt: skip
         if legacy is not None:
@@ -742,6 +746,8 @@ def _choices(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None) ->
     if not isinstance(legacy, list) or not legacy or len(legacy) > MAX_CHOICES:
         raise ApiError(400, f"{where} must be a list of 1 to {MAX_CHOICES} strings", param=where)
     sequences: list[tuple[int, ...]] = []
+    context = tokenizer.encode("x")  # a choice's tokens must read as the choice after other text, as output does
+    before = tokenizer.decode(context, skip_special_tokens=False)
     for index, choice in enumerate(legacy):
         if not isinstance(choice, str) or not choice or len(choice) > MAX_NAME_CHARS:
             raise ApiError(400, f"{where}[{index}] must be a non-empty string of at most {MAX_NAME_CHARS} characters",
@@ -749,6 +755,13 @@ def _choices(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None) ->
         ids = tuple(tokenizer.encode(choice))
         if not ids or any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
             raise ApiError(400, f"{where}[{index}] does not tokenise into this model's vocabulary",
+                           param=f"{where}[{index}]")  # fmt: skip
+        after = tokenizer.decode([*context, *ids], skip_special_tokens=False)
+        if not after.startswith(before) or after[len(before) :] != choice:
+            # A SentencePiece-style tokenizer marks a word's start (``▁negative``): its tokens read " negative"
+            # after other text, not the choice. Choices are constrained by their own tokens here, so refuse.
+            raise ApiError(400, f"{where}[{index}]: {choice!r} reads as {after[len(before):]!r} from this model's "
+                           "tokens after other text; this server constrains a choice to its own tokenization",
                            param=f"{where}[{index}]")  # fmt: skip
         sequences.append(ids)
     return tuple(dict.fromkeys(sequences))

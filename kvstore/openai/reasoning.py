@@ -31,21 +31,25 @@ PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
 
+NO_THINKING = "qwen3-no-thinking"  # a qwen3 chat with its thinking switched off
+
+
 def parser_for(parser: str | None, chat_template_kwargs: dict[str, Any] | None) -> str | None:
-    """The parser a chat request's answer goes through: None without one, or for a ``qwen3`` chat whose thinking
-    is switched off (``enable_thinking: false``)."""
+    """The parser a chat request's answer goes through: None without one; :data:`NO_THINKING` for a ``qwen3``
+    chat whose thinking is switched off (``enable_thinking: false``): streamed as content, and a plain answer
+    with no ``</think>`` is all content (one with it is still split, as vLLM's parser does)."""
     if parser == "qwen3" and (chat_template_kwargs or {}).get("enable_thinking", True) is False:
-        return None
+        return NO_THINKING
     return parser
 
 
-def split(text: str) -> tuple[str | None, str | None]:
+def split(text: str, parser: str | None = None) -> tuple[str | None, str | None]:
     """A whole answer's (reasoning, content) (see the module docstring)."""
     before, tag, after = text.partition(START)
     text = after if tag else before
     reasoning, tag, content = text.partition(END)
     if not tag:
-        return text, None
+        return (None, text) if parser == NO_THINKING else (text, None)
     return reasoning, content or None
 
 

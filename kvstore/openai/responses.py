@@ -46,7 +46,7 @@ from typing import Any
 import msgspec
 
 from kvstore.openai.protocol import ParsedRequest
-from kvstore.openai.reasoning import ReasoningStream, split
+from kvstore.openai.reasoning import NO_THINKING, ReasoningStream, split
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.openai.tool_calls import ToolCallStream, extract
 from kvstore.worker_api import ChoiceDelta, GenerateResult, PromptLogprobs, RequestStats, StreamChunk, TokenLogprob
@@ -115,7 +115,7 @@ class ResponseBuilder:
                 answer: str | None = choice.text
                 message: dict[str, Any] = {"role": prompt.role}
                 if prompt.reasoning_parser is not None:
-                    reasoning, answer = split(choice.text)
+                    reasoning, answer = split(choice.text, prompt.reasoning_parser)
                     message["reasoning"] = message["reasoning_content"] = reasoning
                 if prompt.tool_parser is not None:
                     found = extract(answer or "", prompt.tool_parser)
@@ -197,7 +197,8 @@ class ResponseBuilder:
         finish_reason = None if delta.finish_reason is None else str(delta.finish_reason)
         calls: list[dict[str, Any]] = []
         reasoning = ""
-        if self.chat and self._prompt_of(delta.index).reasoning_parser is not None:
+        splits = self.chat and self._prompt_of(delta.index).reasoning_parser not in (None, NO_THINKING)
+        if splits:
             stream = self._reasoning_streams.setdefault(delta.index, ReasoningStream())
             piece = stream.push(text)
             if finish_reason is not None:
@@ -219,7 +220,9 @@ class ResponseBuilder:
         # text, as vLLM sends it: the chunks' token_ids add up to the answer's.
         choice: dict[str, Any] = {"index": delta.index}
         if self.chat:
-            choice["delta"] = {"content": text} if text or (delta.token_ids and not calls and not reasoning) else {}
+            # a token whose text is held back goes out with no content -- and while thinking, none at all
+            shown = text or (delta.token_ids and not calls and not reasoning and not splits)
+            choice["delta"] = {"content": text} if shown else {}
             if reasoning:
                 choice["delta"]["reasoning"] = choice["delta"]["reasoning_content"] = reasoning
             if calls:

@@ -66,7 +66,9 @@ def test_a_plain_body_carries_reasoning_and_content_apart() -> None:
     thinking_off = builder("qwen3", chat_template_kwargs={"enable_thinking": False}).body(
         fold_stream(chunks_of("no thoughts here", 4), 1)
     )
-    assert thinking_off["choices"][0]["message"] == {"role": "assistant", "content": "no thoughts here"}
+    assert thinking_off["choices"][0]["message"] == {
+        "role": "assistant", "content": "no thoughts here", "reasoning": None, "reasoning_content": None
+    }  # fmt: skip
     unparsed = builder(None).body(fold_stream(chunks_of(ANSWER, 7), 1))
     assert unparsed["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
 
@@ -94,3 +96,20 @@ def test_a_stream_carries_reasoning_then_content_and_calls_come_from_the_content
     assert plain["message"]["content"] == "Calling." and [
         c["function"]["name"] for c in plain["message"]["tool_calls"]
     ] == ["f"]
+
+
+def test_review_cases_no_thinking_qwen3_a_guided_choice_and_quiet_thinking_deltas() -> None:
+    """A qwen3 chat with thinking off still splits at a </think> the model writes (vLLM's parser does), and with
+    none is all content; a guided choice is the answer's content, not split; while thinking, a delta whose
+    text is held back sends no empty content."""
+    off = builder("qwen3", chat_template_kwargs={"enable_thinking": False})
+    message = off.body(fold_stream(chunks_of("<think>\n\n</think>\n\nhi", 50), 1))["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("\n\n", "\n\nhi")
+    message = off.body(fold_stream(chunks_of("just hi", 50), 1))["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == (None, "just hi")
+    guided = builder(guided_choice=["yes", "no"]).body(fold_stream(chunks_of("yes", 50), 1))["choices"][0]
+    assert guided["message"] == {"role": "assistant", "content": "yes"}
+    made = builder(stream=True)
+    events = [json.loads(e[6:]) for c in chunks_of("abc</thi", 1) for e in made.events(c)]
+    deltas = [ch["delta"] for e in events for ch in e["choices"]]
+    assert all("content" not in d or d["content"] or "role" in d for d in deltas), deltas

@@ -4,14 +4,18 @@ merges characters -- through the worker and through the HTTP front with the offi
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from workers_testlib import make_config
 
 from kvstore.errors import InvalidRequestError
+from kvstore.openai.errors import ApiError
+from kvstore.openai.protocol import ModelLimits, decode_completion, parse_completion
 from kvstore.openai.tokenizer import load_tokenizer
 from kvstore.worker_api import FinishReason, GenerateRequest, SamplingParams
 from kvstore.workers.http import create_worker_app
@@ -90,3 +94,21 @@ def test_over_http_on_a_checkpoint_whose_tokenizer_merges(qwen2_checkpoint: Tiny
     finally:
         server.stop()
         worker.shutdown()
+
+
+def test_a_choice_whose_tokens_read_otherwise_mid_text_is_refused(tmp_path: Path) -> None:
+    """A SentencePiece-style tokenizer marks a word's start: ``negative`` alone is ``▁negative``, which reads
+    " negative" after other text, not the choice. Constrained by its own tokens, the output would not be one of
+    the choices, so the request is refused naming the choice (a byte-level BPE, as Qwen2's, is served)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.train_from_iterator(["positive negative neutral x"] * 8, trainer=trainers.BpeTrainer(vocab_size=80))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    spm = load_tokenizer(str(tmp_path))
+    raw = json.dumps({"prompt": "x", "guided_choice": ["negative"]}).encode()
+    with pytest.raises(ApiError, match="reads as ' negative'") as info:
+        parse_completion(decode_completion(raw), spm, ModelLimits(None, 2048))
+    assert info.value.param == "guided_choice[0]"

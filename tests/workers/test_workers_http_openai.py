@@ -219,8 +219,31 @@ def test_metrics_carry_vllms_names_for_what_reads_a_vllm_server(served: tuple[st
         "vllm:num_preemptions_total": "kvstore_preemptions_total",
     }
     for vllm_name, ours in pairs.items():
-        assert samples[vllm_name].labels == {"model_name": MODEL}, vllm_name
-        assert samples[vllm_name].value == samples[ours].value, (vllm_name, ours)
+        assert samples[vllm_name].labels == {"model_name": MODEL, "engine": "0"}, vllm_name
+        assert samples[vllm_name].value == samples[ours].value, (vllm_name, ours)  # idle: every request counted
     assert samples["vllm:generation_tokens_total"].value >= 3
     load = parse_load(text)
     assert load.running == samples["vllm:num_requests_running"].value
+
+
+def test_vllms_token_counters_move_while_a_stream_runs(served: tuple[str, KVWorker]) -> None:
+    """As vLLM's: prompt tokens counted once the first token comes, generated tokens every step -- not at the end,
+    which would leave a rate() panel at zero through a long stream, then spike."""
+    url = served[0]
+
+    def read() -> dict[str, float]:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    before = read()
+    body = {"model": MODEL, "prompt": "count me", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as answer:
+        lines = answer.iter_lines()
+        for _ in range(40):
+            next(lines)
+        during = read()
+        assert during["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] >= 20
+        assert during["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == len(b"count me")
+        assert during["kvstore_generation_tokens_total"] == before["kvstore_generation_tokens_total"]  # at the end
+        for _ in lines:
+            pass
