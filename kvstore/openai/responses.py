@@ -113,20 +113,20 @@ class ResponseBuilder:
             finish_reason = str(choice.finish_reason)
             if self.chat:
                 answer: str | None = choice.text
-                message: dict[str, Any] = {"role": prompt.role}
+                parsed: dict[str, Any] = {}  # what the parsers took out of the answer
                 if prompt.reasoning_parser is not None:
                     reasoning, answer = split(choice.text, prompt.reasoning_parser)
-                    message["reasoning"] = message["reasoning_content"] = reasoning
+                    parsed["reasoning"] = parsed["reasoning_content"] = reasoning
                 if prompt.tool_parser is not None:
                     found = extract(answer or "", prompt.tool_parser)
                     answer = found.content
-                    message["tool_calls"] = found.tool_calls
+                    parsed["tool_calls"] = found.tool_calls
                     if found.tool_calls:
                         finish_reason = "tool_calls"
-                content = (prompt.echo_text or "") + (answer or "")
-                plain = prompt.tool_parser is None and prompt.reasoning_parser is None
-                message["content"] = content if plain or content else None  # as before, unless a parser split it
-                entry["message"] = {"role": message.pop("role"), "content": message.pop("content"), **message}
+                content: str | None = (prompt.echo_text or "") + (answer or "")
+                if parsed:  # an answer a parser split has null content when nothing is left of it
+                    content = content or None
+                entry["message"] = {"role": prompt.role, "content": content, **parsed}
             else:
                 entry["text"] = text
             entry["logprobs"] = self._logprobs(
@@ -197,16 +197,16 @@ class ResponseBuilder:
         finish_reason = None if delta.finish_reason is None else str(delta.finish_reason)
         calls: list[dict[str, Any]] = []
         reasoning = ""
-        splits = self.chat and self._prompt_of(delta.index).reasoning_parser not in (None, NO_THINKING)
+        prompt = self._prompt_of(delta.index)
+        splits = self.chat and prompt.reasoning_parser not in (None, NO_THINKING)
         if splits:
             stream = self._reasoning_streams.setdefault(delta.index, ReasoningStream())
-            piece = stream.push(text)
-            if finish_reason is not None:
-                tail = stream.finish()
-                piece = piece._replace(reasoning=piece.reasoning + tail.reasoning, content=piece.content + tail.content)
-            reasoning, text = piece
-        if self.chat and self._prompt_of(delta.index).tool_parser is not None:
-            text, calls, finish_reason = self._tool_piece(delta.index, text, finish_reason)
+            reasoning, text = _through(stream, text, finish_reason is not None)
+        if self.chat and prompt.tool_parser is not None:
+            tools = self._tool_streams.setdefault(delta.index, ToolCallStream(prompt.tool_parser))
+            text, calls = _through(tools, text, finish_reason is not None)
+            if finish_reason is not None and tools.calls:
+                finish_reason = "tool_calls"
         if (
             not text
             and not reasoning
@@ -235,22 +235,6 @@ class ResponseBuilder:
         choice["token_ids"] = delta.token_ids
         out.append(self._envelope([choice], usage=self._running_usage(delta.index, generated)))
         return out
-
-    def _tool_piece(
-        self, index: int, text: str, finish_reason: str | None
-    ) -> tuple[str, list[dict[str, Any]], str | None]:
-        """A streamed chat delta's text through its choice's tool-call parser: the content that can go out, the
-        tool calls completed, and the finish reason (``tool_calls`` once the choice has made any)."""
-        parser = self._prompt_of(index).tool_parser or "hermes"
-        stream = self._tool_streams.setdefault(index, ToolCallStream(parser))
-        piece = stream.push(text)
-        content, calls = piece.content, piece.tool_calls
-        if finish_reason is not None:
-            tail = stream.finish()
-            content, calls = content + tail.content, calls + tail.tool_calls
-            if stream.calls:
-                finish_reason = "tool_calls"
-        return content, calls, finish_reason
 
     def _prompt_of(self, index: int) -> ParsedRequest:
         return self._batch[index // self.parsed.sampling.n]
@@ -368,6 +352,16 @@ class ResponseBuilder:
         if self.parsed.tokens_as_ids:  # vLLM's return_tokens_as_token_ids: tokens that do not decode alone stay apart
             return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _through(stream: ReasoningStream | ToolCallStream, text: str, finished: bool) -> Any:
+    """A streamed delta's text through a choice's parser (its piece), and on the choice's last delta what the
+    parser still held too, field by field."""
+    piece: Any = stream.push(text)  # a NamedTuple of str / list fields, each concatenated with the tail's
+    if finished:
+        tail: Any = stream.finish()
+        piece = type(piece)(*(held + more for held, more in zip(piece, tail, strict=True)))
+    return piece
 
 
 def _finite(logprob: float) -> float:
