@@ -52,6 +52,7 @@ from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.http import (
     ClientDisconnected,
     answer_errors_openai_style,
+    answered,
     error_response,
     read_body,
     respond,
@@ -65,6 +66,7 @@ from kvstore.openai.protocol import (
 )
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.routing import read_for_routing, read_token_ids
+from kvstore.openai.tokenizer import Tokenizer
 from kvstore.router.dispatch import Opened
 from kvstore.router.metrics import RequestCounting
 from kvstore.router.relay import FORWARDED, KINDS, Kind, RelayApp
@@ -138,29 +140,24 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await completion(request, "chat")
 
+    def tokenizer() -> Tokenizer:
+        assert service.tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
+        return service.tokenizer
+
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
         """vLLM's /tokenize, for our workers' model (a vLLM fleet's goes to a replica: the relay)."""
-        try:
-            body = await read_body(request, bounds)
-            tokenizer = service.tokenizer
-            assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
-            answer = await asyncio.to_thread(
-                tokenize, body, tokenizer, service.limits, service.model_name, trust_template=trust_template
-            )
-            return JSONResponse(answer)
-        except ApiError as exc:
-            return error_response(exc)
+        return await answered(
+            request,
+            bounds,
+            lambda body: tokenize(body, tokenizer(), service.limits, service.model_name, trust_template=trust_template),
+        )
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        try:
-            body = await read_body(request, bounds)
-            tokenizer = service.tokenizer
-            assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
-            return JSONResponse(detokenize(body, tokenizer, service.limits, service.model_name))
-        except ApiError as exc:
-            return error_response(exc)
+        return await answered(
+            request, bounds, lambda body: detokenize(body, tokenizer(), service.limits, service.model_name)
+        )
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -27,7 +27,7 @@ from kvstore.errors import InvalidRequestError
 from kvstore.openai.batch import batch_ids, joined
 from kvstore.openai.bounds import BodyBounds
 from kvstore.openai.errors import ApiError, model_not_found
-from kvstore.openai.http import answer_errors_openai_style, error_response, model_card, read_body, respond
+from kvstore.openai.http import answer_errors_openai_style, answered, error_response, model_card, read_body, respond
 from kvstore.openai.protocol import (
     ModelLimits,
     ParsedRequest,
@@ -117,18 +117,15 @@ def create_worker_app(
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        try:
-            body = await read_body(request, bounds)
-            return JSONResponse(tokenize(body, tokenizer, limits, info.model_name, trust_template=trust_template))
-        except ApiError as exc:
-            return error_response(exc)
+        return await answered(
+            request,
+            bounds,
+            lambda body: tokenize(body, tokenizer, limits, info.model_name, trust_template=trust_template),
+        )
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        try:
-            return JSONResponse(detokenize(await read_body(request, bounds), tokenizer, limits, info.model_name))
-        except ApiError as exc:
-            return error_response(exc)
+        return await answered(request, bounds, lambda body: detokenize(body, tokenizer, limits, info.model_name))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -139,6 +139,16 @@ async def _events(builder: ResponseBuilder, chunks: AsyncGenerator[StreamChunk, 
     finally:
         await chunks.aclose()
     yield DONE
+
+
+async def answered(request: Request, bounds: BodyBounds, answer: Callable[[bytes], dict[str, Any]]) -> Response:
+    """The JSON ``answer(body)`` makes of the request's body (``/tokenize``, ``/detokenize``), computed off the
+    event loop -- a chat template or a long prompt takes a while; an ApiError as the error body it names."""
+    try:
+        body = await read_body(request, bounds)
+        return JSONResponse(await asyncio.to_thread(answer, body))
+    except ApiError as exc:
+        return error_response(exc)
 
 
 def error_response(exc: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
