@@ -9,7 +9,7 @@ names are the core's constants, which the router's HTTP backend reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -126,6 +126,19 @@ class LoopGauges(NamedTuple):
     preemptions: int
 
 
+def _families(
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily],
+    label_names: list[str],
+    labels: list[str],
+    rows: Iterable[tuple[str, str, float]],
+) -> Iterator[Metric]:
+    """One family of ``kind`` per ``(name, doc, value)`` row, each holding the one sample ``labels``."""
+    for name, doc, value in rows:
+        family = kind(name, doc, labels=label_names)
+        family.add_metric(labels, value)
+        yield family
+
+
 class WorkerCollector(Collector):
     """Request counters, queue gauges and preemptions of one worker, labelled by replica."""
 
@@ -142,24 +155,17 @@ class WorkerCollector(Collector):
         outcomes = (("finished", c.finished), ("aborted", c.aborted), ("failed", c.failed), ("rejected", c.rejected))
         for outcome, value in outcomes:
             requests.add_metric([*labels, outcome], value)
-        families: list[Metric] = [requests]
-        for name, doc, value in (
+        yield requests
+        yield from _families(CounterMetricFamily, ["replica"], labels, (
             ("kvstore_prompt_tokens", "Prompt tokens of finished requests.", c.prompt_tokens),
             ("kvstore_generation_tokens", "Tokens generated (finished and cancelled requests).", c.generation_tokens),
             ("kvstore_preemptions", "Requests preempted (blocks freed, recomputed later).", g.preemptions),
             ("kvstore_steps", "Scheduler steps run.", c.steps),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=["replica"])
-            counter.add_metric(labels, value)
-            families.append(counter)
-        for name, doc, value in (
+        ))  # fmt: skip
+        yield from _families(GaugeMetricFamily, ["replica"], labels, (
             (REQUESTS_RUNNING, "Requests holding KV blocks.", g.running),
             (REQUESTS_WAITING, "Requests queued for admission.", g.waiting),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=["replica"])
-            gauge.add_metric(labels, value)
-            families.append(gauge)
-        yield from families
+        ))  # fmt: skip
 
 
 class VllmCollector(Collector):
@@ -184,24 +190,19 @@ class VllmCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         labels, c, g, manager = [self._model, "0"], self._counters, self._gauges(), self._manager  # one engine
         stats = manager.prefix_cache_stats
-        for name, doc, value in (
+        names = ["model_name", "engine"]
+        yield from _families(GaugeMetricFamily, names, labels, (
             ("vllm:num_requests_running", "Number of requests in model execution batches.", g.running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", g.waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", manager.usage),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
-            gauge.add_metric(labels, value)
-            yield gauge
-        for name, doc, value in (
+        ))  # fmt: skip
+        yield from _families(CounterMetricFamily, names, labels, (
             ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", stats.queries),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.hits),
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompts_started),
             ("vllm:generation_tokens", "Number of generation tokens processed.", c.tokens_sampled),
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", g.preemptions),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
-            counter.add_metric(labels, value)
-            yield counter
+        ))  # fmt: skip
 
 
 class TierLinkCollector(Collector):
@@ -226,7 +227,7 @@ class TierLinkCollector(Collector):
         )  # fmt: skip
         connected.add_metric(labels, 1.0 if state.connected else 0.0)
         yield connected
-        for name, doc, value in (
+        yield from _families(CounterMetricFamily, ["replica"], labels, (
             ("kvstore_tier_unavailable", "Times the node's tier was found unavailable (spill and promotion "
              "then off until it is back).", c.unavailable),
             ("kvstore_tier_reconnects", "Links to the node's tier re-established after an outage.", c.reconnects),
@@ -238,10 +239,7 @@ class TierLinkCollector(Collector):
             ("kvstore_tier_spill_failures", "Spills that failed (their KV dropped).", c.spill_failures),
             ("kvstore_tier_promote_failures", "Promotions that failed (the GPU hit served alone).",
              c.promote_failures),
-        ):  # fmt: skip
-            counter = CounterMetricFamily(name, doc, labels=["replica"])
-            counter.add_metric(labels, value)
-            yield counter
+        ))  # fmt: skip
 
 
 class OffloadCollector(Collector):
@@ -263,7 +261,7 @@ class OffloadCollector(Collector):
         if state is None:
             return
         c = state.counters
-        for name, doc, value in (
+        yield from _families(CounterMetricFamily, ["replica"], labels, (
             ("kvstore_worker_offload_blocked_seconds", "Time the step loop spent in the offloader (bookkeeping "
              "only: copies and tier calls run on the offload thread).", c.step_loop_seconds),
             ("kvstore_worker_offload_busy_seconds", "Time the offload thread spent in tier calls and copies.",
@@ -281,10 +279,7 @@ class OffloadCollector(Collector):
              c.gave_up),
             ("kvstore_worker_offload_slow_skipped", "Admissions that did not ask the tier while a job waited on "
              "it past the deadline.", c.slow_skipped),
-        ):  # fmt: skip
-            counter = CounterMetricFamily(name, doc, labels=["replica"])
-            counter.add_metric(labels, value)
-            yield counter
+        ))  # fmt: skip
         inflight = GaugeMetricFamily(
             "kvstore_worker_offload_in_flight", "Offload jobs queued or running, by kind.", labels=["replica", "kind"]
         )
