@@ -226,26 +226,22 @@ class ProducerStream:
         if self._disconnected:
             self._disconnected = False
             cut, self._sync_cut = self._sync_cut, False
-            if seq > self.next_seq or (seq == self.next_seq and cut):
-                # Maybe a new incarnation that outran our seq: only a snapshot tells its state exactly.
+            checkable = self._tail is not None and self._tail[0] == seq - 1  # the batch before it is known
+            if seq > self.next_seq or (seq == self.next_seq and (cut or not checkable)):
+                # Maybe a new incarnation that outran (or reached) our seq, with nothing to tell it by: only a
+                # snapshot tells its state exactly (after a snapshot sync no batch at next - 1 is known: its
+                # batches all carry its seq).
                 self.gaps += seq > self.next_seq
                 self._buffer(seq, payload)
                 actions = self._start_snapshot()
                 self._maybe_restarted = True
                 return actions
-            if seq == self.next_seq and self._tail is not None and self._tail[0] == seq - 1:
+            if seq == self.next_seq:
                 # Most likely the same stream, nothing missed -- unless a restarted producer reached our seq:
                 # its batch before this one tells (module docstring).
                 self._buffer(seq, payload)
                 self._verify = self._tail
                 return self._start_replay(seq - 1)
-            if seq == self.next_seq:
-                # Nothing to check it against (we last synced by a snapshot, whose batches all carry its seq):
-                # a restarted producer that reached our seq would go unseen, so its state is asked for again.
-                self._buffer(seq, payload)
-                actions = self._start_snapshot()
-                self._maybe_restarted = True
-                return actions
             # seq < next: a restart (below).
         if self._stale_through is not None:
             if seq <= self._stale_through:
