@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from workers_testlib import Reference, WorkerFactory, random_tokens
+from workers_testlib import Reference, WorkerFactory, fail_once, random_tokens
 
 from kvstore.errors import ConfigError
 from kvstore.worker_api import GenerateRequest, ModelInfo, WorkerShutdownError
@@ -35,13 +35,7 @@ def test_a_failing_model_step_fails_running_requests_drops_the_cache_and_the_wor
     prompt = random_tokens(random.Random(8), 40)
     worker.generate(GenerateRequest(prompt, 4))
     assert worker.cached_hashes()
-    real_execute = worker._runner.execute
-
-    def fail_once(*args: object) -> object:
-        monkeypatch.setattr(worker._runner, "execute", real_execute)
-        raise MemoryError("injected: out of device memory")
-
-    monkeypatch.setattr(worker._runner, "execute", fail_once)
+    fail_once(monkeypatch, worker._runner, "execute", MemoryError("injected: out of device memory"))
     with pytest.raises(RuntimeError, match=r"model step failed .*injected"):
         worker.generate(GenerateRequest([*prompt, 5, 6, 7], 4))
     assert worker.cached_hashes() == []  # blocks registered for the failed step are never served
@@ -59,13 +53,7 @@ def test_a_sampler_fault_is_recovered_from_as_a_failed_model_step(
     """Sampling runs outside the model step; a fault there (a bug: any valid request samples) fails the running
     requests as a failed model step does, and the worker serves on (before: the step loop died)."""
     worker = make_worker()
-    real_sample = worker._sampler.sample
-
-    def fail_once(*args: object) -> object:
-        monkeypatch.setattr(worker._sampler, "sample", real_sample)
-        raise RuntimeError("injected sampler fault")
-
-    monkeypatch.setattr(worker._sampler, "sample", fail_once)
+    fail_once(monkeypatch, worker._sampler, "sample", RuntimeError("injected sampler fault"))
     with pytest.raises(RuntimeError, match=r"model step failed .*injected sampler fault"):
         worker.generate(GenerateRequest([1, 2, 3, 4], 4))
     assert worker.health()["alive"]

@@ -49,3 +49,14 @@ def shared_prefix_requests(
         GenerateRequest(rng.choice(prefixes) + random_tokens(rng, rng.randrange(1, 40)), rng.randrange(1, max_tokens))
         for _ in range(count)
     ]
+
+
+def fail_once(monkeypatch: Any, owner: object, attribute: str, error: BaseException) -> None:
+    """Make ``owner.attribute`` raise ``error`` on its next call, and be itself again from then on."""
+    real = getattr(owner, attribute)
+
+    def failing(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(owner, attribute, real)
+        raise error
+
+    monkeypatch.setattr(owner, attribute, failing)
