@@ -98,7 +98,7 @@ class ChoiceRecord:
             text, stop = self.detokenizer.push([token], search_stop=search)
         if stop is not None:
             state.finish(FinishReason.STOP, stop)
-        elif not state.is_finished and self.sampling.choice_done(state.output_token_ids):
+        elif not state.is_finished and self.sampling.choice_done():
             state.finish(FinishReason.STOP)  # a guided choice's whole sequence, none longer to go on to
         elif count >= state.max_tokens:
             state.finish(FinishReason.LENGTH)
@@ -123,7 +123,6 @@ class RequestGroup:
         self.stream = stream
         self.arrival = arrival
         self.choices: list[RequestState] = []
-        self.wants_prompt_logprobs = score
         self._scores: PromptLogprobs | None = [None] * prompt_tokens if score else None
         self._unscored = max(prompt_tokens - 1, 0) if score else 0  # entries 1.. not yet scored
         self.prompt_logprobs: PromptLogprobs | None = self._scores if score and not self._unscored else None

@@ -134,11 +134,12 @@ class ChoiceSampling:
         if self._choices is not None:
             self._output.append(token_id)
 
-    def choice_done(self, output: Sequence[int]) -> bool:
-        """A guided choice's output is one of its sequences and no longer one goes on from it: it must end here."""
+    def choice_done(self) -> bool:
+        """A guided choice's output so far (its tokens recorded) is one of its sequences and no longer one goes on
+        from it: it must end here."""
         if self._choices is None:
             return False
-        n, out = len(output), tuple(output)
+        n, out = len(self._output), tuple(self._output)
         return out in self._choices and not any(len(c) > n and c[:n] == out for c in self._choices)
 
     def _guided(self) -> list[int]:
@@ -206,15 +207,12 @@ class ChoiceSampling:
             return torch.where(infinite, raw, torch.full_like(raw, float("-inf")))
         if bool(torch.isfinite(row).any()):
             return row
-        allowed = self._step_allowed if self._choices is not None and self._step_allowed else None
-        if allowed is not None:  # the guided choice's next tokens always, whatever else ruled them out
-            fallback = torch.full_like(raw, float("-inf"))
-            fallback[allowed] = raw[allowed]
-            return fallback
-        if self._allowed is None:
+        # The guided choice's next tokens always, whatever else ruled them out; else allowed_token_ids.
+        allowed = self._step_allowed if self._choices is not None and self._step_allowed else self._allowed
+        if allowed is None:
             return raw.clone()
         fallback = torch.full_like(raw, float("-inf"))
-        fallback[self._allowed] = raw[self._allowed]
+        fallback[allowed] = raw[allowed]
         return fallback
 
     def draw(self, row: torch.Tensor, shared: torch.Generator) -> int:
