@@ -489,7 +489,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
         arena.tensor.random_()
         # The baseline moves the same memory the tier does: the arena's slots, all of them as one buffer
         # (page-aligned). Where a page of memory sits can change what a virtual disk's DMA costs.
-        slots = memoryview(arena.tensor.numpy()).cast("B")
+        slots = memoryview(arena.tensor.numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
         writes, reads, base_writes, base_reads = [], [], [], []
         io_mode = ""
         try:
@@ -533,9 +533,7 @@ def measure_disk(name: str, identity: CacheIdentity, args: argparse.Namespace, r
                 # while after fsync returns, slowing whatever runs next.
                 ours_first = rep % 2 == 0
                 _settle_disk(args.settle_s)  # the last run's deletions too: trimmed at the next journal commit here
-                mine, base = await _side_by_side(
-                    write_all, lambda: baseline_write(big, slots, direct), ours_first
-                )
+                mine, base = await _side_by_side(write_all, lambda: baseline_write(big, slots, direct), ours_first)
                 writes.append(mine)
                 base_writes.append(base)
                 progress.update()

@@ -77,6 +77,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's guided_choice (structured_outputs.choice), as token sequences: the output is one of them, whole (its
     # last token ends the choice unless a longer one goes on from it, when EOS may end it there)
     choice_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # Structured output (a JSON schema, regex or grammar) as llguidance grammar text, which the front compiled and
+    # checked: only the tokens it allows next are sampled, and the choice ends once the grammar is complete
+    grammar: str | None = None
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):

@@ -154,7 +154,7 @@ def unsupported_fields_are_named(base_url: str, model: str) -> None:
         ("/v1/completions", {"prompt": "x", "temperture": 0.5}, "temperture"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
-        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
          "modalities"),
     ]  # fmt: skip

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 from kvstore.events import MEDIA, Medium
 from kvstore.openai.detokenizer import IncrementalDetokenizer
+from kvstore.openai.structured import GrammarMatcher
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.worker_api import (
     ChoiceDelta,
@@ -62,12 +63,14 @@ class ChoiceRecord:
         eos_token_ids: Sequence[int],
         prompt_ids: Sequence[int],
         other_eos_ids: Sequence[int] = (),
+        grammar: GrammarMatcher | None = None,
     ) -> None:
+        """``grammar``: this choice's own matcher of ``params.grammar`` (``request_table.new_group`` builds it)."""
         self.group = group
         self.index = index
         self.sampling = ChoiceSampling(
             params, defaults, index=index, prompt_ids=prompt_ids, eos_token_ids=eos_token_ids,
-            other_eos_ids=other_eos_ids,
+            other_eos_ids=other_eos_ids, grammar=grammar,
         )  # fmt: skip
         self.detokenizer = IncrementalDetokenizer(
             tokenizer,
@@ -98,8 +101,8 @@ class ChoiceRecord:
             text, stop = self.detokenizer.push([token], search_stop=search)
         if stop is not None:
             state.finish(FinishReason.STOP, stop)
-        elif not state.is_finished and self.sampling.choice_done():
-            state.finish(FinishReason.STOP)  # a guided choice's whole sequence, none longer to go on to
+        elif not state.is_finished and self.sampling.constraint_done():
+            state.finish(FinishReason.STOP)  # a guided choice's whole sequence, or a grammar that can take no more
         elif count >= state.max_tokens:
             state.finish(FinishReason.LENGTH)
         if state.is_finished:

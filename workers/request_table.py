@@ -34,6 +34,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+from kvstore.errors import InvalidRequestError
+from kvstore.openai.structured import GrammarMatcher, StructuredOutputError, grammar_tokenizer
 from kvstore.openai.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvstore.worker_api import GenerateRequest
 from kvstore.workers.metrics import WorkerCounters
@@ -51,8 +53,21 @@ def new_group(
     eos_token_ids: Sequence[int],
     on_cancel: Callable[[RequestStream], None],
     other_eos_ids: Sequence[int] = (),
+    vocab_size: int | None = None,
 ) -> RequestGroup:
-    """A validated request as a group of ``n`` choices, one scheduler entry each, and its stream."""
+    """A validated request as a group of ``n`` choices, one scheduler entry each, and its stream.
+
+    A grammar (structured output) is compiled here, on the submitting thread, once for the request, and each
+    choice gets its own copy of the matcher. Raises InvalidRequestError if it does not compile for this model's
+    tokenizer (the HTTP front checks it first; a direct caller may not have).
+    """
+    matcher = None
+    if request.sampling.grammar is not None:
+        try:
+            ends = [*eos_token_ids, *other_eos_ids]
+            matcher = GrammarMatcher(grammar_tokenizer(tokenizer, vocab_size, ends), request.sampling.grammar)
+        except StructuredOutputError as exc:
+            raise InvalidRequestError(f"sampling.grammar: {exc}") from None
     request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
     arrival = time.monotonic()
     stream = RequestStream(request_id, request.sampling.n, on_cancel)
@@ -61,8 +76,9 @@ def new_group(
     for index in range(request.sampling.n):
         state = RequestState(request, request_id, arrival)
         state.output = ChoiceRecord(
-            group, index, request.sampling, defaults, tokenizer, eos_token_ids, request.token_ids, other_eos_ids
-        )
+            group, index, request.sampling, defaults, tokenizer, eos_token_ids, request.token_ids, other_eos_ids,
+            grammar=matcher.copy() if matcher is not None else None,
+        )  # fmt: skip
         group.choices.append(state)
     return group
 

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvstore.openai.structured import GrammarMatcher
 from kvstore.worker_api import SamplingParams, TokenLogprob
 
 
@@ -72,10 +73,13 @@ class ChoiceSampling:
         prompt_ids: Sequence[int],
         eos_token_ids: Sequence[int],
         other_eos_ids: Sequence[int] = (),
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         """``eos_token_ids``: the tokenizer's EOS, which ends a choice with no stop reason; ``other_eos_ids``: the
         other ids of the model's ``generation_config``, which vLLM makes stop token ids (unless ``ignore_eos``),
-        so that ending on one names it as the stop reason (see :func:`eos_split`)."""
+        so that ending on one names it as the stop reason (see :func:`eos_split`). ``grammar``: the choice's own
+        matcher of ``params.grammar`` (structured output), required when that is set."""
+        assert (grammar is None) == (params.grammar is None), "a grammar needs its matcher, and only then"
 
         def pick(value: float | int | None, default: float | int) -> float:
             return float(default if value is None else value)
@@ -98,6 +102,8 @@ class ChoiceSampling:
         self._choices = params.choice_token_ids  # guided choice: the output is one of these sequences
         self._output: list[int] = []  # the output so far (kept only for a guided choice)
         self._step_allowed: list[int] | None = None  # what the guided choice lets this step draw
+        self._grammar = grammar
+        self._grammar_allowed: torch.Tensor | None = None  # this step's mask of the grammar (bool, vocab wide)
         # The output's last tokens, as many as the longest bad word's prefix (none without bad words).
         self._recent: deque[int] = deque(maxlen=max((len(w) - 1 for w in self._bad_words), default=0))
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
@@ -122,6 +128,7 @@ class ChoiceSampling:
             and not self.logit_bias
             and self._allowed is None
             and self._choices is None
+            and self._grammar is None
             and not self._bad_words
             and not (self._blocked and self.num_output < self.min_tokens)
         )
@@ -133,10 +140,14 @@ class ChoiceSampling:
             self._recent.append(token_id)
         if self._choices is not None:
             self._output.append(token_id)
+        if self._grammar is not None:
+            self._grammar.consume(token_id)  # a token it refuses stops it: the choice then ends (constraint_done)
 
-    def choice_done(self) -> bool:
-        """A guided choice's output so far (its tokens recorded) is one of its sequences and no longer one goes on
-        from it: it must end here."""
+    def constraint_done(self) -> bool:
+        """The output so far (its tokens recorded) must end here: a guided choice's is one of its sequences and no
+        longer one goes on from it, or the grammar can take no more tokens."""
+        if self._grammar is not None:
+            return self._grammar.stopped
         if self._choices is None:
             return False
         n, out = len(self._output), tuple(self._output)
@@ -164,6 +175,9 @@ class ChoiceSampling:
                 kept = row[guided]
                 row.fill_(float("-inf"))
                 row[guided] = kept
+        if self._grammar is not None:
+            self._grammar_allowed = self._grammar.allowed(row.numel())
+            row.masked_fill_(~self._grammar_allowed, float("-inf"))
         if self._bad_words:
             banned = self._banned()
             if banned:
@@ -207,11 +221,14 @@ class ChoiceSampling:
             return torch.where(infinite, raw, torch.full_like(raw, float("-inf")))
         if bool(torch.isfinite(row).any()):
             return row
-        # The guided choice's next tokens always, whatever else ruled them out; else allowed_token_ids.
+        # The grammar's or the guided choice's next tokens always, whatever else ruled them out; else
+        # allowed_token_ids.
+        fallback = torch.full_like(raw, float("-inf"))
+        if self._grammar_allowed is not None and bool(self._grammar_allowed.any()):
+            return torch.where(self._grammar_allowed, raw, fallback)
         allowed = self._step_allowed if self._choices is not None and self._step_allowed else self._allowed
         if allowed is None:
             return raw.clone()
-        fallback = torch.full_like(raw, float("-inf"))
         fallback[allowed] = raw[allowed]
         return fallback
 

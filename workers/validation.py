@@ -68,6 +68,7 @@ _MAX_BAD_SEQUENCES = 128  # the HTTP front's 64 words, each with and without a l
 _MAX_BAD_TOKENS = 4096
 _MAX_CHOICES = 256
 _MAX_CHOICE_TOKENS = 1024
+_MAX_GRAMMAR_CHARS = 4 << 20  # compiled from the front's limit of 1 Mi characters of schema
 
 
 def _validate_sampling(sampling: Any, max_tokens: int, limits: RequestLimits) -> None:
@@ -105,6 +106,11 @@ def _validate_sampling(sampling: Any, max_tokens: int, limits: RequestLimits) ->
         all(0 < len(c) <= _MAX_CHOICE_TOKENS for c in choices or ()),
         f"choice_token_ids: 1..{_MAX_CHOICE_TOKENS} ids each",
     )
+    check(
+        s.grammar is None or (isinstance(s.grammar, str) and 0 < len(s.grammar) <= _MAX_GRAMMAR_CHARS),
+        f"grammar: a string of 1..{_MAX_GRAMMAR_CHARS:,} characters (llguidance's grammar text)",
+    )
+    check(s.grammar is None or choices is None, "choice_token_ids and grammar: one kind of structured output")
     ids = [*s.stop_token_ids, *(s.logit_bias or {}), *(s.allowed_token_ids or ()), *(t for w in words for t in w)]
     ids += [t for c in choices or () for t in c]
     check(all(type(t) is int and 0 <= t < limits.vocab_size for t in ids), "token ids must be in the vocabulary")

@@ -223,11 +223,14 @@ class KVWorker:
         """
         try:
             validate_request(request, self._limits)
+            group = new_group(
+                request, self._defaults, self.tokenizer, self._eos, self._cancel, self._other_eos,
+                self._limits.vocab_size,
+            )  # fmt: skip
         except InvalidRequestError:
             with self._lock:
                 self._counters.rejected += 1
             raise
-        group = new_group(request, self._defaults, self.tokenizer, self._eos, self._cancel, self._other_eos)
         with self._lock:
             if self._closed:
                 raise WorkerShutdownError(f"worker {self.name} is shut down; send the request to another replica")

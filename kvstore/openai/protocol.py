@@ -25,6 +25,7 @@ and never rewrites them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -40,6 +41,15 @@ from kvstore.openai.chat_template import (
 )
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.reasoning import parser_for
+from kvstore.openai.structured import (
+    MAX_GRAMMAR_CHARS,
+    StructuredOutputError,
+    check_grammar,
+    grammar_tokenizer,
+    json_schema_grammar,
+    regex_grammar,
+    text_grammar,
+)
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.worker_api import SamplingParams
 
@@ -100,16 +110,19 @@ class _GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     service_tier: Name | None = None
     prompt_cache_key: Name | None = None
     safety_identifier: Name | None = None
-    # vLLM's structured output: its choice only (checked where it is read, _choices).
+    # Structured output (checked where it is read, _constraint): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* names.
+    response_format: Any = None
     structured_outputs: Any = None
     guided_choice: Any = None
-    # vLLM fields this server does not implement: refused by name when set.
-    use_beam_search: bool = False
-    length_penalty: float | None = None
-    response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None  # one backend here (llguidance): any name is taken
+    # vLLM fields this server does not implement: refused by name when set.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
     logits_processors: Any = None
     priority: int = 0
     kv_transfer_params: Any = None
@@ -163,10 +176,6 @@ class ChatCompletionRequest(_GenerationFields, forbid_unknown_fields=True, kw_on
 _UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": None,
-    "response_format": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_grammar": None,
     "logits_processors": None,
     "priority": 0,
     "kv_transfer_params": None,
@@ -414,7 +423,11 @@ def parse_chat(
     echo = last["content"] if req.echo and last["role"] == role else None
     # A guided choice constrains the answer from its first token, so no thinking precedes it: not split (vLLM would
     # let the model think freely first; the choice here is the whole answer, its content).
-    reasoning = None if sampling.choice_token_ids else parser_for(reasoning_parser, req.chat_template_kwargs)
+    reasoning = (
+        None
+        if sampling.choice_token_ids or sampling.grammar
+        else parser_for(reasoning_parser, req.chat_template_kwargs)
+    )
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
         role=role, tool_parser=calls_parsed, reasoning_parser=reasoning
     )
@@ -689,7 +702,7 @@ def _template(override: str | None, tokenizer: Tokenizer) -> ChatTemplate:
 def _refuse_unsupported(req: msgspec.Struct) -> None:
     for field, default in _UNSUPPORTED.items():
         value = getattr(req, field, default)
-        if value != default and not (field == "response_format" and _plain_text_format(value)):
+        if value != default:
             raise ApiError(400, f"{field} is not supported by this server", param=field)
     modalities = getattr(req, "modalities", None)
     if modalities is not None and set(modalities) - {"text"}:
@@ -701,11 +714,6 @@ def _refuse_unsupported(req: msgspec.Struct) -> None:
     options = getattr(req, "stream_options", None)
     if options is not None and not getattr(req, "stream", False):
         raise ApiError(400, "stream_options can only be set with stream=true", param="stream_options")
-
-
-def _plain_text_format(value: Any) -> bool:
-    """``response_format: {"type": "text"}``: plain text, what is generated anyway (SDKs send it by default)."""
-    return isinstance(value, dict) and value.get("type") == "text" and set(value) == {"type"}
 
 
 def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest, logprobs: int | None) -> int | None:
@@ -726,29 +734,137 @@ def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest, logprobs: i
 MAX_CHOICES = 256
 
 
-def _choices(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None) -> tuple[tuple[int, ...], ...] | None:
-    """vLLM's guided choice (``guided_choice``, or ``structured_outputs: {"choice": [...]}``) as token sequences,
-    each choice tokenised alone, as the output will read it; the rest of structured output is refused by name."""
-    structured, legacy = req.structured_outputs, req.guided_choice
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "disable_fallback")
+_LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+class Constraint(NamedTuple):
+    """A request's structured output: a guided choice as token sequences, or a grammar (llguidance's text)."""
+
+    choices: tuple[tuple[int, ...], ...] | None = None
+    grammar: str | None = None
+
+
+def _constraint(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None) -> Constraint:
+    """What constrains the output, from ``response_format`` (``json_object``, ``json_schema``), vLLM's
+    ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` and its options) or the
+    older ``guided_*`` fields: at most one kind per request, as in vLLM. A schema, regex or grammar is compiled and
+    checked against the model's tokenizer here, so what the worker gets is known to compile."""
+    found: dict[str, tuple[Any, str]] = {}  # kind -> (value, the field it came from)
+    options: dict[str, Any] = {}
+    structured = req.structured_outputs
     if structured is not None:
-        set_keys = {k for k, v in structured.items() if v is not None} if isinstance(structured, dict) else set()
-        if not isinstance(structured, dict) or set_keys - {"choice"}:  # vLLM's other keys, left null, are fine
-            others = sorted(set_keys - {"choice"})
-            raise ApiError(400, f"structured_outputs supports only choice here, not {', '.join(others) or 'this'}",
-                           param="structured_outputs")  # fmt: skip
-        if legacy is not None:
-            raise ApiError(400, "send guided_choice or structured_outputs.choice, not both", param="guided_choice")
-        legacy, where = structured.get("choice"), "structured_outputs.choice"
+        if not isinstance(structured, dict):
+            raise ApiError(400, "structured_outputs must be an object", param="structured_outputs")
+        unknown = sorted(set(structured) - {*_KINDS, *_OPTIONS})
+        if unknown:
+            raise ApiError(
+                400, f"structured_outputs has no field {unknown[0]!r}", param=f"structured_outputs.{unknown[0]}"
+            )
+        for key in _KINDS:
+            if structured.get(key) not in (None, False):
+                found[key] = (structured[key], f"structured_outputs.{key}")
+        options = {key: structured[key] for key in _OPTIONS if structured.get(key) is not None}
+    for field, kind in _LEGACY.items():
+        value = getattr(req, field)
+        if value is not None:
+            if kind in found:
+                raise ApiError(400, f"send {field} or {found[kind][1]}, not both", param=field)
+            found[kind] = (value, field)
+    if req.guided_whitespace_pattern is not None:
+        options.setdefault("whitespace_pattern", req.guided_whitespace_pattern)
+    if req.guided_decoding_backend is not None and not isinstance(req.guided_decoding_backend, str):
+        raise ApiError(400, "guided_decoding_backend must be a string", param="guided_decoding_backend")
+    _response_format(req.response_format, found)
+    if len(found) > 1:
+        fields = ", ".join(where for _, where in found.values())
+        raise ApiError(400, f"only one kind of structured output per request, got {fields}",
+                       param=next(iter(found.values()))[1])  # fmt: skip
+    if not found:
+        return Constraint()
+    ((kind, (value, where)),) = found.items()
+    if kind == "choice":
+        return Constraint(choices=_choices(value, where, tokenizer, vocab))
+    if kind == "structural_tag":
+        raise ApiError(400, "structural tags are not supported by this server", param=where)
+    return Constraint(grammar=_grammar(kind, value, where, options, tokenizer, vocab))
+
+
+def _response_format(value: Any, found: dict[str, tuple[Any, str]]) -> None:
+    """OpenAI's ``response_format``: ``text`` (what is generated anyway: SDKs send it by default), ``json_object``
+    (any JSON object) or ``json_schema`` (``{"json_schema": {"name": ..., "schema": {...}}}``)."""
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return
+    if kind == "json_object":
+        found["json_object"] = (True, "response_format")
+    elif kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ApiError(400, 'response_format.json_schema must be {"name": ..., "schema": {...}}',
+                           param="response_format.json_schema")  # fmt: skip
+        if spec.get("schema") is None:
+            raise ApiError(400, "response_format.json_schema.schema is required here (the JSON schema the answer "
+                           "follows)", param="response_format.json_schema.schema")  # fmt: skip
+        found["json"] = (spec["schema"], "response_format.json_schema.schema")
+    elif kind == "structural_tag":
+        found["structural_tag"] = (value, "response_format")
     else:
-        where = "guided_choice"
-    if legacy is None:
-        return None
-    if not isinstance(legacy, list) or not legacy or len(legacy) > MAX_CHOICES:
+        raise ApiError(400, 'response_format.type must be "text", "json_object" or "json_schema"',
+                       param="response_format")  # fmt: skip
+
+
+def _grammar(
+    kind: str, value: Any, where: str, options: dict[str, Any], tokenizer: Tokenizer, vocab: int | None
+) -> str:
+    """A JSON schema, regex or grammar as llguidance grammar text, checked against the model's tokenizer."""
+    for flag in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        if not isinstance(options.get(flag, False), bool):
+            raise ApiError(400, f"structured_outputs.{flag} must be a boolean", param=f"structured_outputs.{flag}")
+    pattern = options.get("whitespace_pattern")
+    if pattern is not None and (not isinstance(pattern, str) or len(pattern) > MAX_NAME_CHARS):
+        raise ApiError(400, f"whitespace_pattern must be a string of at most {MAX_NAME_CHARS} characters",
+                       param="structured_outputs.whitespace_pattern")  # fmt: skip
+    try:
+        llm = grammar_tokenizer(tokenizer, vocab, tokenizer.eos_token_ids)
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else value
+            if isinstance(schema, str):  # vLLM takes the schema as JSON text too
+                if len(schema) > MAX_GRAMMAR_CHARS:
+                    raise StructuredOutputError(f"the schema is longer than {MAX_GRAMMAR_CHARS:,} characters")
+                try:
+                    schema = json.loads(schema)
+                except ValueError:
+                    raise StructuredOutputError("the schema is not JSON") from None
+            elif len(json.dumps(schema)) > MAX_GRAMMAR_CHARS:
+                raise StructuredOutputError(f"the schema is longer than {MAX_GRAMMAR_CHARS:,} characters")
+            grammar = json_schema_grammar(
+                schema,
+                any_whitespace=not options.get("disable_any_whitespace", False),
+                whitespace_pattern=pattern,
+                closed_objects=options.get("disable_additional_properties", False),
+            )
+        else:
+            if not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_CHARS:
+                raise StructuredOutputError(f"must be a non-empty string of at most {MAX_GRAMMAR_CHARS:,} characters")
+            grammar = regex_grammar(value) if kind == "regex" else text_grammar(value)
+        check_grammar(grammar, llm)
+    except StructuredOutputError as exc:
+        raise ApiError(400, f"{where}: {exc}", param=where) from None
+    return grammar
+
+
+def _choices(choices_asked: Any, where: str, tokenizer: Tokenizer, vocab: int | None) -> tuple[tuple[int, ...], ...]:
+    """vLLM's guided choice as token sequences, each choice tokenised alone, as the output will read it."""
+    if not isinstance(choices_asked, list) or not choices_asked or len(choices_asked) > MAX_CHOICES:
         raise ApiError(400, f"{where} must be a list of 1 to {MAX_CHOICES} strings", param=where)
     sequences: list[tuple[int, ...]] = []
     context = tokenizer.encode("x")  # a choice's tokens must read as the choice after other text, as output does
     before = tokenizer.decode(context, skip_special_tokens=False)
-    for index, choice in enumerate(legacy):
+    for index, choice in enumerate(choices_asked):
         if not isinstance(choice, str) or not choice or len(choice) > MAX_NAME_CHARS:
             raise ApiError(400, f"{where}[{index}] must be a non-empty string of at most {MAX_NAME_CHARS} characters",
                            param=f"{where}[{index}]")  # fmt: skip
@@ -804,6 +920,7 @@ def _sampling(
     for token in stop_ids:
         if token < 0 or (vocab is not None and token >= vocab):
             raise ApiError(400, f"stop_token_ids: {token} is not a token id of this model", param="stop_token_ids")
+    constraint = _constraint(req, tokenizer, vocab)
     return SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,
@@ -825,7 +942,8 @@ def _sampling(
         skip_special_tokens=req.skip_special_tokens,
         allowed_token_ids=_allowed(req.allowed_token_ids, vocab),
         bad_words_token_ids=_bad_words(req.bad_words, tokenizer, vocab),
-        choice_token_ids=_choices(req, tokenizer, vocab),
+        choice_token_ids=constraint.choices,
+        grammar=constraint.grammar,
     )
 
 

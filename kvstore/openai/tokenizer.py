@@ -142,6 +142,10 @@ class HFTokenizer:
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [self._tok.id_to_token(t) or "" for t in token_ids]
 
+    def json_text(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what llguidance builds its view of the vocabulary from)."""
+        return str(self._tok.to_str())
+
 
 BYTES = "bytes"
 """The name of the built-in model's byte tokenizer where a path is expected (``router.tokenizer``)."""

@@ -1,0 +1,189 @@
+"""Structured output: a JSON schema, regex or grammar as an llguidance grammar, and its per-choice matcher.
+
+What a request asks for (``response_format`` of type ``json_object`` or
+``json_schema``; vLLM's ``structured_outputs`` ``json`` / ``regex`` /
+``grammar`` / ``json_object``, or their older ``guided_*`` names) becomes
+one llguidance grammar text on the front (:func:`json_schema_grammar`,
+:func:`regex_grammar`, :func:`text_grammar`), checked there against the
+model's tokenizer (:func:`check_grammar`), so a bad schema is a 400 that
+quotes the compiler. The text travels in ``SamplingParams.grammar``; the
+worker builds a :class:`GrammarMatcher` per choice when the request is
+submitted (off the step loop: building one can take milliseconds for a
+large schema) and, on every step, masks the tokens the grammar does not
+allow next, then advances the matcher by the token drawn.
+
+Why llguidance: it is one of vLLM's structured-output backends (``guidance``),
+computes a mask over a 150k vocabulary in tens of microseconds, needs no
+GPU, and takes JSON schema, regular expressions, Lark and GBNF grammars.
+
+Invariants and failure modes:
+
+- A choice's tokens are always a prefix of a string of the grammar: the
+  mask allows nothing else, and when other constraints leave no allowed
+  token the sampler falls back to the grammar's own (see ``usable`` in the
+  sampler). A token the matcher refuses anyway (a bug) ends the choice.
+- Once the matcher is *stopped* (the grammar can take nothing more), the
+  choice ends with ``stop`` at once; while it is *accepting* but could go
+  on (a number, trailing whitespace), EOS is one of the allowed tokens.
+- The grammar's EOS is the tokenizer's EOS plus the model's other end
+  tokens (``generation_config``): any of them may end an accepted output.
+- A tokenizer that cannot be described to llguidance (the built-in byte
+  model's, which has no EOS) refuses structured output with a clear error.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import torch
+
+from kvstore.openai.tokenizer import HFTokenizer, Tokenizer
+
+MAX_GRAMMAR_CHARS = 1 << 20
+"""A schema, regex or grammar longer than this (as text) is refused before it is compiled."""
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be served: its message says why (the compiler's own words where it has them)."""
+
+
+_cache_lock = threading.Lock()
+_tokenizers: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int | None, eos_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """``tokenizer`` as llguidance sees it, for logits ``vocab_size`` wide, ending on ``eos_ids``: built once per
+    tokenizer, width and EOS set (about a second for a 150k vocabulary), then shared (it is thread-safe)."""
+    if not isinstance(tokenizer, HFTokenizer):
+        raise StructuredOutputError(
+            "structured output needs a model with a Hugging Face tokenizer (tokenizer.json); "
+            "this model's byte tokenizer has no EOS token to end an output on"
+        )
+    ends = tuple(dict.fromkeys(eos_ids)) or tokenizer.eos_token_ids
+    if not ends:
+        raise StructuredOutputError("structured output needs an EOS token, and this model's tokenizer has none")
+    width = max(vocab_size or 0, tokenizer.vocab_size)
+    key = (width, ends)
+    with _cache_lock:
+        built = _tokenizers.setdefault(tokenizer, {})
+        found = built.get(key)
+        if found is None:
+            found = built[key] = llguidance.LLTokenizer(tokenizer.json_text(), n_vocab=width, eos_token=list(ends))
+        return found
+
+
+def json_schema_grammar(
+    schema: Any, *, any_whitespace: bool = True, whitespace_pattern: str | None = None, closed_objects: bool = False
+) -> str:
+    """A JSON schema (a dict or a bool) as a grammar. ``any_whitespace`` False: compact JSON only (vLLM's
+    ``disable_any_whitespace``); ``closed_objects``: objects that do not say otherwise take no other properties
+    (vLLM's ``disable_additional_properties``)."""
+    if not isinstance(schema, dict | bool):
+        raise StructuredOutputError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
+    if closed_objects:
+        schema = _closed(schema)
+    options: dict[str, Any] = {"whitespace_flexible": any_whitespace}
+    if whitespace_pattern is not None:
+        options["whitespace_pattern"] = whitespace_pattern
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:
+        raise StructuredOutputError(f"invalid JSON schema: {exc}") from None
+
+
+def regex_grammar(pattern: str) -> str:
+    return llguidance.LLMatcher.grammar_from_regex(pattern)
+
+
+def text_grammar(text: str) -> str:
+    """A Lark grammar (llguidance's dialect) or a GBNF / EBNF one (llama.cpp's, as vLLM's ``grammar`` takes)."""
+    try:
+        return llguidance.grammar_from("grammar", text)
+    except ValueError as exc:
+        raise StructuredOutputError(str(exc)) from None
+
+
+def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
+    """Raise StructuredOutputError unless ``grammar`` compiles for ``tokenizer``."""
+    if len(grammar) > 4 * MAX_GRAMMAR_CHARS:
+        raise StructuredOutputError(f"the compiled grammar is {len(grammar):,} characters; the limit is "
+                                    f"{4 * MAX_GRAMMAR_CHARS:,}")  # fmt: skip
+    message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if message:
+        raise StructuredOutputError(message.strip())
+
+
+class GrammarMatcher:
+    """One choice's place in its grammar. Built on the submitting thread; used by the step loop alone."""
+
+    __slots__ = ("_matcher", "_shifts", "_width")
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, *, matcher: Any = None) -> None:
+        """Raises StructuredOutputError if ``grammar`` does not compile."""
+        self._width = tokenizer.vocab_size
+        self._shifts = torch.arange(8, dtype=torch.uint8)
+        if matcher is None:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            if matcher.is_error():
+                raise StructuredOutputError(matcher.get_error().strip())
+        self._matcher = matcher
+
+    def copy(self) -> GrammarMatcher:
+        """A matcher at the same place, for another choice of the same request."""
+        clone = GrammarMatcher.__new__(GrammarMatcher)
+        clone._width, clone._shifts, clone._matcher = self._width, self._shifts, self._matcher.deep_copy()
+        return clone
+
+    def allowed(self, width: int) -> torch.Tensor:
+        """A bool mask of the next tokens the grammar allows, ``width`` long (ids past the tokenizer's: never)."""
+        bits = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.uint8)
+        mask = ((bits.unsqueeze(1) >> self._shifts) & 1).flatten().bool()
+        if mask.numel() >= width:
+            return mask[:width]
+        return torch.cat([mask, torch.zeros(width - mask.numel(), dtype=torch.bool)])
+
+    def consume(self, token: int) -> bool:
+        """Advance by a drawn token; False if the grammar refused it (the matcher is then stopped for good)."""
+        return bool(self._matcher.consume_token(token))
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar can take no more tokens (it is complete, or the matcher failed)."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def failed(self) -> bool:
+        return bool(self._matcher.is_error())
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema in it that does not set it. Only
+    subschemas are visited (``const`` and ``enum`` values, ``default`` and examples are left as they are)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if key in out:
+            out[key] = [_closed(sub) for sub in out[key]] if isinstance(out[key], list) else _closed(out[key])
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out

@@ -1,0 +1,289 @@
+"""Structured output (``response_format`` json_object / json_schema, vLLM's ``structured_outputs`` json, regex,
+grammar and json_object, and the older ``guided_*`` names): whatever a random model samples, the output is a
+string of the grammar -- JSON that validates against its schema (``jsonschema`` is the oracle), text the regex
+matches whole, a sentence of the grammar -- through the worker and through its HTTP front with the official
+``openai`` client, whose ``chat.completions.parse`` reads the answer into a pydantic model."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import httpx
+import jsonschema
+import pydantic
+import pytest
+from workers_testlib import make_config
+
+from kvstore.errors import InvalidRequestError
+from kvstore.openai.errors import ApiError
+from kvstore.openai.protocol import ModelLimits, decode_chat, decode_completion, parse_chat, parse_completion
+from kvstore.openai.structured import GrammarMatcher, grammar_tokenizer, json_schema_grammar, regex_grammar
+from kvstore.openai.tokenizer import HFTokenizer, load_tokenizer
+from kvstore.worker_api import FinishReason, GenerateRequest, SamplingParams
+from kvstore.workers.http import create_worker_app
+from kvstore.workers.worker import KVWorker
+from tests import openai_conformance as check
+from tests.checkpoints import VOCAB, TinyCheckpoint
+from tests.http_servers import ServerThread
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "tier": {"enum": ["gpu", "cpu", "disk"]},
+        "hits": {"type": "integer", "minimum": 0, "maximum": 999},
+        "pinned": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["name", "tier", "hits", "pinned"],
+    "additionalProperties": False,
+}
+LIMITS = ModelLimits(vocab_size=VOCAB, max_context=512)
+
+
+@pytest.fixture(scope="module")
+def worker(qwen2_checkpoint: TinyCheckpoint) -> Iterator[KVWorker]:
+    w = KVWorker("structured", make_config(num_blocks=96, model=str(qwen2_checkpoint.path)))
+    yield w
+    w.shutdown()
+
+
+def _compact(schema: Any) -> str:
+    return json_schema_grammar(schema, any_whitespace=False)
+
+
+def test_sampled_json_always_validates_against_its_schema(worker: KVWorker) -> None:
+    sampling = SamplingParams(temperature=1.2, seed=5, n=3, grammar=_compact(SCHEMA))
+    seen_tiers = set()
+    for prompt in ([11, 12, 13], [40, 41], [7] * 9):
+        result = worker.generate(GenerateRequest(prompt, 160, sampling=sampling))
+        for choice in result.choices:
+            value = json.loads(choice.text)
+            jsonschema.validate(value, SCHEMA)
+            assert choice.finish_reason is FinishReason.STOP, choice
+            seen_tiers.add(value["tier"])
+    assert len(seen_tiers) >= 2  # the draw still chooses, within the grammar
+    worker.check_invariants()
+
+
+def test_greedy_json_object_and_flexible_whitespace_parse(worker: KVWorker) -> None:
+    """``json_object`` (any object), with JSON's whitespace allowed between tokens as vLLM allows by default:
+    whatever the model puts there, a finished answer parses."""
+    any_object = json_schema_grammar({"type": "object", "maxProperties": 2})
+    for seed in range(3):
+        sampling = SamplingParams(temperature=1.0, seed=seed, grammar=any_object)
+        choice = worker.generate(GenerateRequest([5, 6, 7], 256, sampling=sampling)).choices[0]
+        if choice.finish_reason is FinishReason.STOP:
+            assert isinstance(json.loads(choice.text), dict), choice.text
+        else:  # cut short: still a prefix the grammar allows
+            assert choice.finish_reason is FinishReason.LENGTH and choice.text.lstrip().startswith("{")
+
+
+def test_a_regex_is_matched_whole_and_ends_the_choice(worker: KVWorker) -> None:
+    pattern = r"[0-9]{3}-(cpu|gpu)-[a-f]{2}"
+    sampling = SamplingParams(temperature=1.0, seed=1, n=4, grammar=regex_grammar(pattern))
+    result = worker.generate(GenerateRequest([30, 31, 32], 40, sampling=sampling))
+    for choice in result.choices:
+        assert re.fullmatch(pattern, choice.text), choice.text
+        assert choice.finish_reason is FinishReason.STOP
+
+
+def test_min_tokens_cannot_push_the_output_past_its_grammar(worker: KVWorker) -> None:
+    """``min_tokens`` masks EOS, but a finished grammar allows nothing else: the grammar wins, and the choice ends
+    where it is complete."""
+    sampling = SamplingParams(temperature=0.0, min_tokens=30, grammar=regex_grammar("ok|no"))
+    choice = worker.generate(GenerateRequest([3, 4], 40, sampling=sampling)).choices[0]
+    assert choice.text in ("ok", "no") and choice.finish_reason is FinishReason.STOP
+
+
+def test_max_tokens_cuts_a_grammar_short_with_length(worker: KVWorker) -> None:
+    sampling = SamplingParams(temperature=0.0, grammar=regex_grammar("[a-z]{40}"))
+    choice = worker.generate(GenerateRequest([3, 4], 5, sampling=sampling)).choices[0]
+    assert choice.finish_reason is FinishReason.LENGTH and re.fullmatch("[a-z]+", choice.text), choice.text
+
+
+def test_a_grammar_that_does_not_compile_is_refused_by_the_worker(worker: KVWorker) -> None:
+    before = worker._counters.rejected
+    for bad in ["not a grammar", regex_grammar("[a-"), ""]:
+        with pytest.raises(InvalidRequestError, match="grammar"):
+            worker.submit(GenerateRequest([1, 2], 4, sampling=SamplingParams(grammar=bad)))
+    with pytest.raises(InvalidRequestError, match="one kind"):
+        worker.submit(
+            GenerateRequest([1, 2], 4, sampling=SamplingParams(grammar=regex_grammar("a"), choice_token_ids=((5,),)))
+        )
+    assert worker._counters.rejected == before + 4
+    worker.check_invariants()
+
+
+def test_the_byte_model_refuses_a_grammar_it_has_no_eos_to_end() -> None:
+    toy = KVWorker("structured-toy", make_config(num_blocks=32))
+    try:
+        with pytest.raises(InvalidRequestError, match="Hugging Face tokenizer"):
+            toy.submit(GenerateRequest([1, 2], 4, sampling=SamplingParams(grammar=regex_grammar("a+"))))
+        with pytest.raises(ApiError, match="Hugging Face tokenizer") as refused:
+            parse_completion(
+                decode_completion(json.dumps({"prompt": "x", "response_format": {"type": "json_object"}}).encode()),
+                load_tokenizer(None), ModelLimits(vocab_size=256, max_context=64),
+            )  # fmt: skip
+        assert refused.value.param == "response_format"
+    finally:
+        toy.shutdown()
+
+
+def test_the_mask_is_what_the_grammar_allows(qwen2_checkpoint: TinyCheckpoint) -> None:
+    tokenizer = load_tokenizer(str(qwen2_checkpoint.path))
+    assert isinstance(tokenizer, HFTokenizer)
+    matcher = GrammarMatcher(grammar_tokenizer(tokenizer, VOCAB, tokenizer.eos_token_ids), regex_grammar("ab|ac"))
+    allowed = matcher.allowed(VOCAB)
+    assert allowed.shape == (VOCAB,) and not allowed[tokenizer.vocab_size :].any()  # the model's extra rows: never
+    first = {tokenizer.decode([t]) for t in allowed.nonzero().flatten().tolist()}
+    assert first and all(text in ("a", "ab", "ac") for text in first), first
+    (a,) = tokenizer.encode("a")
+    copy = matcher.copy()
+    assert matcher.consume(a) and not matcher.stopped
+    assert {tokenizer.decode([t]) for t in matcher.allowed(VOCAB).nonzero().flatten().tolist()} == {"b", "c"}
+    assert copy.allowed(VOCAB).equal(allowed)  # a copy moves on its own
+    (z,) = tokenizer.encode("z")
+    assert not matcher.consume(z) and matcher.stopped and matcher.failed
+
+
+# ---------------------------------------------------------------------------------------------- the front
+
+
+def _completion(tokenizer: Any, **body: Any) -> SamplingParams:
+    request = decode_completion(json.dumps({"prompt": "Answer:", **body}).encode())
+    return parse_completion(request, tokenizer, LIMITS).sampling
+
+
+@pytest.fixture(scope="module")
+def hf(qwen2_checkpoint: TinyCheckpoint) -> Any:
+    return load_tokenizer(str(qwen2_checkpoint.path))
+
+
+def test_every_way_of_asking_compiles_to_a_grammar(hf: Any) -> None:
+    asks = [
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}},
+        {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+        {"structured_outputs": {"json": json.dumps(SCHEMA)}},  # vLLM takes the schema as JSON text too
+        {"structured_outputs": {"json_object": True}},
+        {"structured_outputs": {"regex": "[0-9]+"}},
+        {"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}},  # GBNF
+        {"structured_outputs": {"grammar": 'start: "yes" | "no"'}},  # Lark
+        {"guided_json": SCHEMA, "guided_whitespace_pattern": " ?", "guided_decoding_backend": "xgrammar"},
+        {"guided_regex": "a+"},
+        {"guided_grammar": 'root ::= "a"'},
+        # options alone beside response_format: vLLM's knobs for OpenAI's field
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"disable_additional_properties": True}},
+    ]
+    for ask in asks:
+        sampling = _completion(hf, **ask)
+        assert sampling.grammar and sampling.choice_token_ids is None, ask
+    assert _completion(hf, response_format={"type": "text"}).grammar is None
+    assert _completion(hf, structured_outputs={"choice": ["yes", "no"]}).choice_token_ids
+
+
+def test_closed_objects_and_compact_whitespace_change_what_is_allowed(hf: Any) -> None:
+    llm = grammar_tokenizer(hf, VOCAB, hf.eos_token_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+
+    def accepts(grammar: str, text: str) -> bool:
+        matcher = GrammarMatcher(llm, grammar)
+        return all(matcher.consume(t) for t in hf.encode(text))
+
+    assert accepts(json_schema_grammar(schema), '{ "a": true, "b": 1}')
+    assert not accepts(json_schema_grammar(schema, closed_objects=True), '{"a":true,"b":1}')
+    assert not accepts(json_schema_grammar(schema, any_whitespace=False), '{ "a": true}')
+    assert accepts(json_schema_grammar(schema, any_whitespace=False), '{"a":true}')
+    # const and enum values are data, not schemas: left alone
+    nested = {"const": {"type": "object", "x": 1}}
+    assert accepts(json_schema_grammar(nested, any_whitespace=False, closed_objects=True), '{"type":"object","x":1}')
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"structured_outputs": {"json": {"type": "strang"}}}, "structured_outputs.json", "strang"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not JSON"),
+        ({"structured_outputs": {"json": 7}}, "structured_outputs.json", "object or a boolean"),
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "regex"),
+        ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex", "non-empty"),
+        ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar", ""),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.regex", "one kind"),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "no field"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", "not supported"),
+        ({"structured_outputs": "json"}, "structured_outputs", "object"),
+        ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}},
+         "structured_outputs.disable_any_whitespace", "boolean"),
+        ({"guided_json": {}, "structured_outputs": {"json": {}}}, "guided_json", "not both"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one kind"),
+        ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "t"}}},
+         "response_format.json_schema.schema", "required"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": 3}}}},
+         "response_format.json_schema.schema", ""),
+        ({"guided_decoding_backend": 3, "guided_regex": "a"}, "guided_decoding_backend", "string"),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_served_is_a_400_naming_the_field(hf: Any, body: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        _completion(hf, **body)
+    assert refused.value.status == 400 and refused.value.param == param, refused.value.message
+    assert words in refused.value.message, refused.value.message
+
+
+def test_a_grammar_turns_the_reasoning_split_off(hf: Any) -> None:
+    """As a guided choice: the constrained text is the content, whole (the model cannot think before it)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}
+    parsed = parse_chat(decode_chat(json.dumps(body).encode()), hf, LIMITS, reasoning_parser="deepseek_r1")
+    assert parsed.sampling.grammar and parsed.reasoning_parser is None
+
+
+# ---------------------------------------------------------------------------------- over HTTP, the client
+
+
+class Block(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=6)
+    tier: Literal["gpu", "cpu", "disk"]
+    hits: int = pydantic.Field(ge=0, le=999)
+
+
+def test_the_openai_client_parses_the_answer_into_its_model(worker: KVWorker) -> None:
+    server = ServerThread(create_worker_app(worker)).start()
+    try:
+        client = check.client(server.url)
+        model = worker.info().model_name
+        compact = {"structured_outputs": {"disable_any_whitespace": True}}
+        for seed in range(3):
+            parsed = client.chat.completions.parse(
+                model=model, messages=[{"role": "user", "content": "Describe a block."}], response_format=Block,
+                max_tokens=120, temperature=1.0, seed=seed, extra_body=compact,
+            )  # fmt: skip
+            message = parsed.choices[0].message
+            assert isinstance(message.parsed, Block) and parsed.choices[0].finish_reason == "stop", message
+        streamed = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Describe a block."}], max_tokens=120, seed=9,
+            temperature=1.0, stream=True, extra_body={**compact, "response_format": {"type": "json_schema",
+            "json_schema": {"name": "block", "schema": SCHEMA}}},
+        )  # fmt: skip
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+        jsonschema.validate(json.loads(text), SCHEMA)
+        plain = client.completions.create(
+            model=model, prompt="Port:", max_tokens=12, temperature=1.0, seed=2,
+            extra_body={"structured_outputs": {"regex": "[1-9][0-9]{3}"}},
+        )  # fmt: skip
+        assert re.fullmatch("[1-9][0-9]{3}", plain.choices[0].text), plain.choices[0].text
+        bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "strang"}}}
+        refused = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "x"}], "response_format": bad},
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "response_format.json_schema.schema"
+    finally:
+        server.stop()
