@@ -218,6 +218,8 @@ class ParsedRequest(NamedTuple):
     echo_only: bool = False  # completions' echo with max_tokens 0: one token is generated, only the prompt shown
     tool_parser: str | None = None  # chat: the answer's tool calls are parsed out of its text by this parser
     reasoning_parser: str | None = None  # chat: the answer's reasoning is split from its content by this parser
+    named_tool: str | None = None  # chat: tool_choice names this function; the answer is its arguments
+    tools_required: bool = False  # chat: tool_choice "required"; the answer is a JSON array of calls
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -406,7 +408,10 @@ def parse_chat(
     token_ids = truncated(token_ids, req.truncate_prompt_tokens, limits.max_context)
     top = (req.top_logprobs or 0) if req.logprobs else None
     # As vLLM: a chat's echo scores the prompt with top_logprobs alternatives (vLLM's default 0) even without logprobs
-    sampling = _sampling(req, top, limits, tokenizer, prompt_logprobs=_prompt_logprobs(req, req.top_logprobs or 0))
+    forced = _forced_tools_schema(req.tools, req.tool_choice, req.parallel_tool_calls) if req.tools else None
+    sampling = _sampling(
+        req, top, limits, tokenizer, prompt_logprobs=_prompt_logprobs(req, req.top_logprobs or 0), forced=forced
+    )
     explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if explicit is None and limits.max_context is not None:
         explicit = limits.max_context - len(token_ids)
@@ -429,8 +434,10 @@ def parse_chat(
         else parser_for(reasoning_parser, req.chat_template_kwargs)
     )
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
-        role=role, tool_parser=calls_parsed, reasoning_parser=reasoning
-    )
+        role=role, tool_parser=calls_parsed, reasoning_parser=reasoning,
+        named_tool=_named_tool(req.tool_choice, req.tools) if req.tools else None,
+        tools_required=bool(req.tools) and req.tool_choice == "required",
+    )  # fmt: skip
 
 
 def _own_template(chat_template: Any, kwargs: Any, trust_template: bool) -> str | None:
@@ -659,10 +666,65 @@ def _tools(tools: list[Any] | None, choice: Any, parser: str | None = None) -> l
             'send tool_choice "none" to have the tools rendered into the prompt and the answer as text',
             param="tool_choice",
         )
-    if choice not in (None, "auto", "none"):
-        raise ApiError(400, 'only tool_choice "auto" and "none" are supported (a named or required tool needs '
-                       "structured output)", param="tool_choice")  # fmt: skip
+    if choice not in (None, "auto", "none", "required"):
+        _named_tool(choice, tools)
     return [as_vllm_tool(tool) for tool in tools]
+
+
+def _named_tool(choice: Any, tools: list[Any] | None) -> str | None:
+    """The function a named ``tool_choice`` (``{"type": "function", "function": {"name": ...}}``) names, or None
+    for the other choices; 400 unless it is one of ``tools``."""
+    if choice is None or isinstance(choice, str):
+        if choice not in (None, "auto", "none", "required"):
+            raise ApiError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                           '"function": {"name": ...}}', param="tool_choice")  # fmt: skip
+        return None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(function, dict)
+            and isinstance(function.get("name"), str)):  # fmt: skip
+        raise ApiError(400, 'a named tool_choice is {"type": "function", "function": {"name": ...}}',
+                       param="tool_choice")  # fmt: skip
+    name = function["name"]
+    if name not in {tool["function"]["name"] for tool in tools or ()}:
+        raise ApiError(400, f"tool_choice names {name!r}, which is not one of the request's tools",
+                       param="tool_choice.function.name")  # fmt: skip
+    return str(name)
+
+
+def _forced_tools_schema(tools: list[Any], choice: Any, parallel: bool | None = None) -> Any:
+    """The JSON schema the answer follows when ``tool_choice`` forces a call, as vLLM builds it: a named function's
+    ``parameters`` (an empty object's schema when it has none); for ``"required"``, a non-empty array of
+    ``{"name": <one of the tools>, "parameters": <its parameters>}``, each tool's ``$defs`` hoisted to the top, and
+    of one call only with ``parallel_tool_calls`` false (OpenAI's meaning). None when the choice forces nothing."""
+    name = _named_tool(choice, tools)
+    no_parameters: dict[str, Any] = {"type": "object", "properties": {}}
+    if name is not None:
+        function = next(t["function"] for t in tools if t["function"]["name"] == name)
+        return function.get("parameters") or no_parameters
+    if choice != "required":
+        return None
+    variants: list[dict[str, Any]] = []
+    defs: dict[str, Any] = {}
+    for index, tool in enumerate(tools):
+        parameters: Any = tool["function"].get("parameters") or no_parameters
+        if isinstance(parameters, dict) and isinstance(parameters.get("$defs"), dict):
+            parameters = dict(parameters)
+            hoisted: dict[str, Any] = parameters.pop("$defs")
+            for key, value in hoisted.items():
+                if key in defs and defs[key] != value:
+                    raise ApiError(400, f"tools[{index}]: $defs {key!r} differs from another tool's",
+                                   param=f"tools[{index}].function.parameters")  # fmt: skip
+                defs[key] = value
+        variants.append({
+            "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]}, "parameters": parameters},
+            "required": ["name", "parameters"],
+        })  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -746,7 +808,7 @@ class Constraint(NamedTuple):
     grammar: str | None = None
 
 
-def _constraint(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None) -> Constraint:
+def _constraint(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None, forced: Any = None) -> Constraint:
     """What constrains the output, from ``response_format`` (``json_object``, ``json_schema``), vLLM's
     ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` and its options) or the
     older ``guided_*`` fields: at most one kind per request, as in vLLM. A schema, regex or grammar is compiled and
@@ -777,6 +839,11 @@ def _constraint(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None)
     if req.guided_decoding_backend is not None and not isinstance(req.guided_decoding_backend, str):
         raise ApiError(400, "guided_decoding_backend must be a string", param="guided_decoding_backend")
     _response_format(req.response_format, found)
+    if forced is not None:
+        if "json" in found:
+            raise ApiError(400, f"a named or required tool_choice fixes the answer's schema; {found['json'][1]} "
+                           "cannot be set beside it", param=found["json"][1])  # fmt: skip
+        found["json"] = (forced, "tool_choice")
     if len(found) > 1:
         fields = ", ".join(where for _, where in found.values())
         raise ApiError(400, f"only one kind of structured output per request, got {fields}",
@@ -890,7 +957,10 @@ def _sampling(
     tokenizer: Tokenizer,
     *,
     prompt_logprobs: int | None = None,
+    forced: Any = None,
 ) -> SamplingParams:
+    """``forced``: the JSON schema a named or required ``tool_choice`` holds the answer to (None: none)."""
+
     def bounded(field: str, value: float | None, low: float, high: float, *, low_open: bool = False) -> None:
         if value is None:
             return
@@ -920,7 +990,7 @@ def _sampling(
     for token in stop_ids:
         if token < 0 or (vocab is not None and token >= vocab):
             raise ApiError(400, f"stop_token_ids: {token} is not a token id of this model", param="stop_token_ids")
-    constraint = _constraint(req, tokenizer, vocab)
+    constraint = _constraint(req, tokenizer, vocab, forced)
     return SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,

@@ -25,7 +25,10 @@ token first, then the top alternatives. A completion's ``echo`` with
 With a tool-call parser (``ParsedRequest.tool_parser``), a chat answer's
 tool calls are parsed out of its text (:mod:`kvstore.openai.tool_calls`):
 the message (or the stream's deltas) carries ``tool_calls`` and the choice
-ends with ``finish_reason: "tool_calls"``, as vLLM answers.
+ends with ``finish_reason: "tool_calls"``, as vLLM answers. A named
+``tool_choice`` makes the answer one call of that function (content ``""``,
+``finish_reason`` as generated), ``"required"`` an array of calls
+(``finish_reason: "tool_calls"``), as vLLM answers them.
 
 With a reasoning parser (``ParsedRequest.reasoning_parser``), a chat answer's
 reasoning (before ``</think>``) is split from its content
@@ -48,7 +51,14 @@ import msgspec
 from kvstore.openai.protocol import ParsedRequest
 from kvstore.openai.reasoning import NO_THINKING, ReasoningStream, split
 from kvstore.openai.tokenizer import Tokenizer
-from kvstore.openai.tool_calls import ToolCallStream, extract
+from kvstore.openai.tool_calls import (
+    NamedCallStream,
+    RequiredCallStream,
+    ToolCallStream,
+    extract,
+    named_call,
+    required_calls,
+)
 from kvstore.worker_api import ChoiceDelta, GenerateResult, PromptLogprobs, RequestStats, StreamChunk, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
@@ -98,7 +108,7 @@ class ResponseBuilder:
         self._started: set[int] = set()  # choices whose first chunk went out
         self._offsets: dict[int, int] = {}  # completions' logprobs text_offset, per choice
         self._generated: dict[int, int] = {}  # tokens each choice has generated so far (continuous usage)
-        self._tool_streams: dict[int, ToolCallStream] = {}  # per choice, with a tool-call parser (streamed chat)
+        self._tool_streams: dict[int, CallStream] = {}  # per choice, with a tool-call parser or forced calls
         self._reasoning_streams: dict[int, ReasoningStream] = {}  # per choice, with a reasoning parser
 
     # ------------------------------------------------------------------ plain
@@ -123,8 +133,13 @@ class ResponseBuilder:
                     parsed["tool_calls"] = found.tool_calls
                     if found.tool_calls:
                         finish_reason = "tool_calls"
+                forced = _forced_calls(prompt, answer or "")
+                if forced is not None:  # as vLLM: a forced call's message has "" content, the answer is the call
+                    answer, parsed["tool_calls"] = "", forced
+                    if prompt.tools_required and finish_reason == "stop":
+                        finish_reason = "tool_calls"
                 content: str | None = (prompt.echo_text or "") + (answer or "")
-                if parsed:  # an answer a parser split has null content when nothing is left of it
+                if parsed and forced is None:  # an answer a parser split has null content when nothing is left of it
                     content = content or None
                 entry["message"] = {"role": prompt.role, "content": content, **parsed}
             else:
@@ -202,10 +217,12 @@ class ResponseBuilder:
         if splits:
             stream = self._reasoning_streams.setdefault(delta.index, ReasoningStream())
             reasoning, text = _through(stream, text, finish_reason is not None)
-        if self.chat and prompt.tool_parser is not None:
-            tools = self._tool_streams.setdefault(delta.index, ToolCallStream(prompt.tool_parser))
+        if self.chat and (prompt.tool_parser is not None or prompt.named_tool is not None or prompt.tools_required):
+            tools = self._tool_streams.get(delta.index)
+            if tools is None:
+                tools = self._tool_streams[delta.index] = _call_stream(prompt)
             text, calls = _through(tools, text, finish_reason is not None)
-            if finish_reason is not None and tools.calls:
+            if finish_reason is not None and tools.calls and prompt.named_tool is None:
                 finish_reason = "tool_calls"
         if (
             not text
@@ -354,7 +371,30 @@ class ResponseBuilder:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _through(stream: ReasoningStream | ToolCallStream, text: str, finished: bool) -> Any:
+CallStream = ToolCallStream | NamedCallStream | RequiredCallStream
+
+
+def _call_stream(prompt: ParsedRequest) -> CallStream:
+    """How a streamed chat answer's tool calls are read: a forced call's way, else the tool-call parser's."""
+    if prompt.named_tool is not None:
+        return NamedCallStream(prompt.named_tool)
+    if prompt.tools_required:
+        return RequiredCallStream()
+    assert prompt.tool_parser is not None
+    return ToolCallStream(prompt.tool_parser)
+
+
+def _forced_calls(prompt: ParsedRequest, answer: str) -> list[dict[str, Any]] | None:
+    """A plain answer's calls when ``tool_choice`` forced them: the named function's call, or a required answer's
+    array of calls (None when it is not one: cut short, it stays text)."""
+    if prompt.named_tool is not None:
+        return [named_call(prompt.named_tool, answer)]
+    if prompt.tools_required:
+        return required_calls(answer)
+    return None
+
+
+def _through(stream: ReasoningStream | CallStream, text: str, finished: bool) -> Any:
     """A streamed delta's text through a choice's parser (its piece), and on the choice's last delta what the
     parser still held too, field by field."""
     piece: Any = stream.push(text)  # a NamedTuple of str / list fields, each concatenated with the tail's

@@ -37,6 +37,14 @@ back. Streamed, an answer that starts with ``{`` or ``<|python_tag|>`` is
 held whole and parsed at its end (calls, or the text as content if it is
 none); any other answer streams as content as it comes.
 
+Forced calls (no parser needed, as in vLLM): with a named ``tool_choice`` the
+answer is held by its grammar to the function's arguments, and becomes one
+call of that function (:func:`named_call`; streamed by :class:`NamedCallStream`,
+the arguments as they come, the first delta naming the call); with
+``"required"`` it is a JSON array of ``{"name", "parameters"}`` objects, each
+one call (:func:`required_calls`; streamed by :class:`RequiredCallStream`,
+each call as soon as its object is whole).
+
 Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them.
 """
 
@@ -206,3 +214,90 @@ def _partial_tag(text: str) -> int:
         if START.startswith(text[-size:]):
             return size
     return 0
+
+
+def named_call(name: str, arguments: str) -> dict[str, Any]:
+    """The call a named ``tool_choice`` makes: the answer is the arguments' JSON text, as the model wrote it."""
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def required_calls(text: str) -> list[dict[str, Any]] | None:
+    """The calls of a ``"required"`` answer (a JSON array of ``{"name", "parameters"}``), or None if it is not one
+    (an answer cut short by ``max_tokens``)."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(parsed, list) or not all(_is_required_item(item) for item in parsed):
+        return None
+    return [_as_call(item["name"], item["parameters"]) for item in parsed]
+
+
+def _is_required_item(item: Any) -> bool:
+    return isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item
+
+
+class NamedCallStream:
+    """A named ``tool_choice``'s answer streamed as one call's arguments: the first delta with text carries the
+    call's index, id, type and name, each later one more of the arguments (OpenAI's clients concatenate them)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self.calls = 0
+
+    def push(self, text: str) -> Piece:
+        if not text:
+            return Piece("", [])
+        if self.calls == 0:
+            self.calls = 1
+            return Piece("", [{"index": 0, **named_call(self._name, text)}])
+        return Piece("", [{"index": 0, "function": {"arguments": text}}])
+
+    def finish(self) -> Piece:
+        return Piece("", [])
+
+
+class RequiredCallStream:
+    """A ``"required"`` answer streamed call by call: the array's text is held, and each element goes out as one
+    whole call once its object closes. What never became a call (an answer cut short) goes out as content at the
+    end."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._at = 0  # where the next element (or the array's opening) starts in _text
+        self._opened = False
+        self.calls = 0
+
+    def push(self, text: str) -> Piece:
+        self._text += text
+        calls: list[dict[str, Any]] = []
+        while True:
+            rest = self._text[self._at :]
+            stripped = rest.lstrip()
+            skipped = len(rest) - len(stripped)
+            if not self._opened:
+                if not stripped.startswith("["):
+                    break
+                self._opened, self._at = True, self._at + skipped + 1
+                continue
+            if stripped.startswith(","):
+                self._at += skipped + 1
+                continue
+            if not stripped.startswith("{"):
+                break
+            try:
+                item, end = _DECODER.raw_decode(stripped)
+            except ValueError:
+                break  # the element is not whole yet
+            if not _is_required_item(item):
+                break
+            calls.append({"index": self.calls, **_as_call(item["name"], item["parameters"])})
+            self.calls += 1
+            self._at += skipped + end
+        return Piece("", calls)
+
+    def finish(self) -> Piece:
+        """What is left once the answer ended: nothing for a closed array, else the unparsed text as content."""
+        rest = self._text[self._at :].strip()
+        self._text, self._at = "", 0
+        return Piece("" if rest in ("]", "") and self._opened else rest, [])

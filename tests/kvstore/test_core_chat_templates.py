@@ -259,9 +259,9 @@ def test_tools_and_earlier_tool_calls_render_as_transformers_renders_them(family
     [
         ({"tools": TOOLS}, "tool_choice", 'tool_choice "auto" (the default with tools) needs a tool-call parser'),
         ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "needs a tool-call parser"),
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", 'only tool_choice "auto" and "none"'),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-         'only tool_choice "auto" and "none"'),
+        ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", 'must be "none", "auto", "required" or'),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_wether"}}},
+         "tool_choice.function.name", "'get_wether', which is not one of the request's tools"),
         ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0]", "tools[0] must be"),
         ({"tool_choice": "auto"}, "tool_choice", "tool_choice needs tools"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
