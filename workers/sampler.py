@@ -1,7 +1,8 @@
 """Picking each choice's next token from the model's logits, with vLLM's sampling semantics.
 
 Per row (one choice that reached the end of its sequence this step), in
-vLLM's order: tokens outside ``allowed_token_ids`` are masked; so is the last token of each ``bad_words``
+vLLM's order: tokens outside ``allowed_token_ids`` are masked, and those a
+guided choice or a grammar (structured output) does not allow next; so is the last token of each ``bad_words``
 sequence whose other tokens the output ends with (a one-token sequence always); ``logit_bias`` is added;
 EOS and the stop token ids are masked while fewer than ``min_tokens`` tokens exist; the repetition
 penalty (prompt and output tokens: divide a positive logit, multiply a
@@ -24,7 +25,8 @@ a temperature under ``SAMPLING_EPS`` is greedy, as in vLLM (dividing by
 1e-39 made every logit infinite); logits a penalty made infinite are the
 only candidates, drawn among by their raw values; and when the constraints
 leave no token at all (``min_tokens`` blocking the only allowed ones), the
-row falls back to the raw logits of the allowed tokens.
+row falls back to the raw logits of the allowed tokens (the grammar's or the
+guided choice's first: a constrained output never leaves its constraint).
 """
 
 from __future__ import annotations

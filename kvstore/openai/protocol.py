@@ -3,9 +3,10 @@
 Bodies are decoded with msgspec rather than pydantic so every rejection
 names the offending field. Every field vLLM's server takes for text
 generation is declared; those we serve are checked against vLLM's ranges
-and become a :class:`~kvstore.worker_api.SamplingParams`, and those we do
-not (tools, images, structured output, beam search, ...) are refused with
-a 400 that names them. OpenAI's fields that change nothing about the
+and become a :class:`~kvstore.worker_api.SamplingParams` (structured output
+compiled to a grammar on the way, :mod:`kvstore.openai.structured`), and
+those we do not (images, beam search, structural tags, ...) are refused
+with a 400 that names them. OpenAI's fields that change nothing about the
 tokens generated (``store``, ``metadata``, ``service_tier``,
 ``prompt_cache_key``, ``safety_identifier``, ``prediction``, ``verbosity``,
 ``user``; ``response_format`` of type ``text``, ``modalities`` of just
