@@ -222,7 +222,9 @@ class ResponseBuilder:
             if tools is None:
                 tools = self._tool_streams[delta.index] = _call_stream(prompt)
             text, calls = _through(tools, text, finish_reason is not None)
-            if finish_reason is not None and tools.calls and prompt.named_tool is None:
+            # a named call ends as generated; a required answer's calls end "tool_calls" only once it is whole
+            forced_cut = prompt.tools_required and finish_reason != "stop"
+            if finish_reason is not None and tools.calls and prompt.named_tool is None and not forced_cut:
                 finish_reason = "tool_calls"
         if (
             not text

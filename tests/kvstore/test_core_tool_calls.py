@@ -77,13 +77,14 @@ def parsed_chat(parser: str | None = "hermes", **body: Any) -> Any:
     return parse_chat(decode_chat(raw), TOK, ModelLimits(512, 2048), trust_template=True, tool_parser=parser)
 
 
-def test_auto_needs_a_parser_and_a_named_or_required_choice_is_refused() -> None:
+def test_auto_needs_a_parser_and_a_forced_call_a_hugging_face_tokenizer() -> None:
     with pytest.raises(ApiError, match="needs a tool-call parser") as info:
         parsed_chat(None)
     assert info.value.param == "tool_choice"
     for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
-        with pytest.raises(ApiError, match="structured output"):
+        with pytest.raises(ApiError, match="Hugging Face tokenizer") as info:  # the byte model has no EOS
             parsed_chat(tool_choice=choice)
+        assert info.value.param == "tool_choice"
     parsed = parsed_chat()
     assert parsed.tool_parser == "hermes"
     assert parsed.sampling.skip_special_tokens is False  # tool-call tags may be special tokens, as vLLM keeps them
@@ -199,3 +200,28 @@ def test_review_cases_prose_in_llama3_json_and_calls_without_arguments() -> None
             assert "".join(p.content for p in pieces) == text and not any(p.tool_calls for p in pieces)
     assert extract('<tool_call>{"name": "f"}</tool_call>') == ('<tool_call>{"name": "f"}</tool_call>', [])
     assert extract('{"name": "f"}', "llama3_json") == ('{"name": "f"}', [])
+
+
+def test_a_required_answer_cut_short_streams_its_whole_calls_and_ends_with_length() -> None:
+    """As the plain body: ``tool_calls`` only for a whole answer; the calls that closed still went out."""
+    text = '[{"name": "get_weather", "parameters": {"city": "Nice"}}, {"name": "get_weather", "param'
+    parsed = parsed_chat(tool_choice="none")._replace(tools_required=True, tool_parser=None)
+    for finish, expected in [(FinishReason.LENGTH, "length"), (FinishReason.STOP, "tool_calls")]:
+        whole = text if finish is FinishReason.LENGTH else text[: text.index(", {")] + "]"
+        made = ResponseBuilder(parsed, TOK, model="m", request_id="chatcmpl-1")
+        state = ChatCompletionStreamState(input_tools=TOOLS)  # type: ignore[arg-type]
+        finishes = []
+        for chunk in chunks_of(whole, 9, finish):
+            for event in made.events(chunk):
+                payload = json.loads(event[6:])
+                if payload["choices"]:
+                    finishes.append(payload["choices"][0]["finish_reason"])
+                state.handle_chunk(ChatCompletionChunk.model_validate(payload))
+        message = state.current_completion_snapshot.choices[0].message  # the final one refuses a "length"
+        assert [f for f in finishes if f] == [expected]
+        assert [json.loads(c.function.arguments) for c in message.tool_calls or []] == [{"city": "Nice"}]
+        plain = ResponseBuilder(parsed, TOK, model="m", request_id="chatcmpl-1").body(
+            fold_stream(chunks_of(whole, 9, finish), 1)
+        )["choices"][0]
+        assert plain["finish_reason"] == expected
+        assert (plain["message"]["content"] == "") == (finish is FinishReason.STOP)  # cut short: the text stays
