@@ -86,6 +86,8 @@ def create_worker_app(
                     yield chunk
             except WorkerShutdownError as exc:
                 raise ApiError(503, str(exc)) from None
+            except InvalidRequestError as exc:  # refused mid-way (a grammar its parser could not follow)
+                raise ApiError(400, str(exc)) from None
             finally:
                 stream.cancel()  # a no-op once the request finished
 

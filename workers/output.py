@@ -34,7 +34,6 @@ from collections.abc import Sequence
 
 from kvstore.events import MEDIA, Medium
 from kvstore.openai.detokenizer import IncrementalDetokenizer
-from kvstore.openai.structured import GrammarMatcher
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.worker_api import (
     ChoiceDelta,
@@ -45,6 +44,7 @@ from kvstore.worker_api import (
     StreamChunk,
     TokenLogprob,
 )
+from kvstore.workers.grammar import GrammarMatcher
 from kvstore.workers.sampler import ChoiceSampling, SamplingDefaults
 from kvstore.workers.scheduler import RequestState
 from kvstore.workers.stream import RequestStream
@@ -83,6 +83,11 @@ class ChoiceRecord:
         self.want_prompt_logprobs = params.prompt_logprobs is not None
         self.text_of_stop_token = params.include_stop_str_in_output
 
+    @property
+    def failure(self) -> str | None:
+        """Why this choice cannot go on (its grammar's matcher failed), or None."""
+        return self.sampling.grammar_error
+
     def accept(self, state: RequestState, token: int, logprob: TokenLogprob | None) -> ChoiceDelta:
         """Record a sampled token; returns what to stream, with the finish reason once the choice is done."""
         state.output_token_ids.append(token)
@@ -102,7 +107,9 @@ class ChoiceRecord:
         if stop is not None:
             state.finish(FinishReason.STOP, stop)
         elif not state.is_finished and self.sampling.constraint_done():
-            state.finish(FinishReason.STOP)  # a guided choice's whole sequence, or a grammar that can take no more
+            # a guided choice's whole sequence, or a grammar that can take no more -- or one whose matcher failed
+            # (a parser limit met mid-answer): the worker then fails the request (see ``failure``)
+            state.finish(FinishReason.ABORT if self.failure else FinishReason.STOP)
         elif count >= state.max_tokens:
             state.finish(FinishReason.LENGTH)
         if state.is_finished:

@@ -35,9 +35,10 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from kvstore.errors import InvalidRequestError
-from kvstore.openai.structured import GrammarMatcher, StructuredOutputError, grammar_tokenizer
+from kvstore.openai.structured import StructuredOutputError, grammar_tokenizer
 from kvstore.openai.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvstore.worker_api import GenerateRequest
+from kvstore.workers.grammar import GrammarMatcher
 from kvstore.workers.metrics import WorkerCounters
 from kvstore.workers.model_spec import ServedModel
 from kvstore.workers.output import ChoiceRecord, RequestGroup

@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvstore.openai.structured import GrammarMatcher
 from kvstore.worker_api import SamplingParams, TokenLogprob
+from kvstore.workers.grammar import GrammarMatcher
 
 
 class SamplingDefaults(NamedTuple):
@@ -144,6 +144,13 @@ class ChoiceSampling:
             self._output.append(token_id)
         if self._grammar is not None:
             self._grammar.consume(token_id)  # a token it refuses stops it: the choice then ends (constraint_done)
+
+    @property
+    def grammar_error(self) -> str | None:
+        """Why the grammar's matcher failed (a limit of its parser, met mid-answer), or None."""
+        if self._grammar is None or not self._grammar.failed:
+            return None
+        return self._grammar.error or "the grammar refused a token it allowed"
 
     def constraint_done(self) -> bool:
         """The output so far (its tokens recorded) must end here: a guided choice's is one of its sequences and no

@@ -437,20 +437,33 @@ class KVWorker:
             deltas.setdefault(id(record.group), (record.group, []))[1].append(delta)
             if record.index == 0 and len(state.output_token_ids) == 1:
                 prompts += state.prompt_tokens
+        # A choice whose grammar failed mid-answer (a parser limit) cannot go on, and its output so far may not
+        # be a prefix of the grammar: its request fails whole, as a request the worker cannot serve.
+        broken = {
+            key: (group, failure)
+            for key, (group, _) in deltas.items()
+            if (failure := next((f for s in group.choices if (f := choice_record(s).failure)), None)) is not None
+        }
         now = time.monotonic()
         with self._lock:
             self._counters.tokens_sampled += len(tokens)
             self._counters.prompts_started += prompts
             finished = self._scheduler.update(output, tokens, now)
+            for group, _ in broken.values():
+                self._requests.fail(group.choices)
             if finished:
                 self._offload.launch_stores()  # the finished choices' cached blocks
             self._publish_pending()
             for state in finished:
                 self._counters.generation_tokens += len(state.output_token_ids)
-            done = [group for group, _ in deltas.values() if group.done]
+            done = [group for key, (group, _) in deltas.items() if group.done and key not in broken]
             for group in done:
                 self._requests.finish(group)
-        for group, group_deltas in deltas.values():
+        for key, (group, group_deltas) in deltas.items():
+            if key in broken:
+                reason = broken[key][1]
+                group.stream.fail(InvalidRequestError(f"structured output failed mid-answer: {reason}"))
+                continue
             group.stream.put(group.chunk(group_deltas, self.name, now))
             if group.done:
                 group.stream.close()

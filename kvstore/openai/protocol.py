@@ -701,13 +701,14 @@ def _forced_tools_schema(tools: list[Any], choice: Any, parallel: bool | None = 
     no_parameters: dict[str, Any] = {"type": "object", "properties": {}}
     if name is not None:
         function = next(t["function"] for t in tools if t["function"]["name"] == name)
-        return function.get("parameters") or no_parameters
+        return no_parameters if function.get("parameters") is None else function["parameters"]
     if choice != "required":
         return None
     variants: list[dict[str, Any]] = []
     defs: dict[str, Any] = {}
     for index, tool in enumerate(tools):
-        parameters: Any = tool["function"].get("parameters") or no_parameters
+        parameters: Any = tool["function"].get("parameters")
+        parameters = no_parameters if parameters is None else parameters
         if isinstance(parameters, dict) and isinstance(parameters.get("$defs"), dict):
             parameters = dict(parameters)
             hoisted: dict[str, Any] = parameters.pop("$defs")
@@ -825,8 +826,11 @@ def _constraint(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None,
             raise ApiError(
                 400, f"structured_outputs has no field {unknown[0]!r}", param=f"structured_outputs.{unknown[0]}"
             )
+        if not isinstance(structured.get("json_object", False), bool | None):
+            raise ApiError(400, "structured_outputs.json_object must be a boolean",
+                           param="structured_outputs.json_object")  # fmt: skip
         for key in _KINDS:
-            if structured.get(key) not in (None, False):
+            if structured.get(key) is not None and structured[key] is not False:
                 found[key] = (structured[key], f"structured_outputs.{key}")
         options = {key: structured[key] for key in _OPTIONS if structured.get(key) is not None}
     for field, kind in _LEGACY.items():
@@ -841,9 +845,10 @@ def _constraint(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None,
         raise ApiError(400, "guided_decoding_backend must be a string", param="guided_decoding_backend")
     _response_format(req.response_format, found)
     if forced is not None:
-        if "json" in found:
-            raise ApiError(400, f"a named or required tool_choice fixes the answer's schema; {found['json'][1]} "
-                           "cannot be set beside it", param=found["json"][1])  # fmt: skip
+        if found:
+            where = next(iter(found.values()))[1]
+            raise ApiError(400, f"a named or required tool_choice fixes the answer's schema; {where} cannot be set "
+                           "beside it", param=where)  # fmt: skip
         found["json"] = (forced, "tool_choice")
     if len(found) > 1:
         fields = ", ".join(where for _, where in found.values())
@@ -905,8 +910,8 @@ def _grammar(
                     raise StructuredOutputError(f"the schema is longer than {MAX_GRAMMAR_CHARS:,} characters")
                 try:
                     schema = json.loads(schema)
-                except ValueError:
-                    raise StructuredOutputError("the schema is not JSON") from None
+                except (ValueError, RecursionError):
+                    raise StructuredOutputError("the schema is not JSON (or nests too deeply)") from None
             elif len(json.dumps(schema)) > MAX_GRAMMAR_CHARS:
                 raise StructuredOutputError(f"the schema is longer than {MAX_GRAMMAR_CHARS:,} characters")
             grammar = json_schema_grammar(

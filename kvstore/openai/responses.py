@@ -28,7 +28,8 @@ the message (or the stream's deltas) carries ``tool_calls`` and the choice
 ends with ``finish_reason: "tool_calls"``, as vLLM answers. A named
 ``tool_choice`` makes the answer one call of that function (content ``""``,
 ``finish_reason`` as generated), ``"required"`` an array of calls
-(``finish_reason: "tool_calls"``), as vLLM answers them.
+(``finish_reason: "tool_calls"`` once the array closed; cut short, the
+calls that closed and the rest as content), as vLLM answers them.
 
 With a reasoning parser (``ParsedRequest.reasoning_parser``), a chat answer's
 reasoning (before ``</think>``) is split from its content
@@ -57,7 +58,7 @@ from kvstore.openai.tool_calls import (
     ToolCallStream,
     extract,
     named_call,
-    required_calls,
+    read_required,
 )
 from kvstore.worker_api import ChoiceDelta, GenerateResult, PromptLogprobs, RequestStats, StreamChunk, TokenLogprob
 
@@ -133,11 +134,9 @@ class ResponseBuilder:
                     parsed["tool_calls"] = found.tool_calls
                     if found.tool_calls:
                         finish_reason = "tool_calls"
-                forced = _forced_calls(prompt, answer or "")
+                forced = _forced_calls(prompt, answer or "", finish_reason)
                 if forced is not None:  # as vLLM: a forced call's message has "" content, the answer is the call
-                    answer, parsed["tool_calls"] = "", forced
-                    if prompt.tools_required and finish_reason == "stop":
-                        finish_reason = "tool_calls"
+                    answer, parsed["tool_calls"], finish_reason = forced
                 content: str | None = (prompt.echo_text or "") + (answer or "")
                 if parsed and forced is None:  # an answer a parser split has null content when nothing is left of it
                     content = content or None
@@ -222,9 +221,11 @@ class ResponseBuilder:
             if tools is None:
                 tools = self._tool_streams[delta.index] = _call_stream(prompt)
             text, calls = _through(tools, text, finish_reason is not None)
-            # a named call ends as generated; a required answer's calls end "tool_calls" only once it is whole
-            forced_cut = prompt.tools_required and finish_reason != "stop"
-            if finish_reason is not None and tools.calls and prompt.named_tool is None and not forced_cut:
+            # a named call ends as generated; a required answer "tool_calls" only once its array closed
+            if isinstance(tools, RequiredCallStream):
+                if finish_reason == "stop" and tools.complete:
+                    finish_reason = "tool_calls"
+            elif finish_reason is not None and tools.calls and prompt.named_tool is None:
                 finish_reason = "tool_calls"
         if (
             not text
@@ -386,13 +387,17 @@ def _call_stream(prompt: ParsedRequest) -> CallStream:
     return ToolCallStream(prompt.tool_parser)
 
 
-def _forced_calls(prompt: ParsedRequest, answer: str) -> list[dict[str, Any]] | None:
-    """A plain answer's calls when ``tool_choice`` forced them: the named function's call, or a required answer's
-    array of calls (None when it is not one: cut short, it stays text)."""
+def _forced_calls(
+    prompt: ParsedRequest, answer: str, finish_reason: str
+) -> tuple[str, list[dict[str, Any]], str] | None:
+    """A plain answer as (content, calls, finish reason) when ``tool_choice`` forced calls: the named function's one
+    call; a required answer's calls, ``tool_calls`` once its array closed, and what no call was made of (an answer
+    cut short) as content, read as a stream reads it. None when nothing was forced."""
     if prompt.named_tool is not None:
-        return [named_call(prompt.named_tool, answer)]
+        return "", [named_call(prompt.named_tool, answer)], finish_reason
     if prompt.tools_required:
-        return required_calls(answer)
+        calls, rest, complete = read_required(answer)
+        return rest, calls, "tool_calls" if complete and finish_reason == "stop" else finish_reason
     return None
 
 

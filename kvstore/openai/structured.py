@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
-import torch
 
 from kvstore.openai.tokenizer import HFTokenizer, Tokenizer
 
@@ -74,17 +73,27 @@ def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int | None, eos_ids: Seq
         built = _tokenizers.setdefault(tokenizer, {})
         found = built.get(key)
         if found is None:
-            found = built[key] = llguidance.LLTokenizer(tokenizer.json_text(), n_vocab=width, eos_token=list(ends))
+            try:
+                found = llguidance.LLTokenizer(tokenizer.json_text(), n_vocab=width, eos_token=list(ends))
+            except Exception as exc:  # the library's own error types: a tokenizer it cannot describe
+                raise StructuredOutputError(
+                    f"this model's tokenizer cannot be used for structured output: {exc}"
+                ) from None
+            built[key] = found
         return found
 
 
 def json_schema_grammar(
     schema: Any, *, any_whitespace: bool = True, whitespace_pattern: str | None = None, closed_objects: bool = False
 ) -> str:
-    """A JSON schema (a dict or a bool) as a grammar. ``any_whitespace`` False: compact JSON only (vLLM's
-    ``disable_any_whitespace``); ``closed_objects``: objects that do not say otherwise take no other properties
-    (vLLM's ``disable_additional_properties``)."""
-    if not isinstance(schema, dict | bool):
+    """A JSON schema (a dict, or ``true``: any JSON value) as a grammar. ``any_whitespace`` False: compact JSON
+    only (vLLM's ``disable_any_whitespace``); ``closed_objects``: objects that list properties and do not say
+    otherwise take no others (vLLM's ``disable_additional_properties``)."""
+    if schema is True:
+        schema = {}
+    if schema is False:
+        raise StructuredOutputError("the schema false admits no value")
+    if not isinstance(schema, dict):
         raise StructuredOutputError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
     if closed_objects:
         schema = _closed(schema)
@@ -119,57 +128,15 @@ def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
         raise StructuredOutputError(message.strip())
 
 
-class GrammarMatcher:
-    """One choice's place in its grammar. Built on the submitting thread; used by the step loop alone."""
-
-    __slots__ = ("_matcher", "_shifts", "_width")
-
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, *, matcher: Any = None) -> None:
-        """Raises StructuredOutputError if ``grammar`` does not compile."""
-        self._width = tokenizer.vocab_size
-        self._shifts = torch.arange(8, dtype=torch.uint8)
-        if matcher is None:
-            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-            if matcher.is_error():
-                raise StructuredOutputError(matcher.get_error().strip())
-        self._matcher = matcher
-
-    def copy(self) -> GrammarMatcher:
-        """A matcher at the same place, for another choice of the same request."""
-        clone = GrammarMatcher.__new__(GrammarMatcher)
-        clone._width, clone._shifts, clone._matcher = self._width, self._shifts, self._matcher.deep_copy()
-        return clone
-
-    def allowed(self, width: int) -> torch.Tensor:
-        """A bool mask of the next tokens the grammar allows, ``width`` long (ids past the tokenizer's: never)."""
-        bits = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.uint8)
-        mask = ((bits.unsqueeze(1) >> self._shifts) & 1).flatten().bool()
-        if mask.numel() >= width:
-            return mask[:width]
-        return torch.cat([mask, torch.zeros(width - mask.numel(), dtype=torch.bool)])
-
-    def consume(self, token: int) -> bool:
-        """Advance by a drawn token; False if the grammar refused it (the matcher is then stopped for good)."""
-        return bool(self._matcher.consume_token(token))
-
-    @property
-    def stopped(self) -> bool:
-        """The grammar can take no more tokens (it is complete, or the matcher failed)."""
-        return bool(self._matcher.is_stopped())
-
-    @property
-    def failed(self) -> bool:
-        return bool(self._matcher.is_error())
-
-
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 
 
 def _closed(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object schema in it that does not set it. Only
-    subschemas are visited (``const`` and ``enum`` values, ``default`` and examples are left as they are)."""
+    """``schema`` with ``additionalProperties: false`` on every object schema in it that lists ``properties`` or
+    ``patternProperties`` and does not set it. Only subschemas are visited (``const`` and ``enum`` values,
+    ``default`` and examples are left as they are)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -182,8 +149,7 @@ def _closed(schema: Any) -> Any:
     for key in _SCHEMA_ONE:
         if key in out:
             out[key] = [_closed(sub) for sub in out[key]] if isinstance(out[key], list) else _closed(out[key])
-    kind = out.get("type")
-    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
-    if is_object and "additionalProperties" not in out:
+    # As vLLM closes them: an object schema that lists properties (a bare {"type": "object"} stays open).
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

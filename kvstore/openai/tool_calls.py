@@ -42,7 +42,7 @@ answer is held by its grammar to the function's arguments, and becomes one
 call of that function (:func:`named_call`; streamed by :class:`NamedCallStream`,
 the arguments as they come, the first delta naming the call); with
 ``"required"`` it is a JSON array of ``{"name", "parameters"}`` objects, each
-one call (:func:`required_calls`; streamed by :class:`RequiredCallStream`,
+one call (:func:`read_required`; streamed by :class:`RequiredCallStream`,
 each call as soon as its object is whole).
 
 Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them.
@@ -221,18 +221,6 @@ def named_call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def required_calls(text: str) -> list[dict[str, Any]] | None:
-    """The calls of a ``"required"`` answer (a JSON array of ``{"name", "parameters"}``), or None if it is not one
-    (an answer cut short by ``max_tokens``)."""
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(parsed, list) or not all(_is_required_item(item) for item in parsed):
-        return None
-    return [_as_call(item["name"], item["parameters"]) for item in parsed]
-
-
 def _is_required_item(item: Any) -> bool:
     return isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item
 
@@ -258,20 +246,22 @@ class NamedCallStream:
 
 
 class RequiredCallStream:
-    """A ``"required"`` answer streamed call by call: the array's text is held, and each element goes out as one
-    whole call once its object closes. What never became a call (an answer cut short) goes out as content at the
-    end."""
+    """A ``"required"`` answer read call by call, streamed or whole: the array's text is held, and each element
+    goes out as one whole call once its object closes. :attr:`complete` once the array has closed. What never
+    became a call (an answer cut short) goes out as content at the end: all of the text if no call did, else
+    what follows the last call. A plain answer is read the same way, so both show the same calls and text."""
 
     def __init__(self) -> None:
         self._text = ""
         self._at = 0  # where the next element (or the array's opening) starts in _text
         self._opened = False
+        self.complete = False
         self.calls = 0
 
     def push(self, text: str) -> Piece:
         self._text += text
         calls: list[dict[str, Any]] = []
-        while True:
+        while not self.complete:
             rest = self._text[self._at :]
             stripped = rest.lstrip()
             skipped = len(rest) - len(stripped)
@@ -283,6 +273,9 @@ class RequiredCallStream:
             if stripped.startswith(","):
                 self._at += skipped + 1
                 continue
+            if stripped.startswith("]") and self.calls:
+                self.complete, self._at = True, self._at + skipped + 1
+                break
             if not stripped.startswith("{"):
                 break
             try:
@@ -297,7 +290,17 @@ class RequiredCallStream:
         return Piece("", calls)
 
     def finish(self) -> Piece:
-        """What is left once the answer ended: nothing for a closed array, else the unparsed text as content."""
-        rest = self._text[self._at :].strip()
-        self._text, self._at = "", 0
-        return Piece("" if rest in ("]", "") and self._opened else rest, [])
+        """What is left once the answer ended: nothing after a closed array (but trailing text), else the text no
+        call was made of."""
+        if not self.calls:
+            return Piece(self._text, [])
+        rest = self._text[self._at :]
+        return Piece(rest.strip() if self.complete else rest.lstrip(", \n\r\t"), [])
+
+
+def read_required(text: str) -> tuple[list[dict[str, Any]], str, bool]:
+    """A whole ``"required"`` answer as (its calls, the text no call was made of, whether the array closed)."""
+    stream = RequiredCallStream()
+    calls = stream.push(text).tool_calls
+    rest = stream.finish().content
+    return [{k: v for k, v in call.items() if k != "index"} for call in calls], rest, stream.complete

@@ -219,9 +219,16 @@ def test_a_required_answer_cut_short_streams_its_whole_calls_and_ends_with_lengt
                 state.handle_chunk(ChatCompletionChunk.model_validate(payload))
         message = state.current_completion_snapshot.choices[0].message  # the final one refuses a "length"
         assert [f for f in finishes if f] == [expected]
+        streamed_content = message.content
         assert [json.loads(c.function.arguments) for c in message.tool_calls or []] == [{"city": "Nice"}]
         plain = ResponseBuilder(parsed, TOK, model="m", request_id="chatcmpl-1").body(
             fold_stream(chunks_of(whole, 9, finish), 1)
         )["choices"][0]
         assert plain["finish_reason"] == expected
-        assert (plain["message"]["content"] == "") == (finish is FinishReason.STOP)  # cut short: the text stays
+        assert [json.loads(c["function"]["arguments"]) for c in plain["message"]["tool_calls"]] == [{"city": "Nice"}]
+        # cut short: the calls that closed, and what follows them as content -- the same plain and streamed
+        assert (
+            plain["message"]["content"]
+            == (streamed_content or "")
+            == ("" if finish is FinishReason.STOP else '{"name": "get_weather", "param')
+        )

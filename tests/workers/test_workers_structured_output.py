@@ -20,9 +20,10 @@ from workers_testlib import make_config
 from kvstore.errors import InvalidRequestError
 from kvstore.openai.errors import ApiError
 from kvstore.openai.protocol import ModelLimits, decode_chat, decode_completion, parse_chat, parse_completion
-from kvstore.openai.structured import GrammarMatcher, grammar_tokenizer, json_schema_grammar, regex_grammar
+from kvstore.openai.structured import grammar_tokenizer, json_schema_grammar, regex_grammar
 from kvstore.openai.tokenizer import HFTokenizer, load_tokenizer
 from kvstore.worker_api import FinishReason, GenerateRequest, SamplingParams
+from kvstore.workers.grammar import GrammarMatcher
 from kvstore.workers.http import create_worker_app
 from kvstore.workers.worker import KVWorker
 from tests import openai_conformance as check
@@ -196,6 +197,14 @@ def test_closed_objects_and_compact_whitespace_change_what_is_allowed(hf: Any) -
 
     assert accepts(json_schema_grammar(schema), '{ "a": true, "b": 1}')
     assert not accepts(json_schema_grammar(schema, closed_objects=True), '{"a":true,"b":1}')
+    # as vLLM closes them: only objects that list properties; a bare object (json_object's) stays open
+    assert accepts(json_schema_grammar({"type": "object"}, closed_objects=True), '{"k":1}')
+    holder = {"type": "object", "properties": {"meta": {"type": "object"}}, "required": ["meta"]}
+    assert accepts(json_schema_grammar(holder, closed_objects=True), '{"meta":{"k":1}}')
+    assert not accepts(json_schema_grammar(holder, closed_objects=True), '{"meta":{},"x":1}')
+    patterned = {"patternProperties": {"^a": {"type": "integer"}}}
+    assert not accepts(json_schema_grammar(patterned, closed_objects=True), '{"b":1}')
+    assert accepts(json_schema_grammar(True, any_whitespace=False), "[1,{}]")  # true: any JSON value
     assert not accepts(json_schema_grammar(schema, any_whitespace=False), '{ "a": true}')
     assert accepts(json_schema_grammar(schema, any_whitespace=False), '{"a":true}')
     # const and enum values are data, not schemas: left alone
@@ -209,6 +218,9 @@ def test_closed_objects_and_compact_whitespace_change_what_is_allowed(hf: Any) -
         ({"structured_outputs": {"json": {"type": "strang"}}}, "structured_outputs.json", "strang"),
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not JSON"),
         ({"structured_outputs": {"json": 7}}, "structured_outputs.json", "object or a boolean"),
+        ({"structured_outputs": {"json": 0}}, "structured_outputs.json", "object or a boolean"),  # 0 is no "unset"
+        ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object", "boolean"),
+        ({"guided_json": '{"type":"array","items":' * 1200 + "{}" + "}" * 1200}, "guided_json", "nests too deeply"),
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "regex"),
         ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex", "non-empty"),
         ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar", ""),
@@ -285,5 +297,30 @@ def test_the_openai_client_parses_the_answer_into_its_model(worker: KVWorker) ->
         )
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["param"] == "response_format.json_schema.schema"
+    finally:
+        server.stop()
+
+
+def test_a_grammar_its_parser_cannot_follow_fails_the_request_instead_of_ending_it(worker: KVWorker) -> None:
+    """llguidance bounds the work per token (2,000 parser items in a row): a grammar of 3,000 alternatives passes
+    its check but fails on the first token. The answer would not be one of the grammar's, so the request fails
+    with the parser's reason (a 400 over HTTP), rather than ending with ``stop`` on a non-conforming answer."""
+    from kvstore.openai.structured import text_grammar
+
+    wide = text_grammar("start: " + " | ".join(f'"t{i}"' for i in range(3000)))
+    with pytest.raises(InvalidRequestError, match="structured output failed mid-answer"):
+        worker.generate(GenerateRequest([5, 6], 20, sampling=SamplingParams(temperature=0.0, n=2, grammar=wide)))
+    worker.check_invariants()
+    ok = worker.generate(GenerateRequest([5, 6], 20, sampling=SamplingParams(grammar=regex_grammar("ok"))))
+    assert ok.choices[0].text == "ok"  # the worker goes on serving
+    server = ServerThread(create_worker_app(worker)).start()
+    try:
+        body = {
+            "prompt": "x",
+            "max_tokens": 20,
+            "guided_grammar": "start: " + " | ".join(f'"t{i}"' for i in range(3000)),
+        }
+        refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 400 and "mid-answer" in refused.json()["error"]["message"], refused.text
     finally:
         server.stop()

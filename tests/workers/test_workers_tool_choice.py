@@ -18,7 +18,7 @@ from workers_testlib import make_config
 from kvstore.openai.errors import ApiError
 from kvstore.openai.protocol import ModelLimits, decode_chat, parse_chat
 from kvstore.openai.tokenizer import load_tokenizer
-from kvstore.openai.tool_calls import NamedCallStream, RequiredCallStream, required_calls
+from kvstore.openai.tool_calls import NamedCallStream, RequiredCallStream, read_required
 from kvstore.workers.http import create_worker_app
 from kvstore.workers.worker import KVWorker
 from tests import openai_conformance as check
@@ -95,8 +95,10 @@ def test_required_answers_calls_of_the_tools_with_their_parameters(server: tuple
             seed=seed, extra_body=COMPACT, parallel_tool_calls=seed % 3 != 0,  # false: one call at most
         )  # fmt: skip
         choice = answer.choices[0]
-        if choice.finish_reason == "length":  # cut short: the array's text, no calls
-            assert not choice.message.tool_calls and (choice.message.content or "").startswith("[")
+        if choice.finish_reason == "length":  # cut short: the calls that closed, the rest as content
+            for call in choice.message.tool_calls or []:
+                _checked(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+            assert choice.message.content
             continue
         finished += 1
         assert choice.finish_reason == "tool_calls" and choice.message.content == "", choice
@@ -136,7 +138,9 @@ def test_a_forced_call_streams_as_the_client_accumulates_it(server: tuple[str, s
 
 def test_streams_of_forced_calls_split_anywhere() -> None:
     text = '[{"name":"get_weather","parameters":{"city":"Nice","unit":"c"}}, {"name":"get_time","parameters":{}}]'
-    expected = [(c["function"]["name"], c["function"]["arguments"]) for c in required_calls(text) or []]
+    whole, rest, complete = read_required(text)
+    assert rest == "" and complete
+    expected = [(c["function"]["name"], c["function"]["arguments"]) for c in whole]
     assert [name for name, _ in expected] == ["get_weather", "get_time"]
     for size in (1, 2, 5, 17, len(text)):
         stream = RequiredCallStream()
@@ -154,7 +158,9 @@ def test_streams_of_forced_calls_split_anywhere() -> None:
     first, empty, more = named.push('{"zo'), named.push(""), named.push('ne":"utc"}')
     assert first.tool_calls[0]["function"] == {"name": "get_time", "arguments": '{"zo'} and "id" in first.tool_calls[0]
     assert not empty.tool_calls and more.tool_calls == [{"index": 0, "function": {"arguments": 'ne":"utc"}'}}]
-    assert required_calls('[{"name": "x"}]') is None and required_calls('[{"name":"x","parameters":{}') is None
+    assert read_required('[{"name": "x"}]') == ([], '[{"name": "x"}]', False)  # not a call: all of it is text
+    calls, rest, complete = read_required('[{"name":"x","parameters":{}}, {"na')
+    assert [c["function"]["name"] for c in calls] == ["x"] and rest == '{"na' and not complete
 
 
 @pytest.mark.parametrize(
@@ -165,11 +171,14 @@ def test_streams_of_forced_calls_split_anywhere() -> None:
         ({"tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice", "named"),
         ({"tool_choice": "sometimes"}, "tool_choice", "required"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "tool_choice"),
-        ({"tool_choice": "required", "structured_outputs": {"regex": "a"}}, "structured_outputs.regex", "one kind"),
+        ({"tool_choice": "required", "structured_outputs": {"regex": "a"}}, "structured_outputs.regex", "tool_choice"),
         ({"tool_choice": "required", "tools": None}, "tool_choice", "needs tools"),
         ({"tool_choice": {"type": "function", "function": {"name": "bad"}},
           "tools": [{"type": "function", "function": {"name": "bad", "parameters": {"type": "strang"}}}]},
          "tool_choice", "strang"),
+        ({"tool_choice": {"type": "function", "function": {"name": "bad"}},
+          "tools": [{"type": "function", "function": {"name": "bad", "parameters": False}}]},
+         "tool_choice", "admits no value"),  # false is a schema, not a missing one
         ({"tool_choice": "required", "tools": [
             {"type": "function", "function": {"name": "a", "parameters": {"$defs": {"z": {"type": "string"}}}}},
             {"type": "function", "function": {"name": "b", "parameters": {"$defs": {"z": {"type": "integer"}}}}}]},
