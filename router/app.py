@@ -61,7 +61,7 @@ from kvstore.openai.http import (
 from kvstore.openai.protocol import (
     ParsedRequest,
     detokenize,
-    parse_request,
+    parse_request_async,
     tokenize,
 )
 from kvstore.openai.responses import ResponseBuilder
@@ -120,7 +120,7 @@ def create_app(
         try:
             tokenizer = service.tokenizer
             assert tokenizer is not None, "a fleet of our workers always has the model's tokenizer"
-            parsed = parse_request(
+            parsed = await parse_request_async(
                 body, kind == "chat", tokenizer, service.limits, service.model_name, trust_template=trust_template,
                 tool_parser=tool_parser, reasoning_parser=reasoning_parser,
             )  # fmt: skip

@@ -125,7 +125,7 @@ class KVWorkerActor:
 
         Cancelling the call (``ray.cancel``) cancels the request on the worker: its blocks are freed.
         """
-        stream = self._worker.submit(request)
+        stream = await self._worker.asubmit(request)
         try:
             return await stream.aresult()
         finally:
@@ -136,7 +136,7 @@ class KVWorkerActor:
 
         Cancelling the generator, or the caller dropping it, cancels the request on the worker.
         """
-        stream = self._worker.submit(request)
+        stream = await self._worker.asubmit(request)
         try:
             async for chunk in stream:
                 yield chunk

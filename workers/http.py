@@ -32,7 +32,7 @@ from kvstore.openai.protocol import (
     ModelLimits,
     ParsedRequest,
     detokenize,
-    parse_request,
+    parse_request_async,
     tokenize,
 )
 from kvstore.openai.responses import ResponseBuilder
@@ -74,7 +74,7 @@ def create_worker_app(
                 generate = GenerateRequest(
                     parsed.token_ids, parsed.max_tokens, rid, parsed.cache_salt, parsed.lora_name, parsed.sampling
                 )
-                streams.append(worker.submit(generate))
+                streams.append(await worker.asubmit(generate))
         except (InvalidRequestError, WorkerShutdownError) as exc:
             for stream in streams:  # the prompts already submitted
                 stream.cancel()
@@ -101,7 +101,7 @@ def create_worker_app(
     async def endpoint(request: Request, chat: bool) -> Response:
         try:
             body = await read_body(request, bounds)
-            parsed = parse_request(
+            parsed = await parse_request_async(
                 body, chat, tokenizer, limits, info.model_name, trust_template=trust_template, tool_parser=tool_parser,
                 reasoning_parser=reasoning_parser,
             )  # fmt: skip

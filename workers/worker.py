@@ -52,6 +52,7 @@ every unfinished request fails with
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -237,6 +238,19 @@ class KVWorker:
             self._requests.add(group)
             self._work.notify()
         return group.stream
+
+    async def asubmit(self, request: GenerateRequest) -> RequestStream:
+        """:meth:`submit` from an event loop. A request with a grammar is submitted from a worker thread (compiling
+        its matcher can take milliseconds, or a second the first time for a large vocabulary), so the loop keeps
+        answering health checks and other requests; cancelled meanwhile, the request is cancelled once queued."""
+        if getattr(getattr(request, "sampling", None), "grammar", None) is None:
+            return self.submit(request)
+        task = asyncio.ensure_future(asyncio.to_thread(self.submit, request))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_cancel_submitted)
+            raise
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
         """Submit and wait. Raises what :meth:`submit` raises, or the error that stopped the request."""
@@ -513,3 +527,9 @@ class KVWorker:
 
     def __repr__(self) -> str:
         return f"KVWorker({self.name!r}, device={self.device}, blocks={self.block_pool.num_blocks})"
+
+
+def _cancel_submitted(task: asyncio.Future[RequestStream]) -> None:
+    """A request submitted for a caller that went away meanwhile: cancel it (its blocks are freed next step)."""
+    if not task.cancelled() and task.exception() is None:
+        task.result().cancel()

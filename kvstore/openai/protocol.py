@@ -26,6 +26,7 @@ and never rewrites them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, NamedTuple
@@ -358,6 +359,23 @@ def parse_request(
         batch = parse_completions(decode_completion(body), tokenizer, limits)
     check_served(batch[0], model_name)
     return batch
+
+
+_GRAMMAR_FIELDS = (b'"response_format"', b'"structured_outputs"', b'"guided_', b'"tool_choice"')
+
+
+def may_compile_grammar(body: bytes) -> bool:
+    """Whether parsing ``body`` may compile a grammar (structured output or a forced tool call), which can take
+    milliseconds for a large schema -- and about a second the first time, for a large vocabulary: a front parses
+    such a body off its event loop. A cheap look at the raw bytes; a false positive only costs a thread hop."""
+    return any(field in body for field in _GRAMMAR_FIELDS)
+
+
+async def parse_request_async(body: bytes, *args: Any, **kwargs: Any) -> list[ParsedRequest]:
+    """:func:`parse_request` on the event loop, or on a worker thread when the body may compile a grammar."""
+    if may_compile_grammar(body):
+        return await asyncio.to_thread(parse_request, body, *args, **kwargs)
+    return parse_request(body, *args, **kwargs)
 
 
 def check_served(parsed: ParsedRequest, model_name: str) -> None:

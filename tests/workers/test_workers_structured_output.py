@@ -324,3 +324,60 @@ def test_a_grammar_its_parser_cannot_follow_fails_the_request_instead_of_ending_
         assert refused.status_code == 400 and "mid-answer" in refused.json()["error"]["message"], refused.text
     finally:
         server.stop()
+
+
+def test_a_grammar_request_is_submitted_and_parsed_off_the_event_loop(worker: KVWorker, monkeypatch: Any) -> None:
+    """Compiling a matcher (or the tokenizer's view, the first time) can take a while: an event loop hands it to a
+    thread, and a caller that gives up meanwhile still gets its request cancelled once it is queued."""
+    import asyncio
+    import threading
+
+    from kvstore.openai import protocol
+
+    threads: list[int] = []
+    release = threading.Event()
+    submit = worker.submit
+
+    def slow_submit(request: GenerateRequest) -> Any:
+        threads.append(threading.get_ident())
+        release.wait(10)
+        return submit(request)
+
+    monkeypatch.setattr(worker, "submit", slow_submit)
+    grammar = regex_grammar("[a-z]{30}")
+
+    async def scenario() -> None:
+        loop_thread = threading.get_ident()
+        release.set()
+        stream = await worker.asubmit(GenerateRequest([5], 4, sampling=SamplingParams(grammar=grammar)))
+        assert (await stream.aresult()).choices[0].finish_reason is FinishReason.LENGTH
+        plain = await worker.asubmit(GenerateRequest([5], 2))  # no grammar: submitted right here
+        await plain.aresult()
+        assert threads[0] != loop_thread and threads[1] == loop_thread
+        release.clear()
+        before = worker._counters.aborted
+        long = GenerateRequest([5], 400, sampling=SamplingParams(grammar=regex_grammar("[a-z]{300}")))
+        task = asyncio.ensure_future(worker.asubmit(long))
+        await asyncio.sleep(0.05)
+        task.cancel()  # the caller goes away while the matcher is being built
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the request, queued after all, is cancelled
+            await asyncio.sleep(0.02)
+            if not worker._requests.groups:
+                break
+        assert not worker._requests.groups and worker._counters.aborted == before + 1
+        parsed_on: list[int] = []
+        real_parse = protocol.parse_request
+        monkeypatch.setattr(
+            protocol, "parse_request", lambda *a, **k: parsed_on.append(threading.get_ident()) or real_parse(*a, **k)
+        )
+        body = json.dumps({"prompt": "x", "structured_outputs": {"regex": "a+"}}).encode()
+        (parsed,) = await protocol.parse_request_async(body, False, worker.tokenizer, LIMITS, "m")
+        assert parsed.sampling.grammar and parsed_on[-1] != loop_thread
+        await protocol.parse_request_async(b'{"prompt": "x"}', False, worker.tokenizer, LIMITS, "m")
+        assert parsed_on[-1] == loop_thread
+
+    asyncio.run(scenario())
+    worker.check_invariants()
