@@ -105,7 +105,7 @@ class ChoiceSampling:
         self._output: list[int] = []  # the output so far (kept only for a guided choice)
         self._step_allowed: list[int] | None = None  # what the guided choice lets this step draw
         self._grammar = grammar
-        self._grammar_allowed: torch.Tensor | None = None  # this step's mask of the grammar (bool, vocab wide)
+        self._grammar_bias: torch.Tensor | None = None  # this step's grammar: 0 allowed, -inf not (vocab wide)
         # The output's last tokens, as many as the longest bad word's prefix (none without bad words).
         self._recent: deque[int] = deque(maxlen=max((len(w) - 1 for w in self._bad_words), default=0))
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
@@ -185,8 +185,8 @@ class ChoiceSampling:
                 row.fill_(float("-inf"))
                 row[guided] = kept
         if self._grammar is not None:
-            self._grammar_allowed = self._grammar.allowed(row.numel())
-            row.masked_fill_(~self._grammar_allowed, float("-inf"))
+            self._grammar_bias = self._grammar.bias(row.numel())
+            row.add_(self._grammar_bias)
         if self._bad_words:
             banned = self._banned()
             if banned:
@@ -233,8 +233,8 @@ class ChoiceSampling:
         # The grammar's or the guided choice's next tokens always, whatever else ruled them out; else
         # allowed_token_ids.
         fallback = torch.full_like(raw, float("-inf"))
-        if self._grammar_allowed is not None and bool(self._grammar_allowed.any()):
-            return torch.where(self._grammar_allowed, raw, fallback)
+        if self._grammar_bias is not None and bool((self._grammar_bias == 0).any()):
+            return torch.where(self._grammar_bias == 0, raw, fallback)
         allowed = self._step_allowed if self._choices is not None and self._step_allowed else self._allowed
         if allowed is None:
             return raw.clone()
