@@ -713,7 +713,8 @@ def _named_tool(choice: Any, tools: list[Any] | None) -> str | None:
 def _forced_tools_schema(tools: list[Any], choice: Any, parallel: bool | None = None) -> Any:
     """The JSON schema the answer follows when ``tool_choice`` forces a call, as vLLM builds it: a named function's
     ``parameters`` (an empty object's schema when it has none); for ``"required"``, a non-empty array of
-    ``{"name": <one of the tools>, "parameters": <its parameters>}``, each tool's ``$defs`` hoisted to the top, and
+    ``{"name": <one of the tools>, "parameters": <its parameters>}`` (no other keys), each tool's ``$defs`` hoisted to
+    the top, and
     of one call only with ``parallel_tool_calls`` false (OpenAI's meaning). None when the choice forces nothing."""
     name = _named_tool(choice, tools)
     no_parameters: dict[str, Any] = {"type": "object", "properties": {}}
@@ -738,6 +739,7 @@ def _forced_tools_schema(tools: list[Any], choice: Any, parallel: bool | None = 
         variants.append({
             "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]}, "parameters": parameters},
             "required": ["name", "parameters"],
+            "additionalProperties": False,  # unlike vLLM's: other keys would be dropped, and a model could wander
         })  # fmt: skip
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
     if parallel is False:
