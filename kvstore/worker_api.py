@@ -80,6 +80,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Structured output (a JSON schema, regex or grammar) as llguidance grammar text, which the front compiled and
     # checked: only the tokens it allows next are sampled, and the choice ends once the grammar is complete
     grammar: str | None = None
+    # A reasoning model's end of thinking (the tokens of ``</think>``): the guided choice or grammar applies from the
+    # token after these (the thinking before them is free), as vLLM's structured output waits for the reasoning end
+    constraint_after: tuple[int, ...] | None = None
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):

@@ -20,6 +20,7 @@ from kvstore.openai.structured import StructuredOutputError
 # Row b: the bias of the 8 tokens one bitmask byte of value b covers (bit i set: token i allowed, 0.0; else -inf).
 _BYTE_BIAS = torch.tensor([[0.0 if (b >> i) & 1 else float("-inf") for i in range(8)] for b in range(256)])
 
+
 class GrammarMatcher:
     """One choice's place in its grammar. Built on the submitting thread; used by the step loop alone."""
 

@@ -106,6 +106,10 @@ class ChoiceSampling:
         self._step_allowed: list[int] | None = None  # what the guided choice lets this step draw
         self._grammar = grammar
         self._grammar_bias: torch.Tensor | None = None  # this step's grammar: 0 allowed, -inf not (vocab wide)
+        # A reasoning model thinks first: the constraint waits until the output ends with these tokens (None: it
+        # applies from the first token).
+        self._waiting_for = params.constraint_after
+        self._tail: deque[int] = deque(maxlen=len(params.constraint_after or ()))
         # The output's last tokens, as many as the longest bad word's prefix (none without bad words).
         self._recent: deque[int] = deque(maxlen=max((len(w) - 1 for w in self._bad_words), default=0))
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
@@ -140,6 +144,11 @@ class ChoiceSampling:
         self.num_output += 1
         if self._recent.maxlen:
             self._recent.append(token_id)
+        if self._waiting_for is not None:  # still thinking: nothing is constrained yet
+            self._tail.append(token_id)
+            if tuple(self._tail) == self._waiting_for:
+                self._waiting_for = None  # the thinking ended: the constraint applies from the next token
+            return
         if self._choices is not None:
             self._output.append(token_id)
         if self._grammar is not None:
@@ -155,6 +164,8 @@ class ChoiceSampling:
     def constraint_done(self) -> bool:
         """The output so far (its tokens recorded) must end here: a guided choice's is one of its sequences and no
         longer one goes on from it, or the grammar can take no more tokens."""
+        if self._waiting_for is not None:
+            return False
         if self._grammar is not None:
             return self._grammar.stopped
         if self._choices is None:
@@ -177,14 +188,15 @@ class ChoiceSampling:
             kept = row[self._allowed]
             row.fill_(float("-inf"))
             row[self._allowed] = kept
-        if self._choices is not None:
+        constrained = self._waiting_for is None
+        if self._choices is not None and constrained:
             self._step_allowed = self._guided()
             if self._step_allowed:  # else the choice is past every sequence (max_tokens cuts it short first)
                 guided = torch.tensor(self._step_allowed, dtype=torch.long)
                 kept = row[guided]
                 row.fill_(float("-inf"))
                 row[guided] = kept
-        if self._grammar is not None:
+        if self._grammar is not None and constrained:
             self._grammar_bias = self._grammar.bias(row.numel())
             row.add_(self._grammar_bias)
         if self._bad_words:

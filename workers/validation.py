@@ -111,7 +111,12 @@ def _validate_sampling(sampling: Any, max_tokens: int, limits: RequestLimits) ->
         f"grammar: a string of 1..{_MAX_GRAMMAR_CHARS:,} characters (llguidance's grammar text)",
     )
     check(s.grammar is None or choices is None, "choice_token_ids and grammar: one kind of structured output")
+    after = s.constraint_after
+    check(
+        after is None or (isinstance(after, tuple) and 0 < len(after) <= 16 and (s.grammar or choices) is not None),
+        "constraint_after: 1..16 token ids, with a grammar or choice_token_ids",
+    )
     ids = [*s.stop_token_ids, *(s.logit_bias or {}), *(s.allowed_token_ids or ()), *(t for w in words for t in w)]
-    ids += [t for c in choices or () for t in c]
+    ids += [t for c in choices or () for t in c] + list(after or ())
     check(all(type(t) is int and 0 <= t < limits.vocab_size for t in ids), "token ids must be in the vocabulary")
     check(all(-100 <= v <= 100 for v in (s.logit_bias or {}).values()), "logit_bias values must be in [-100, 100]")

@@ -42,7 +42,8 @@ from kvstore.openai.chat_template import (
     with_parsed_arguments,
 )
 from kvstore.openai.errors import ApiError, model_not_found
-from kvstore.openai.reasoning import parser_for
+from kvstore.openai.reasoning import END as THINK_END
+from kvstore.openai.reasoning import NO_THINKING, parser_for
 from kvstore.openai.structured import (
     MAX_GRAMMAR_CHARS,
     StructuredOutputError,
@@ -445,13 +446,16 @@ def parse_chat(
     last = messages[-1]
     role = "assistant" if req.add_generation_prompt else last["role"]
     echo = last["content"] if req.echo and last["role"] == role else None
-    # A guided choice constrains the answer from its first token, so no thinking precedes it: not split (vLLM would
-    # let the model think freely first; the choice here is the whole answer, its content).
-    reasoning = (
-        None
-        if sampling.choice_token_ids or sampling.grammar
-        else parser_for(reasoning_parser, req.chat_template_kwargs)
-    )
+    reasoning = parser_for(reasoning_parser, req.chat_template_kwargs)
+    if (sampling.choice_token_ids or sampling.grammar) and reasoning not in (None, NO_THINKING):
+        # As vLLM: a reasoning model thinks freely first, and the guided choice or grammar holds what follows its
+        # end of thinking. That end is recognised by its token, so it must be one (it is in Qwen3 and DeepSeek-R1);
+        # where it is not, the constraint holds from the first token and the answer is all content, unsplit.
+        end = tuple(tokenizer.encode(THINK_END))
+        if len(end) == 1:
+            sampling = msgspec.structs.replace(sampling, constraint_after=end)
+        else:
+            reasoning = None
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
         role=role, tool_parser=calls_parsed, reasoning_parser=reasoning,
         named_tool=_named_tool(req.tool_choice, req.tools) if req.tools else None,

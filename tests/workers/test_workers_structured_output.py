@@ -15,6 +15,7 @@ import httpx
 import jsonschema
 import pydantic
 import pytest
+import torch
 from workers_testlib import make_config
 
 from kvstore.errors import InvalidRequestError
@@ -25,6 +26,7 @@ from kvstore.openai.tokenizer import HFTokenizer, load_tokenizer
 from kvstore.worker_api import FinishReason, GenerateRequest, SamplingParams
 from kvstore.workers.grammar import GrammarMatcher
 from kvstore.workers.http import create_worker_app
+from kvstore.workers.sampler import GREEDY as GREEDY_DEFAULTS
 from kvstore.workers.worker import KVWorker
 from tests import openai_conformance as check
 from tests.checkpoints import VOCAB, TinyCheckpoint
@@ -248,11 +250,89 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(hf: Any, body: dict[str
     assert words in refused.value.message, refused.value.message
 
 
-def test_a_grammar_turns_the_reasoning_split_off(hf: Any) -> None:
-    """As a guided choice: the constrained text is the content, whole (the model cannot think before it)."""
+@pytest.fixture(scope="module")
+def thinking(qwen2_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The Qwen2 checkpoint with ``<think>`` and ``</think>`` as added tokens that are not special (kept in the
+    text), as Qwen3's tokenizer has them."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-thinking") / "model"
+    shutil.copytree(qwen2_checkpoint.path, path)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    assert tokenizer.get_vocab_size() <= VOCAB
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_a_reasoning_model_thinks_first_and_is_constrained_after(hf: Any, thinking: Any) -> None:
+    """As vLLM: with a reasoning parser, the grammar (or choice) holds what follows the end of thinking, which is
+    recognised by its token. A tokenizer without one such token keeps the constraint from the first token, unsplit;
+    a qwen3 chat with thinking switched off is constrained from the first token too."""
+    thinker = load_tokenizer(str(thinking))
+    (end,) = thinker.encode("</think>")
     body = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}
+    for parser in ("deepseek_r1", "qwen3"):
+        parsed = parse_chat(decode_chat(json.dumps(body).encode()), thinker, LIMITS, reasoning_parser=parser)
+        assert parsed.sampling.grammar and parsed.sampling.constraint_after == (end,) and parsed.reasoning_parser
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    parsed = parse_chat(decode_chat(json.dumps(off).encode()), thinker, LIMITS, reasoning_parser="qwen3")
+    assert parsed.sampling.constraint_after is None and parsed.reasoning_parser == "qwen3-no-thinking"
+    choice = {**body, "response_format": None, "guided_choice": ["yes", "no"]}
+    parsed = parse_chat(decode_chat(json.dumps(choice).encode()), thinker, LIMITS, reasoning_parser="qwen3")
+    assert parsed.sampling.choice_token_ids and parsed.sampling.constraint_after == (end,)
     parsed = parse_chat(decode_chat(json.dumps(body).encode()), hf, LIMITS, reasoning_parser="deepseek_r1")
-    assert parsed.sampling.grammar and parsed.reasoning_parser is None
+    assert parsed.sampling.grammar and parsed.sampling.constraint_after is None and parsed.reasoning_parser is None
+
+
+def test_the_constraint_waits_for_the_end_of_thinking(thinking: Any) -> None:
+    from kvstore.workers.sampler import ChoiceSampling
+
+    thinker = load_tokenizer(str(thinking))
+    (end,) = thinker.encode("</think>")
+    llm = grammar_tokenizer(thinker, VOCAB, thinker.eos_token_ids)
+    params = SamplingParams(grammar=regex_grammar("ok"), constraint_after=(end,))
+    choice = ChoiceSampling(params, GREEDY_DEFAULTS, index=0, prompt_ids=[1], eos_token_ids=thinker.eos_token_ids,
+                            grammar=GrammarMatcher(llm, params.grammar or ""))  # fmt: skip
+    free = thinker.encode("The KV cache")
+    for token in free:  # thinking: nothing masked, nothing fed to the grammar (which these tokens would break)
+        row = torch.zeros(VOCAB)
+        choice.process(row)
+        assert bool(torch.isfinite(row).all()) and not choice.constraint_done()
+        choice.record(token)
+    choice.record(end)
+    row = torch.zeros(VOCAB)
+    choice.process(row)
+    allowed = {thinker.decode([t]) for t in torch.isfinite(row).nonzero().flatten().tolist()}
+    assert allowed and allowed <= {"o", "ok"}, allowed
+    for token in thinker.encode("ok"):
+        choice.record(token)
+    assert choice.constraint_done() and choice.grammar_error is None
+
+
+def test_thinking_then_json_through_the_http_front(thinking: Any) -> None:
+    worker = KVWorker("thinking", make_config(num_blocks=96, model=str(thinking)))
+    server = ServerThread(create_worker_app(worker, reasoning_parser="qwen3")).start()
+    try:
+        thinker = load_tokenizer(str(thinking))
+        (end,) = thinker.encode("</think>")
+        client = check.client(server.url)
+        answer = client.chat.completions.create(
+            model=worker.info().model_name, messages=[{"role": "user", "content": "Describe a block."}],
+            max_tokens=160, temperature=1.0, seed=1, logit_bias={str(end): 4.0},  # it ends its thinking soon
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": SCHEMA}},
+                        "structured_outputs": {"disable_any_whitespace": True}},
+        )  # fmt: skip
+        message = answer.choices[0].message
+        assert answer.choices[0].finish_reason == "stop", answer
+        assert end in (answer.choices[0].token_ids or [])  # type: ignore[attr-defined]
+        jsonschema.validate(json.loads(message.content or ""), SCHEMA)
+        assert message.reasoning_content is not None  # type: ignore[attr-defined]
+    finally:
+        server.stop()
+        worker.shutdown()
 
 
 # ---------------------------------------------------------------------------------- over HTTP, the client
