@@ -245,11 +245,26 @@ class KVWorker:
         answering health checks and other requests; cancelled meanwhile, the request is cancelled once queued."""
         if getattr(getattr(request, "sampling", None), "grammar", None) is None:
             return self.submit(request)
-        task = asyncio.ensure_future(asyncio.to_thread(self.submit, request))
+        lock = threading.Lock()
+        gone = False  # the caller stopped waiting
+        submitted: RequestStream | None = None
+
+        def run() -> RequestStream:
+            nonlocal submitted
+            stream = self.submit(request)
+            with lock:
+                submitted = stream
+                if gone:
+                    stream.cancel()
+            return stream
+
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(_cancel_submitted)
+            return await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, run))
+        except asyncio.CancelledError:  # the caller went away (or its loop is closing): whichever side is last
+            with lock:  # to see the stream cancels it, so no request runs for nobody
+                gone = True
+                if submitted is not None:
+                    submitted.cancel()
             raise
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -527,9 +542,3 @@ class KVWorker:
 
     def __repr__(self) -> str:
         return f"KVWorker({self.name!r}, device={self.device}, blocks={self.block_pool.num_blocks})"
-
-
-def _cancel_submitted(task: asyncio.Future[RequestStream]) -> None:
-    """A request submitted for a caller that went away meanwhile: cancel it (its blocks are freed next step)."""
-    if not task.cancelled() and task.exception() is None:
-        task.result().cancel()

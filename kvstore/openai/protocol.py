@@ -44,6 +44,7 @@ from kvstore.openai.chat_template import (
 from kvstore.openai.errors import ApiError, model_not_found
 from kvstore.openai.reasoning import END as THINK_END
 from kvstore.openai.reasoning import NO_THINKING, parser_for
+from kvstore.openai.reasoning import START as THINK_START
 from kvstore.openai.structured import (
     MAX_GRAMMAR_CHARS,
     StructuredOutputError,
@@ -452,15 +453,29 @@ def parse_chat(
         # end of thinking. That end is recognised by its token, so it must be one (it is in Qwen3 and DeepSeek-R1);
         # where it is not, the constraint holds from the first token and the answer is all content, unsplit.
         end = tuple(tokenizer.encode(THINK_END))
-        if len(end) == 1:
-            sampling = msgspec.structs.replace(sampling, constraint_after=end)
-        else:
+        if len(end) != 1:
             reasoning = None
+        elif not _thinking_closed(token_ids, end[0], tuple(tokenizer.encode(THINK_START))):
+            sampling = msgspec.structs.replace(sampling, constraint_after=end)
+        # else the prompt itself ended the thinking (a template with thinking off, an assistant prefill): the
+        # constraint holds from the first token, as vLLM reads the prompt
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
         role=role, tool_parser=calls_parsed, reasoning_parser=reasoning,
         named_tool=_named_tool(req.tool_choice, req.tools) if req.tools else None,
         tools_required=bool(req.tools) and req.tool_choice == "required",
     )  # fmt: skip
+
+
+def _thinking_closed(token_ids: Sequence[int], end: int, start: tuple[int, ...]) -> bool:
+    """Whether the prompt's last thinking tag is the closing one (``</think>``'s token ``end``; ``start``, the
+    tokens of ``<think>``, counts only as one token), so that the answer begins after the thinking."""
+    opening = start[0] if len(start) == 1 else None
+    for token in reversed(token_ids):
+        if token == end:
+            return True
+        if token == opening:
+            return False
+    return False
 
 
 def _own_template(chat_template: Any, kwargs: Any, trust_template: bool) -> str | None:

@@ -393,8 +393,8 @@ def _forced_calls(
     """A plain answer as (content, calls, finish reason) when ``tool_choice`` forced calls: the named function's one
     call; a required answer's calls, ``tool_calls`` once its array closed, and what no call was made of (an answer
     cut short) as content, read as a stream reads it. None when nothing was forced."""
-    if prompt.named_tool is not None:
-        return "", [named_call(prompt.named_tool, answer)], finish_reason
+    if prompt.named_tool is not None:  # no answer (cut short while thinking): no call, as the stream makes none
+        return "", [named_call(prompt.named_tool, answer)] if answer else [], finish_reason
     if prompt.tools_required:
         calls, rest, complete = read_required(answer)
         return rest, calls, "tool_calls" if complete and finish_reason == "stop" else finish_reason

@@ -232,3 +232,17 @@ def test_a_required_answer_cut_short_streams_its_whole_calls_and_ends_with_lengt
             == (streamed_content or "")
             == ("" if finish is FinishReason.STOP else '{"name": "get_weather", "param')
         )
+
+
+def test_a_named_call_cut_short_while_thinking_makes_no_call() -> None:
+    """With a reasoning parser the answer's thinking comes first; cut short before it ends, there are no arguments,
+    so there is no call, plain or streamed."""
+    parsed = parsed_chat(tool_choice="none")._replace(named_tool="get_weather", tool_parser=None,
+                                                      reasoning_parser="deepseek_r1")  # fmt: skip
+    plain = ResponseBuilder(parsed, TOK, model="m", request_id="chatcmpl-1").body(
+        fold_stream(chunks_of("still thinking", 5, FinishReason.LENGTH), 1)
+    )["choices"][0]
+    assert plain["message"]["tool_calls"] == [] and plain["message"]["reasoning"] == "still thinking"
+    made = ResponseBuilder(parsed, TOK, model="m", request_id="chatcmpl-1")
+    streamed = [json.loads(e[6:]) for c in chunks_of("still thinking", 5, FinishReason.LENGTH) for e in made.events(c)]
+    assert not any(c["choices"] and "tool_calls" in c["choices"][0]["delta"] for c in streamed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -285,6 +286,14 @@ def test_a_reasoning_model_thinks_first_and_is_constrained_after(hf: Any, thinki
     assert parsed.sampling.choice_token_ids and parsed.sampling.constraint_after == (end,)
     parsed = parse_chat(decode_chat(json.dumps(body).encode()), hf, LIMITS, reasoning_parser="deepseek_r1")
     assert parsed.sampling.grammar and parsed.sampling.constraint_after is None and parsed.reasoning_parser is None
+    # A prompt that ends the thinking itself (an assistant prefill; a template with thinking off): the answer is
+    # constrained from its first token, as vLLM reads the prompt -- whichever parser is on.
+    for prefill, waits in [("<think>done</think>", False), ("<think>still going", True), ("no tags", True)]:
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": prefill}]
+        prefilled = {**body, "messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+        for parser in ("deepseek_r1", "qwen3"):
+            parsed = parse_chat(decode_chat(json.dumps(prefilled).encode()), thinker, LIMITS, reasoning_parser=parser)
+            assert (parsed.sampling.constraint_after == (end,)) is waits, (prefill, parser)
 
 
 def test_the_constraint_waits_for_the_end_of_thinking(thinking: Any) -> None:
@@ -416,6 +425,7 @@ def test_a_grammar_request_is_submitted_and_parsed_off_the_event_loop(worker: KV
 
     threads: list[int] = []
     release = threading.Event()
+    left = 0
     submit = worker.submit
 
     def slow_submit(request: GenerateRequest) -> Any:
@@ -427,6 +437,7 @@ def test_a_grammar_request_is_submitted_and_parsed_off_the_event_loop(worker: KV
     grammar = regex_grammar("[a-z]{30}")
 
     async def scenario() -> None:
+        nonlocal left
         loop_thread = threading.get_ident()
         release.set()
         stream = await worker.asubmit(GenerateRequest([5], 4, sampling=SamplingParams(grammar=grammar)))
@@ -448,6 +459,10 @@ def test_a_grammar_request_is_submitted_and_parsed_off_the_event_loop(worker: KV
             if not worker._requests.groups:
                 break
         assert not worker._requests.groups and worker._counters.aborted == before + 1
+        left = worker._counters.aborted
+        release.clear()
+        threading.Timer(0.3, release.set).start()  # still submitting when the loop closes
+        pending = asyncio.ensure_future(worker.asubmit(long))  # its loop closes while the matcher is built
         parsed_on: list[int] = []
         real_parse = protocol.parse_request
         monkeypatch.setattr(
@@ -458,6 +473,12 @@ def test_a_grammar_request_is_submitted_and_parsed_off_the_event_loop(worker: KV
         assert parsed.sampling.grammar and parsed_on[-1] != loop_thread
         await protocol.parse_request_async(b'{"prompt": "x"}', False, worker.tokenizer, LIMITS, "m")
         assert parsed_on[-1] == loop_thread
+        assert not pending.done()  # left to the loop's close, which cancels it
 
-    asyncio.run(scenario())
+    asyncio.run(scenario())  # closing, the loop cancels the last submission's task: the request is cancelled
+    for _ in range(200):
+        if not worker._requests.groups:
+            break
+        time.sleep(0.02)
+    assert not worker._requests.groups and worker._counters.aborted == left + 1, "a request ran for nobody"
     worker.check_invariants()
