@@ -45,17 +45,42 @@ the arguments as they come, the first delta naming the call); with
 one call (:func:`read_required`; streamed by :class:`RequiredCallStream`,
 each call as soon as its object is whole).
 
-Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them.
+``mistral`` (vLLM's ``--tool-call-parser mistral``): the answer's calls
+follow a ``[TOOL_CALLS]`` token, the text before it being the content.
+Mistral's older tokenizers (v0.3: Mistral-7B-Instruct) write one JSON
+array of ``{"name", "arguments"}`` after it; v11 and later (Mistral Small
+3.x) write ``[TOOL_CALLS]name{...}`` per call, sometimes with ``[ARGS]``
+between the name and the arguments. The format is told by what follows the
+token (an array or not), where vLLM reads the tokenizer's version; a v11
+call's arguments are kept as written, well-formed or not, as vLLM keeps
+them. Call ids are 9 letters and digits, as Mistral's templates require.
+Streamed, text before the first ``[TOOL_CALLS]`` streams as content; the
+calls are held and go out at the end of the answer, one delta per call.
+
+``pythonic`` (Llama 3.2 and 4, vLLM's ``--tool-call-parser pythonic``): an
+answer that is a Python list of calls, ``[get_weather(city="Paris"),
+get_time()]`` (inside ``<|python_start|>`` / ``<|python_end|>`` for Llama
+4), is calls, their keyword arguments Python literals turned into JSON;
+any other answer is content. Streamed like ``llama3_json``: an answer that
+starts as a list is held whole and parsed at its end.
+
+Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them
+(Mistral's aside).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import random
 import re
+import string
 import uuid
 from typing import Any, NamedTuple
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 START, END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
@@ -92,6 +117,10 @@ def extract(text: str, parser: str = "hermes") -> Extracted:
     """A whole answer's content and tool calls, by ``parser`` (see the module docstring)."""
     if parser == "llama3_json":
         return _extract_json(text)
+    if parser == "mistral":
+        return _extract_mistral(text)
+    if parser == "pythonic":
+        return _extract_pythonic(text)
     if START not in text:
         return Extracted(text, [])
     calls = [_call(closed or open_) for closed, open_ in _BLOCKS.findall(text)]
@@ -121,6 +150,79 @@ def _extract_json(text: str) -> Extracted:
     return Extracted(None, calls) if calls else Extracted(text, [])
 
 
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates accept a call id of 9 letters and digits only."""
+    return "".join(random.choices(_ALPHANUMERIC, k=9))
+
+
+def _extract_mistral(text: str) -> Extracted:
+    """mistral: the calls after ``[TOOL_CALLS]`` (one JSON array, or ``name{...}`` per token), the text before it
+    the content; an array that does not parse leaves it all content."""
+    if MISTRAL_CALLS not in text:
+        return Extracted(text, [])
+    content, *raw = text.split(MISTRAL_CALLS)
+    calls: list[dict[str, Any]] = []
+    first = raw[0].strip()
+    if first.startswith("["):  # v0.3: one array of {"name", "arguments"}
+        try:
+            parsed, _ = _DECODER.raw_decode(first)
+        except ValueError:
+            return Extracted(text, [])
+        if not isinstance(parsed, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                                   for c in parsed):  # fmt: skip
+            return Extracted(text, [])
+        calls = [_mistral_call(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in parsed]
+    else:  # v11+: [TOOL_CALLS]name{...} per call, the arguments kept as written
+        for segment in raw:
+            brace = segment.find("{")
+            if brace < 0:
+                continue
+            name = segment[:brace].replace(MISTRAL_ARGS, "").strip()
+            calls.append(_mistral_call(name, segment[brace:].strip()))
+    return Extracted(content or None, calls) if calls else Extracted(text, [])
+
+
+def _mistral_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": mistral_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _extract_pythonic(text: str) -> Extracted:
+    """pythonic: an answer that is a Python list of calls with literal keyword arguments is calls; else content."""
+    body = text.strip()
+    if body.startswith(PYTHON_START):
+        body = body[len(PYTHON_START) :]
+        body = body[: -len(PYTHON_END)] if body.endswith(PYTHON_END) else body
+        body = body.strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return Extracted(text, [])
+    try:
+        tree = ast.parse(body, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return Extracted(text, [])
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return Extracted(text, [])
+    calls = []
+    for element in tree.body.elts:
+        if not (isinstance(element, ast.Call) and isinstance(element.func, ast.Name) and not element.args):
+            return Extracted(text, [])
+        arguments = {}
+        for keyword in element.keywords:
+            if keyword.arg is None:  # **kwargs
+                return Extracted(text, [])
+            try:
+                arguments[keyword.arg] = ast.literal_eval(keyword.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return Extracted(text, [])
+        try:
+            calls.append(_as_call(element.func.id, arguments))
+        except (TypeError, ValueError):  # a literal JSON cannot hold (a set, bytes, a complex number)
+            return Extracted(text, [])
+    return Extracted(None, calls)
+
+
 class Piece(NamedTuple):
     content: str  # text to stream as content ("" for none)
     tool_calls: list[dict[str, Any]]  # complete calls to stream, each with its "index"
@@ -133,15 +235,18 @@ class ToolCallStream:
         self._parser = parser
         self._held = ""  # text not yet sent: a possible start tag's prefix, or an open block (a JSON answer)
         self._in_block = False
-        self._decided = parser != "llama3_json"  # llama3_json: whether the answer is calls is told by its start
+        # llama3_json and pythonic: whether the answer is calls is told by its start
+        self._decided = parser not in ("llama3_json", "pythonic")
         self.calls = 0  # tool calls sent so far (the next one's index)
 
     def push(self, text: str) -> Piece:
         """The next delta's text; returns what can go out now."""
         if not self._decided:
             return self._push_json(text)
-        if self._parser == "llama3_json":  # decided: prose, streamed as it comes (no tags in this format)
+        if self._parser in ("llama3_json", "pythonic"):  # decided: prose, streamed as it comes
             return Piece(text, [])
+        if self._parser == "mistral":
+            return self._push_mistral(text)
         buffer = self._held + text
         content: list[str] = []
         calls: list[dict[str, Any]] = []
@@ -167,24 +272,44 @@ class ToolCallStream:
         return Piece("".join(content), calls)
 
     def _push_json(self, text: str) -> Piece:
-        """llama3_json: hold the answer while its start may be ``{`` or ``<|python_tag|>``; stream it once not."""
+        """llama3_json / pythonic: hold the answer while its start may be a call's (``{`` or ``<|python_tag|>``;
+        ``[`` or ``<|python_start|>``); stream it once it cannot be."""
         held = self._held + text
-        if held.startswith(("{", PYTHON_TAG)):
+        starts = ("[", PYTHON_START) if self._parser == "pythonic" else ("{", PYTHON_TAG)
+        tag = starts[1]
+        stripped = held.lstrip() if self._parser == "pythonic" else held
+        if stripped.startswith(starts):
             self._held, self._in_block = held, True  # calls, most likely: parsed whole at the end
             return Piece("", [])
-        if held and PYTHON_TAG.startswith(held):
-            self._held = held  # may still become the tag
+        if (stripped and tag.startswith(stripped)) or (held and not stripped):
+            self._held = held  # may still become the tag (or only whitespace so far)
             return Piece("", [])
         self._held, self._decided = "", bool(held)
         return Piece(held, [])
 
+    def _push_mistral(self, text: str) -> Piece:
+        """mistral: content until ``[TOOL_CALLS]`` (a possible start of it at the end held back one delta); from it
+        on, everything is held and parsed at the end."""
+        held = self._held + text
+        if self._in_block:
+            self._held = held
+            return Piece("", [])
+        at = held.find(MISTRAL_CALLS)
+        if at >= 0:
+            self._held, self._in_block = held[at:], True
+            return Piece(held[:at], [])
+        keep = next((n for n in range(min(len(MISTRAL_CALLS) - 1, len(held)), 0, -1)
+                     if MISTRAL_CALLS.startswith(held[-n:])), 0)  # fmt: skip
+        self._held = held[len(held) - keep :]
+        return Piece(held[: len(held) - keep], [])
+
     def finish(self) -> Piece:
         """The answer ended: what is still held (an unclosed block is a call if it parses, else content)."""
-        if self._parser == "llama3_json":
+        if self._parser in ("llama3_json", "mistral", "pythonic"):
             held, self._held, self._in_block = self._held, "", False
             if not held:
                 return Piece("", [])
-            found = _extract_json(held)
+            found = extract(held, self._parser)
             numbered = [{"index": index, **call} for index, call in enumerate(found.tool_calls, self.calls)]
             self.calls += len(numbered)
             return Piece(found.content or "", numbered)

@@ -246,3 +246,69 @@ def test_a_named_call_cut_short_while_thinking_makes_no_call() -> None:
     made = ResponseBuilder(parsed, TOK, model="m", request_id="chatcmpl-1")
     streamed = [json.loads(e[6:]) for c in chunks_of("still thinking", 5, FinishReason.LENGTH) for e in made.events(c)]
     assert not any(c["choices"] and "tool_calls" in c["choices"][0]["delta"] for c in streamed)
+
+
+MISTRAL_V03 = 'Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich"}}, {"name": "get_time"}]'
+MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Nice", "days": 2}[TOOL_CALLS]get_time{}'
+PYTHONIC = '[get_weather(city="Paris", days=2, hourly=True, tags=["a", None]), get_time()]'
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        ("mistral", MISTRAL_V03, "Sure.", [("get_weather", {"city": "Zürich"}), ("get_time", {})]),
+        ("mistral", MISTRAL_V11, None, [("get_weather", {"city": "Nice", "days": 2}), ("get_time", {})]),
+        ("mistral", "No tools.", "No tools.", []),
+        ("mistral", "x[TOOL_CALLS] [{not json", "x[TOOL_CALLS] [{not json", []),  # as written, all content
+        ("mistral", "[TOOL_CALLS]no_arguments", "[TOOL_CALLS]no_arguments", []),
+        ("pythonic", PYTHONIC, None,
+         [("get_weather", {"city": "Paris", "days": 2, "hourly": True, "tags": ["a", None]}), ("get_time", {})]),
+        ("pythonic", "<|python_start|>[get_time(zone='utc')]<|python_end|>", None, [("get_time", {"zone": "utc"})]),
+        ("pythonic", "  [get_time()]\n", None, [("get_time", {})]),
+        ("pythonic", "get_time()", "get_time()", []),  # not a list
+        ("pythonic", "[get_time(zone=utc)]", "[get_time(zone=utc)]", []),  # not a literal
+        ("pythonic", "[get_time(1)]", "[get_time(1)]", []),  # positional
+        ("pythonic", "[1, 2]", "[1, 2]", []),
+        ("pythonic", "[f(x={1, 2})]", "[f(x={1, 2})]", []),  # a set: no JSON for it
+        ("pythonic", "[Sure, I can help.]", "[Sure, I can help.]", []),
+    ],
+)  # fmt: skip
+def test_mistral_and_pythonic_answers(parser: str, text: str, content: str | None, calls: list[Any]) -> None:
+    found = extract(text, parser)
+    assert found.content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found.tool_calls] == calls
+    if parser == "mistral":  # Mistral's templates take 9 letters and digits as a call id
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in found.tool_calls)
+
+
+def test_a_mistral_v11_call_keeps_its_arguments_as_written() -> None:
+    (call,) = extract("[TOOL_CALLS]f{'not': json}", "mistral").tool_calls
+    assert call["function"] == {"name": "f", "arguments": "{'not': json}"}  # as vLLM keeps them
+
+
+@pytest.mark.parametrize("parser", ["mistral", "pythonic"])
+@pytest.mark.parametrize("size", [1, 3, 11, 500])
+def test_mistral_and_pythonic_stream_as_the_plain_body_reads(parser: str, size: int) -> None:
+    texts = [MISTRAL_V03, MISTRAL_V11, "Plain [TOOL_CALLS prose."] if parser == "mistral" else [
+        PYTHONIC, "  " + PYTHONIC, "[not, a call", "Plain prose [with brackets]."]  # fmt: skip
+    for text in texts:
+        parsed = parsed_chat(parser)
+        body = ResponseBuilder(parsed, TOK, model="m", request_id="c").body(fold_stream(chunks_of(text, size), 1))
+        expected = body["choices"][0]
+        made = ResponseBuilder(parsed, TOK, model="m", request_id="c")
+        state = ChatCompletionStreamState(input_tools=TOOLS)  # type: ignore[arg-type]
+        finishes = []
+        for chunk in chunks_of(text, size):
+            for event in made.events(chunk):
+                payload = json.loads(event[6:])
+                if payload["choices"]:
+                    finishes.append(payload["choices"][0]["finish_reason"])
+                state.handle_chunk(ChatCompletionChunk.model_validate(payload))
+        message = state.get_final_completion().choices[0].message
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+        want = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected["message"]["tool_calls"]
+        ]
+        assert got == want, (text, size)
+        assert (message.content or None) == expected["message"]["content"], (text, size)
+        assert [f for f in finishes if f] == [expected["finish_reason"]]
