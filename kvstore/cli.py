@@ -42,6 +42,7 @@ BENCHMARKS = {  # `kvstore bench NAME`
     "ttft": "kvstore.benchmarks.ttft_bench",
     "chaos": "kvstore.benchmarks.chaos_bench",
     "overhead": "kvstore.benchmarks.router_overhead",
+    "structured": "kvstore.benchmarks.structured_bench",
 }
 
 

