@@ -280,15 +280,18 @@ reach top_p (rare for a trained model) sorts the whole vocabulary. On the CPU a 
 
 def _nucleus(row: torch.Tensor, top_p: float) -> torch.Tensor:
     """``row`` keeping only the smallest set of most likely tokens whose probabilities reach ``top_p`` (a token
-    stays while the tokens more likely than it sum to less than ``top_p``; the best one always stays)."""
+    stays while the tokens more likely than it hold less than ``top_p`` of the mass; the best one always stays).
+    The sums are in float64, against the row's own float32 total (which may be a little over or under 1 at a
+    large vocabulary), so the set is the one an exact sum keeps."""
     probs = torch.softmax(row, dim=-1)
+    bound = top_p * float(probs.sum(dtype=torch.float64))
     k = min(TOP_P_CANDIDATES, row.numel())
     values, ids = torch.topk(probs, k)
-    cumulative = values.cumsum(dim=0)
-    if k < row.numel() and float(cumulative[-1]) < top_p:  # too flat for the candidates: the whole row
+    cumulative = values.double().cumsum(dim=0)
+    if k < row.numel() and float(cumulative[-1]) < bound:  # too flat for the candidates: the whole row
         values, ids = torch.sort(probs, descending=True)
-        cumulative = values.cumsum(dim=0)
-    keep = int(torch.searchsorted(cumulative, torch.tensor([top_p], dtype=cumulative.dtype))) + 1
+        cumulative = values.double().cumsum(dim=0)
+    keep = int(torch.searchsorted(cumulative, torch.tensor([bound], dtype=torch.float64))) + 1
     kept = ids[: min(keep, ids.numel())]
     out = torch.full_like(row, float("-inf"))
     out[kept] = row[kept]

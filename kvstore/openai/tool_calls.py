@@ -96,11 +96,22 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+def arguments_text(arguments: Any) -> str:
+    """Parsed arguments as JSON text: non-ASCII kept, as vLLM writes them -- but escaped where a string holds a
+    lone surrogate (from an escape the model wrote), which UTF-8, and so the answer, cannot carry."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(arguments)
+    return text
+
+
 def _call(text: str) -> dict[str, Any] | None:
     """One block's text as an OpenAI tool call, or None if it is not ``{"name": str, "arguments": ...}``."""
     try:
         parsed = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a model stuck writing "[" a thousand times
         return None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or "arguments" not in parsed:
         return None  # vLLM's parser needs both keys too
@@ -108,8 +119,8 @@ def _call(text: str) -> dict[str, Any] | None:
 
 
 def _as_call(name: str, arguments: Any) -> dict[str, Any]:
-    """An OpenAI tool call; ``arguments`` re-serialised as JSON text (non-ASCII kept, as vLLM writes them)."""
-    text = json.dumps(arguments, ensure_ascii=False)
+    """An OpenAI tool call; ``arguments`` re-serialised as JSON text (see :func:`arguments_text`)."""
+    text = arguments_text(arguments)
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
@@ -139,7 +150,7 @@ def _extract_json(text: str) -> Extracted:
             continue
         try:
             parsed, length = _DECODER.raw_decode(text, start)
-        except ValueError:
+        except (ValueError, RecursionError):
             return Extracted(text, [])
         end = length - 1
         if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
@@ -169,12 +180,12 @@ def _extract_mistral(text: str) -> Extracted:
     if first.startswith("["):  # v0.3: one array of {"name", "arguments"}
         try:
             parsed, _ = _DECODER.raw_decode(first)
-        except ValueError:
+        except (ValueError, RecursionError):
             return Extracted(text, [])
         if not isinstance(parsed, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                                    for c in parsed):  # fmt: skip
             return Extracted(text, [])
-        calls = [_mistral_call(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in parsed]
+        calls = [_mistral_call(c["name"], arguments_text(c.get("arguments", {}))) for c in parsed]
     else:  # v11+: [TOOL_CALLS]name{...} per call, the arguments kept as written
         for segment in raw:
             brace = segment.find("{")
@@ -405,8 +416,8 @@ class RequiredCallStream:
                 break
             try:
                 item, end = _DECODER.raw_decode(stripped)
-            except ValueError:
-                break  # the element is not whole yet
+            except (ValueError, RecursionError):
+                break  # the element is not whole yet (or nests past what can be read)
             if not _is_required_item(item):
                 break
             calls.append({"index": self.calls, **_as_call(item["name"], item["parameters"])})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -312,3 +313,27 @@ def test_mistral_and_pythonic_stream_as_the_plain_body_reads(parser: str, size: 
         assert got == want, (text, size)
         assert (message.content or None) == expected["message"]["content"], (text, size)
         assert [f for f in finishes if f] == [expected["finish_reason"]]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])
+def test_a_runaway_or_unencodable_answer_falls_back_or_is_escaped(parser: str) -> None:
+    """A model stuck writing brackets must not crash the answer (the JSON reader's recursion limit), and a call
+    whose string holds a lone surrogate (an escape the model wrote) must still encode as UTF-8."""
+    opener = {"hermes": "<tool_call>", "llama3_json": "", "mistral": "Sure.[TOOL_CALLS]", "pythonic": ""}[parser]
+    deep = opener + "[" * 1200 + "{" * 1200
+    found = extract(deep, parser)
+    assert found.content == deep and not found.tool_calls
+    made = ResponseBuilder(parsed_chat(parser), TOK, model="m", request_id="c")
+    body = made.body(fold_stream(chunks_of(deep, 64), 1))
+    assert body["choices"][0]["message"]["content"] == deep
+    lone = {
+        "hermes": '<tool_call>{"name": "f", "arguments": {"city": "\\ud83d"}}</tool_call>',
+        "llama3_json": '{"name": "f", "parameters": {"city": "\\ud83d"}}',
+        "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"city": "\\ud83d"}}]',
+        "pythonic": "[f(city='\\ud83d\\ude00')]",
+    }[parser]
+    (call,) = extract(lone, parser).tool_calls
+    call["function"]["arguments"].encode("utf-8")  # no lone surrogate left in the text
+    assert json.loads(call["function"]["arguments"])["city"] in ("\ud83d", "\U0001f600")  # a pair reads as one
+    body = ResponseBuilder(parsed_chat(parser), TOK, model="m", request_id="c").body(fold_stream(chunks_of(lone, 7), 1))
+    assert msgspec.json.encode(body)  # the answer encodes

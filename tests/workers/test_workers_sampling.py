@@ -279,3 +279,23 @@ def test_a_draw_follows_the_probabilities_and_never_takes_an_impossible_token() 
         assert abs(counts[token] / 20000 - p) < 0.015, counts
     assert _draw(torch.tensor([0.0, 0.0, 1.0]), generator) == 2
     assert _draw(torch.tensor([1.0, 0.0, 0.0]), generator) == 0
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.95, 0.9999, 0.999999])
+def test_top_p_keeps_the_smallest_set_reaching_it_on_a_large_vocabulary(top_p: float) -> None:
+    """At 152k tokens the float32 probabilities sum to a little more or less than 1: the kept set is the smallest
+    one whose mass reaches top_p of the row's own total, summed exactly (a float32 running sum from the top
+    stopped short of it at high top_p)."""
+    from kvstore.workers.sampler import _nucleus
+
+    generator = torch.Generator().manual_seed(5)
+    for spread, spike in [(2.0, 25.0), (5.0, 0.0), (1.0, 0.0)]:
+        row = torch.randn(151936, generator=generator) * spread
+        row[7] += spike
+        kept = torch.isfinite(_nucleus(row, top_p))
+        probs = torch.softmax(row, dim=-1).double()
+        bound = top_p * float(probs.sum())
+        mass = float(probs[kept].sum())
+        assert mass >= bound or bool(kept.all()), (spread, top_p, mass, bound)
+        assert mass - float(probs[kept].min()) < bound  # one token fewer would not reach it
+        assert float(probs[~kept].max()) <= float(probs[kept].min()) if not kept.all() else True  # the most likely
