@@ -12,15 +12,12 @@ import pytest
 
 from kvstore.benchmarks import offload_bench
 from kvstore.errors import ConfigError
+from tests.benchmarks.bench_cli import bench_parser
 from tests.checkpoints import TinyCheckpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvstore bench`` parser with only this benchmark (as deploy.cli registers it)."""
-    parser = argparse.ArgumentParser(prog="kvstore")
-    bench = parser.add_subparsers(dest="command").add_parser("bench").add_subparsers(dest="bench")
-    offload_bench.add_cli(bench)
-    return parser
+    return bench_parser(offload_bench)
 
 
 def test_offload_bench_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,14 +10,11 @@ import pytest
 
 from kvstore.benchmarks import offload_serving
 from kvstore.errors import ConfigError
+from tests.benchmarks.bench_cli import bench_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvstore bench`` parser with only this benchmark (as kvstore.cli registers it)."""
-    parser = argparse.ArgumentParser(prog="kvstore")
-    bench = parser.add_subparsers(dest="command").add_parser("bench").add_subparsers(dest="bench")
-    offload_serving.add_cli(bench)
-    return parser
+    return bench_parser(offload_serving)
 
 
 def test_offload_serving_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,6 +12,7 @@ import pytest
 from kvstore.benchmarks import router_bench
 from kvstore.benchmarks.mooncake import DEFAULT_TRACE
 from kvstore.errors import ConfigError
+from tests.benchmarks.bench_cli import bench_parser
 
 # 200 requests: enough for a few conversations to have a second turn (those the spread puts on several replicas).
 TINY = ["--limit", "200", "--lookup-limit", "200", "--blocks", "100000", "--queries", "30", "--repeat", "1"]
@@ -19,11 +20,7 @@ TINY += ["--no-dynamo"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvstore bench`` parser with only this benchmark (as deploy.cli registers it)."""
-    parser = argparse.ArgumentParser(prog="kvstore")
-    bench = parser.add_subparsers(dest="command").add_parser("bench").add_subparsers(dest="bench")
-    router_bench.add_cli(bench)
-    return parser
+    return bench_parser(router_bench)
 
 
 def run_bench(argv: list[str]) -> int:

@@ -12,13 +12,11 @@ import pytest
 from kvstore.benchmarks import structured_bench
 from kvstore.errors import ConfigError
 from kvstore.openai.structured import grammar_tokenizer
+from tests.benchmarks.bench_cli import bench_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstore")
-    bench = parser.add_subparsers(dest="command").add_parser("bench").add_subparsers(dest="bench")
-    structured_bench.add_cli(bench)
-    return parser
+    return bench_parser(structured_bench)
 
 
 def test_the_bench_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

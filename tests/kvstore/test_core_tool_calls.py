@@ -104,6 +104,19 @@ def chunks_of(text: str, size: int, finish: FinishReason = FinishReason.STOP) ->
     return out
 
 
+def accumulated(made: ResponseBuilder, chunks: list[StreamChunk]) -> tuple[ChatCompletionStreamState, list[str]]:
+    """The stream of ``chunks`` read by the openai client's own accumulator, and the finish reasons it carried."""
+    state = ChatCompletionStreamState(input_tools=TOOLS)  # type: ignore[arg-type]
+    finishes = []
+    for chunk in chunks:
+        for event in made.events(chunk):
+            payload = json.loads(event[6:])
+            if payload["choices"] and payload["choices"][0]["finish_reason"] is not None:
+                finishes.append(payload["choices"][0]["finish_reason"])
+            state.handle_chunk(ChatCompletionChunk.model_validate(payload))
+    return state, finishes
+
+
 def test_a_plain_body_carries_the_calls_as_the_openai_client_reads_them() -> None:
     text = "Checking." + WEATHER
     body = builder().body(fold_stream(chunks_of(text, 7), 1))
@@ -122,14 +135,7 @@ def test_a_plain_body_carries_the_calls_as_the_openai_client_reads_them() -> Non
 def test_a_stream_carries_the_calls_as_the_openai_client_accumulates_them(size: int) -> None:
     text = "Checking." + WEATHER + TIME
     made = builder(stream=True)
-    state = ChatCompletionStreamState(input_tools=TOOLS)  # type: ignore[arg-type]
-    finishes = []
-    for chunk in chunks_of(text, size):
-        for event in made.events(chunk):
-            payload = json.loads(event[6:])
-            if payload["choices"]:
-                finishes.append(payload["choices"][0]["finish_reason"])
-            state.handle_chunk(ChatCompletionChunk.model_validate(payload))
+    state, finishes = accumulated(made, chunks_of(text, size))
     final = state.get_final_completion()
     message = final.choices[0].message
     assert message.content == "Checking."
@@ -178,10 +184,7 @@ def test_llama3_json_streams_prose_as_it_comes_and_holds_a_json_answer_whole(siz
 
 def test_a_llama3_json_stream_reads_back_as_calls_through_the_openai_client() -> None:
     made = ResponseBuilder(parsed_chat("llama3_json", stream=True), TOK, model="m", request_id="chatcmpl-2")
-    state = ChatCompletionStreamState(input_tools=TOOLS)  # type: ignore[arg-type]
-    for chunk in chunks_of("<|python_tag|>" + LLAMA_CALLS, 5):
-        for event in made.events(chunk):
-            state.handle_chunk(ChatCompletionChunk.model_validate(json.loads(event[6:])))
+    state, _ = accumulated(made, chunks_of("<|python_tag|>" + LLAMA_CALLS, 5))
     final = state.get_final_completion().choices[0]
     assert final.finish_reason == "tool_calls" and not final.message.content
     assert [c.function.name for c in final.message.tool_calls or []] == ["get_weather", "get_time"]
@@ -210,14 +213,7 @@ def test_a_required_answer_cut_short_streams_its_whole_calls_and_ends_with_lengt
     for finish, expected in [(FinishReason.LENGTH, "length"), (FinishReason.STOP, "tool_calls")]:
         whole = text if finish is FinishReason.LENGTH else text[: text.index(", {")] + "]"
         made = ResponseBuilder(parsed, TOK, model="m", request_id="chatcmpl-1")
-        state = ChatCompletionStreamState(input_tools=TOOLS)  # type: ignore[arg-type]
-        finishes = []
-        for chunk in chunks_of(whole, 9, finish):
-            for event in made.events(chunk):
-                payload = json.loads(event[6:])
-                if payload["choices"]:
-                    finishes.append(payload["choices"][0]["finish_reason"])
-                state.handle_chunk(ChatCompletionChunk.model_validate(payload))
+        state, finishes = accumulated(made, chunks_of(whole, 9, finish))
         message = state.current_completion_snapshot.choices[0].message  # the final one refuses a "length"
         assert [f for f in finishes if f] == [expected]
         streamed_content = message.content
@@ -297,14 +293,7 @@ def test_mistral_and_pythonic_stream_as_the_plain_body_reads(parser: str, size: 
         body = ResponseBuilder(parsed, TOK, model="m", request_id="c").body(fold_stream(chunks_of(text, size), 1))
         expected = body["choices"][0]
         made = ResponseBuilder(parsed, TOK, model="m", request_id="c")
-        state = ChatCompletionStreamState(input_tools=TOOLS)  # type: ignore[arg-type]
-        finishes = []
-        for chunk in chunks_of(text, size):
-            for event in made.events(chunk):
-                payload = json.loads(event[6:])
-                if payload["choices"]:
-                    finishes.append(payload["choices"][0]["finish_reason"])
-                state.handle_chunk(ChatCompletionChunk.model_validate(payload))
+        state, finishes = accumulated(made, chunks_of(text, size))
         message = state.get_final_completion().choices[0].message
         got = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
         want = [
