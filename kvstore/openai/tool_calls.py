@@ -120,8 +120,7 @@ def _call(text: str) -> dict[str, Any] | None:
 
 def _as_call(name: str, arguments: Any) -> dict[str, Any]:
     """An OpenAI tool call; ``arguments`` re-serialised as JSON text (see :func:`arguments_text`)."""
-    text = arguments_text(arguments)
-    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
+    return named_call(name, arguments_text(arguments))
 
 
 def extract(text: str, parser: str = "hermes") -> Extracted:
@@ -185,19 +184,15 @@ def _extract_mistral(text: str) -> Extracted:
         if not isinstance(parsed, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                                    for c in parsed):  # fmt: skip
             return Extracted(text, [])
-        calls = [_mistral_call(c["name"], arguments_text(c.get("arguments", {}))) for c in parsed]
+        calls = [named_call(c["name"], arguments_text(c.get("arguments", {})), mistral_call_id()) for c in parsed]
     else:  # v11+: [TOOL_CALLS]name{...} per call, the arguments kept as written
         for segment in raw:
             brace = segment.find("{")
             if brace < 0:
                 continue
             name = segment[:brace].replace(MISTRAL_ARGS, "").strip()
-            calls.append(_mistral_call(name, segment[brace:].strip()))
+            calls.append(named_call(name, segment[brace:].strip(), mistral_call_id()))
     return Extracted(content or None, calls) if calls else Extracted(text, [])
-
-
-def _mistral_call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": mistral_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _extract_pythonic(text: str) -> Extracted:
@@ -309,8 +304,7 @@ class ToolCallStream:
         if at >= 0:
             self._held, self._in_block = held[at:], True
             return Piece(held[:at], [])
-        keep = next((n for n in range(min(len(MISTRAL_CALLS) - 1, len(held)), 0, -1)
-                     if MISTRAL_CALLS.startswith(held[-n:])), 0)  # fmt: skip
+        keep = _partial_tag(held, MISTRAL_CALLS)
         self._held = held[len(held) - keep :]
         return Piece(held[: len(held) - keep], [])
 
@@ -344,17 +338,19 @@ class ToolCallStream:
         self.calls += 1
 
 
-def _partial_tag(text: str) -> int:
-    """How many characters at the end of ``text`` could begin ``<tool_call>`` (held until the next delta)."""
-    for size in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-size:]):
+def _partial_tag(text: str, tag: str = START) -> int:
+    """How many characters at the end of ``text`` could begin ``tag`` (held until the next delta)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0
 
 
-def named_call(name: str, arguments: str) -> dict[str, Any]:
-    """The call a named ``tool_choice`` makes: the answer is the arguments' JSON text, as the model wrote it."""
-    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def named_call(name: str, arguments: str, ident: str | None = None) -> dict[str, Any]:
+    """An OpenAI tool call of ``name`` with ``arguments`` as they are (JSON text): a named ``tool_choice``'s, whose
+    answer is the arguments as the model wrote them, and every parser's. ``ident``: the call's id (default
+    :func:`call_id`'s)."""
+    return {"id": ident or call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _is_required_item(item: Any) -> bool:
