@@ -4,13 +4,11 @@ The grammar text comes compiled and checked from the front
 (:mod:`kvstore.openai.structured`, which says what is served and why);
 the worker builds one :class:`GrammarMatcher` per request on the
 submitting thread and copies it per choice. The step loop asks each step
-for the mask of allowed next tokens (a bool tensor as wide as the logits)
-and advances it by the token drawn.
+for the allowed next tokens as a bias to add to the logits (0 allowed, -inf
+not) and advances it by the token drawn.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import llguidance
 import torch
@@ -24,21 +22,18 @@ _BYTE_BIAS = torch.tensor([[0.0 if (b >> i) & 1 else float("-inf") for i in rang
 class GrammarMatcher:
     """One choice's place in its grammar. Built on the submitting thread; used by the step loop alone."""
 
-    __slots__ = ("_matcher", "_width")
+    __slots__ = ("_matcher",)
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, *, matcher: Any = None) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
         """Raises StructuredOutputError if ``grammar`` does not compile."""
-        self._width = tokenizer.vocab_size
-        if matcher is None:
-            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-            if matcher.is_error():
-                raise StructuredOutputError(matcher.get_error().strip())
-        self._matcher = matcher
+        self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if self._matcher.is_error():
+            raise StructuredOutputError(self._matcher.get_error().strip())
 
     def copy(self) -> GrammarMatcher:
         """A matcher at the same place, for another choice of the same request."""
         clone = GrammarMatcher.__new__(GrammarMatcher)
-        clone._width, clone._matcher = self._width, self._matcher.deep_copy()
+        clone._matcher = self._matcher.deep_copy()
         return clone
 
     def bias(self, width: int) -> torch.Tensor:

@@ -245,8 +245,9 @@ class ChoiceSampling:
         # The grammar's or the guided choice's next tokens always, whatever else ruled them out; else
         # allowed_token_ids.
         fallback = torch.full_like(raw, float("-inf"))
-        if self._grammar_bias is not None and bool((self._grammar_bias == 0).any()):
-            return torch.where(self._grammar_bias == 0, raw, fallback)
+        grammar_allows = None if self._grammar_bias is None else self._grammar_bias == 0
+        if grammar_allows is not None and bool(grammar_allows.any()):
+            return torch.where(grammar_allows, raw, fallback)
         allowed = self._step_allowed if self._choices is not None and self._step_allowed else self._allowed
         if allowed is None:
             return raw.clone()

@@ -7,10 +7,10 @@ one llguidance grammar text on the front (:func:`json_schema_grammar`,
 :func:`regex_grammar`, :func:`text_grammar`), checked there against the
 model's tokenizer (:func:`check_grammar`), so a bad schema is a 400 that
 quotes the compiler. The text travels in ``SamplingParams.grammar``; the
-worker builds a :class:`GrammarMatcher` per choice when the request is
-submitted (off the step loop: building one can take milliseconds for a
-large schema) and, on every step, masks the tokens the grammar does not
-allow next, then advances the matcher by the token drawn.
+worker builds a matcher per choice (``kvstore.workers.grammar``) when the
+request is submitted (off the step loop: building one can take
+milliseconds for a large schema) and, on every step, masks the tokens the
+grammar does not allow next, then advances the matcher by the token drawn.
 
 Why llguidance: it is one of vLLM's structured-output backends (``guidance``),
 computes a mask over a 150k vocabulary in tens of microseconds, needs no
@@ -21,7 +21,9 @@ Invariants and failure modes:
 - A choice's tokens are always a prefix of a string of the grammar: the
   mask allows nothing else, and when other constraints leave no allowed
   token the sampler falls back to the grammar's own (see ``usable`` in the
-  sampler). A token the matcher refuses anyway (a bug) ends the choice.
+  sampler). A matcher that fails anyway (a token it refuses, or a limit of
+  its parser met mid-answer) fails the request, as one the worker cannot
+  serve, rather than end it on text outside the grammar.
 - Once the matcher is *stopped* (the grammar can take nothing more), the
   choice ends with ``stop`` at once; while it is *accepting* but could go
   on (a number, trailing whitespace), EOS is one of the allowed tokens.
