@@ -429,7 +429,9 @@ def parse_chat(
     token_ids = truncated(token_ids, req.truncate_prompt_tokens, limits.max_context)
     top = (req.top_logprobs or 0) if req.logprobs else None
     # As vLLM: a chat's echo scores the prompt with top_logprobs alternatives (vLLM's default 0) even without logprobs
-    forced = _forced_tools_schema(req.tools, req.tool_choice, req.parallel_tool_calls) if req.tools else None
+    named = _named_tool(req.tool_choice, req.tools) if req.tools else None  # checked by _tools already
+    required = bool(req.tools) and req.tool_choice == "required"
+    forced = _forced_tools_schema(req.tools or [], named, required, req.parallel_tool_calls)
     sampling = _sampling(
         req, top, limits, tokenizer, prompt_logprobs=_prompt_logprobs(req, req.top_logprobs or 0), forced=forced
     )
@@ -461,8 +463,7 @@ def parse_chat(
         # constraint holds from the first token, as vLLM reads the prompt
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
         role=role, tool_parser=calls_parsed, reasoning_parser=reasoning,
-        named_tool=_named_tool(req.tool_choice, req.tools) if req.tools else None,
-        tools_required=bool(req.tools) and req.tool_choice == "required",
+        named_tool=named, tools_required=required,
     )  # fmt: skip
 
 
@@ -729,18 +730,17 @@ def _named_tool(choice: Any, tools: list[Any] | None) -> str | None:
     return str(name)
 
 
-def _forced_tools_schema(tools: list[Any], choice: Any, parallel: bool | None = None) -> Any:
-    """The JSON schema the answer follows when ``tool_choice`` forces a call, as vLLM builds it: a named function's
-    ``parameters`` (an empty object's schema when it has none); for ``"required"``, a non-empty array of
-    ``{"name": <one of the tools>, "parameters": <its parameters>}`` (no other keys), each tool's ``$defs`` hoisted to
-    the top, and
-    of one call only with ``parallel_tool_calls`` false (OpenAI's meaning). None when the choice forces nothing."""
-    name = _named_tool(choice, tools)
+def _forced_tools_schema(tools: list[Any], name: str | None, required: bool, parallel: bool | None = None) -> Any:
+    """The JSON schema the answer follows when ``tool_choice`` forces a call, as vLLM builds it: the ``name``d
+    function's ``parameters`` (an empty object's schema when it has none); when ``required``, a non-empty array of
+    ``{"name": <one of the tools>, "parameters": <its parameters>}`` (no other keys), each tool's ``$defs`` hoisted
+    to the top, and of one call only with ``parallel_tool_calls`` false (OpenAI's meaning). None when the choice
+    forces nothing."""
     no_parameters: dict[str, Any] = {"type": "object", "properties": {}}
     if name is not None:
         function = next(t["function"] for t in tools if t["function"]["name"] == name)
         return no_parameters if function.get("parameters") is None else function["parameters"]
-    if choice != "required":
+    if not required:
         return None
     variants: list[dict[str, Any]] = []
     defs: dict[str, Any] = {}
