@@ -22,9 +22,9 @@
  *   thread alone) once it is at least split_min bytes. The runs are cut into pieces of
  *   at most PIECE_BYTES; the caller posts the batch, wakes the helpers and copies
  *   pieces itself, each thread taking the next piece from one atomic counter (work
- *   stealing). So a helper that wakes late, or is descheduled by other work on the
- *   machine, costs the caller at most the piece it holds: the caller never waits for
- *   work nobody has started. Helpers block on a condition variable between batches,
+ *   stealing; a thread claims its next piece before copying the one it holds, so it can
+ *   prefetch it). So a helper that wakes late, or is descheduled by other work on the
+ *   machine, costs the caller at most the two pieces it holds. Helpers block on a condition variable between batches,
  *   taking no CPU. Smaller batches, and buffers that overlap each other (a shared copy
  *   has no order between pieces), are copied by the caller alone, run by run in order.
  *   One call at a time per Copier; calls from several threads queue.
@@ -52,14 +52,33 @@
 
 #include "_books.h"
 
+/* One span to copy: a whole run, or a piece of one. */
+typedef struct {
+    uint8_t *to;
+    const uint8_t *from;
+    size_t bytes;
+} Span;
+
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
 #define KV_HAVE_STREAM 1
 
+/* How far ahead of its loads a copy prefetches, in bytes: past the end of the span it copies,
+ * into the next span the same thread will copy. The hardware prefetchers follow a stream only
+ * within a 4 KiB page, and only once it has run a while, so every scattered row would otherwise
+ * start with a burst of cache misses: single-threaded, 16 KiB rows read from random places
+ * copied at 1.57 us a row without it and 0.98-1.07 with it prefetched 4-16 KiB ahead (0.80 for
+ * one contiguous memcpy of the same bytes); 192 KiB and 2 MiB rows did not change. */
+#define PREFETCH_BYTES ((size_t)8 * 1024)
+
 /* memcpy with SSE2 streaming stores: the head up to a 64-byte boundary of dst and the tail
  * are plain copies, every whole cache line between them is four unaligned loads and four
- * streaming stores. The caller fences (_mm_sfence) once after all runs. */
-static void stream_copy(uint8_t *dst, const uint8_t *src, size_t n) {
+ * streaming stores, and a prefetch PREFETCH_BYTES ahead -- inside this span, then into
+ * `next` (the span this thread copies after it; NULL for none). The caller fences
+ * (_mm_sfence) once after all runs. */
+static void stream_copy(uint8_t *dst, const uint8_t *src, size_t n, const Span *next) {
+    const uint8_t *end = src + n;
     size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
     if (head > n) {
         head = n;
@@ -69,6 +88,12 @@ static void stream_copy(uint8_t *dst, const uint8_t *src, size_t n) {
     src += head;
     n -= head;
     for (size_t lines = n / 64; lines; lines--) {
+        const uint8_t *ahead = src + PREFETCH_BYTES;
+        if (ahead < end) {
+            _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+        } else if (next != NULL && (size_t)(ahead - end) < next->bytes) {
+            _mm_prefetch((const char *)next->from + (ahead - end), _MM_HINT_T0);
+        }
         __m128i a = _mm_loadu_si128((const __m128i *)(src + 0));
         __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
@@ -84,6 +109,7 @@ static void stream_copy(uint8_t *dst, const uint8_t *src, size_t n) {
 }
 #else
 #define KV_HAVE_STREAM 0
+#define PREFETCH_BYTES ((size_t)0)
 #endif
 
 /* Rows of a sequence into out[0..n), each checked against 0..limit-1. -1 with an exception set. */
@@ -103,13 +129,6 @@ static int read_rows(PyObject *seq, Py_ssize_t n, Py_ssize_t limit, const char *
     return 0;
 }
 
-/* One span to copy: a whole run, or a piece of one. */
-typedef struct {
-    uint8_t *to;
-    const uint8_t *from;
-    size_t bytes;
-} Span;
-
 /* A piece is at most this long: small enough that a thread holding the last one keeps the
  * others waiting briefly, large enough that taking one (an atomic add) costs nothing beside it. */
 #define PIECE_BYTES ((size_t)256 * 1024)
@@ -117,20 +136,22 @@ typedef struct {
 /* The most helper threads a Copier runs (tiers.config.MAX_COPY_THREADS is this plus the caller). */
 #define MAX_HELPERS 64
 
-/* Copies one span; returns whether it streamed (so the thread fences before it reports). */
-static int copy_span(const Span *span, size_t stream_min) {
+/* Copies one span, prefetching the start of `next` (the span this thread copies after it, or NULL)
+ * towards its end; returns whether it streamed (so the thread fences before it reports). */
+static int copy_span(const Span *span, const Span *next, size_t stream_min) {
 #if KV_HAVE_STREAM
     /* Streaming copies go forward only: a span whose source and destination overlap (the same
      * buffer on both sides) is left to memmove, which copies it as the source was. */
     const uint8_t *to = span->to;
     int overlap = to < span->from + span->bytes && span->from < to + span->bytes;
     if (stream_min && span->bytes >= stream_min && !overlap) {
-        stream_copy(span->to, span->from, span->bytes);
+        stream_copy(span->to, span->from, span->bytes, next);
         return 1;
     }
 #else
     (void)stream_min;
 #endif
+    (void)next;
     memmove(span->to, span->from, span->bytes);
     return 0;
 }
@@ -243,13 +264,20 @@ static Py_ssize_t batch_runs(const Batch *batch, Span *spans) {
 
 /* Copies a batch on this thread alone, run by run in order; returns the number of runs. No GIL needed. */
 static Py_ssize_t batch_copy_here(const Batch *batch) {
-    Py_ssize_t runs = 0;
-    int streamed = 0;
-    for (Py_ssize_t i = 0; i < batch->n; runs++) {
-        Span span;
-        i = batch_run_at(batch, i, &span);
-        streamed |= copy_span(&span, batch->stream_min);
+    if (batch->n == 0) {
+        return 0;
     }
+    Py_ssize_t runs = 1;
+    int streamed = 0;
+    Span span, next;
+    Py_ssize_t i = batch_run_at(batch, 0, &span);
+    while (i < batch->n) {
+        i = batch_run_at(batch, i, &next); /* found first, so the copy can prefetch it */
+        streamed |= copy_span(&span, &next, batch->stream_min);
+        span = next;
+        runs++;
+    }
+    streamed |= copy_span(&span, NULL, batch->stream_min);
     fence(streamed);
     return runs;
 }
@@ -280,16 +308,19 @@ typedef struct {
     pthread_t *threads;
 } Copier;
 
-/* Takes pieces until none is left; returns whether any streamed. */
+/* Takes pieces until none is left; returns whether any streamed. Each thread claims its next piece
+ * before it copies the one it holds, so the copy can prefetch the start of the next: a thread holds
+ * at most two pieces. */
 static int take_pieces(Job *job) {
     int streamed = 0;
-    for (;;) {
-        size_t i = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
-        if (i >= job->count) {
-            return streamed;
-        }
-        streamed |= copy_span(&job->pieces[i], job->stream_min);
+    size_t i = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+    while (i < job->count) {
+        size_t after = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+        const Span *next = after < job->count ? &job->pieces[after] : NULL;
+        streamed |= copy_span(&job->pieces[i], next, job->stream_min);
+        i = after;
     }
+    return streamed;
 }
 
 static void *helper_main(void *arg) {
@@ -423,7 +454,7 @@ static Py_ssize_t copier_share(Copier *self, const Batch *batch) {
     pthread_mutex_unlock(&self->mu);
     fence(take_pieces(&job));
     /* Every piece is taken: unpost the job so a helper waking now skips it, then wait for the ones
-     * holding it -- each finishes at most the piece it has. A short spin first (about 1024 pauses:
+     * holding it -- each finishes at most the two pieces it claimed. A short spin first (about 1024 pauses:
      * tens of microseconds, what a piece takes), since a condition-variable wake-up costs as much. */
     pthread_mutex_lock(&self->mu);
     self->job = NULL;
@@ -689,6 +720,7 @@ PyMODINIT_FUNC PyInit__copyrows(void) {
     Py_INCREF(&CopierType);
     if (PyModule_AddIntConstant(module, "STREAMING_STORES", KV_HAVE_STREAM) < 0 ||
         PyModule_AddIntConstant(module, "PIECE_BYTES", (long)PIECE_BYTES) < 0 ||
+        PyModule_AddIntConstant(module, "PREFETCH_BYTES", (long)PREFETCH_BYTES) < 0 ||
         PyModule_AddIntConstant(module, "MAX_HELPERS", MAX_HELPERS) < 0 ||
         PyModule_AddObject(module, "Copier", (PyObject *)&CopierType) < 0) {
         Py_DECREF(&CopierType);

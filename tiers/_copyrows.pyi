@@ -4,6 +4,7 @@ from typing import Any
 
 STREAMING_STORES: int
 PIECE_BYTES: int
+PREFETCH_BYTES: int
 MAX_HELPERS: int
 
 class Copier:
