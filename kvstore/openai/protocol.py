@@ -5,7 +5,7 @@ names the offending field. Every field vLLM's server takes for text
 generation is declared; those we serve are checked against vLLM's ranges
 and become a :class:`~kvstore.worker_api.SamplingParams` (structured output
 compiled to a grammar on the way, :mod:`kvstore.openai.structured`), and
-those we do not (images, beam search, structural tags, ...) are refused
+those we do not (images, beam search, xgrammar's structural tag ``format``, ...) are refused
 with a 400 that names them. OpenAI's fields that change nothing about the
 tokens generated (``store``, ``metadata``, ``service_tier``,
 ``prompt_cache_key``, ``safety_identifier``, ``prediction``, ``verbosity``,
@@ -48,10 +48,12 @@ from kvstore.openai.reasoning import START as THINK_START
 from kvstore.openai.structured import (
     MAX_GRAMMAR_CHARS,
     StructuredOutputError,
+    Tag,
     check_grammar,
     grammar_tokenizer,
     json_schema_grammar,
     regex_grammar,
+    structural_tag_grammar,
     text_grammar,
 )
 from kvstore.openai.tokenizer import Tokenizer
@@ -899,7 +901,7 @@ def _constraint(req: _GenerationFields, tokenizer: Tokenizer, vocab: int | None,
     if kind == "choice":
         return Constraint(choices=_choices(value, where, tokenizer, vocab))
     if kind == "structural_tag":
-        raise ApiError(400, "structural tags are not supported by this server", param=where)
+        return Constraint(grammar=_structural_tag(value, where, options, tokenizer, vocab))
     return Constraint(grammar=_grammar(kind, value, where, options, tokenizer, vocab))
 
 
@@ -925,7 +927,7 @@ def _response_format(value: Any, found: dict[str, tuple[Any, str]]) -> None:
     elif kind == "structural_tag":
         found["structural_tag"] = (value, "response_format")
     else:
-        raise ApiError(400, 'response_format.type must be "text", "json_object" or "json_schema"',
+        raise ApiError(400, 'response_format.type must be "text", "json_object", "json_schema" or "structural_tag"',
                        param="response_format")  # fmt: skip
 
 
@@ -964,6 +966,81 @@ def _grammar(
                 raise StructuredOutputError(f"must be a non-empty string of at most {MAX_GRAMMAR_CHARS:,} characters")
             grammar = regex_grammar(value) if kind == "regex" else text_grammar(value)
         check_grammar(grammar, llm)
+    except StructuredOutputError as exc:
+        raise ApiError(400, f"{where}: {exc}", param=where) from None
+    return grammar
+
+
+MAX_TAGS = 64  # structures, and triggers, in one structural tag
+
+
+def _structural_tag(value: Any, where: str, options: dict[str, Any], tokenizer: Tokenizer, vocab: int | None) -> str:
+    """vLLM's structural tag (``response_format`` of type ``structural_tag``, or ``structured_outputs.structural_tag``
+    as its JSON text): ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}``. The output is free
+    text in which a trigger opens the structure whose ``begin`` starts with it: the rest of its ``begin``, JSON
+    following its ``schema``, then its ``end`` are forced, and free text goes on after. xgrammar's newer ``format``
+    form is refused by name."""
+    if options:
+        option = next(iter(options))
+        raise ApiError(400, f"structured_outputs.{option} applies to JSON schemas, not to a structural tag",
+                       param=f"structured_outputs.{option}")  # fmt: skip
+    if isinstance(value, str):  # structured_outputs.structural_tag: the object as JSON text, as vLLM takes it
+        if len(value) > MAX_GRAMMAR_CHARS:
+            raise ApiError(400, f"{where} is longer than {MAX_GRAMMAR_CHARS:,} characters", param=where)
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise ApiError(400, f"{where} is not JSON (or nests too deeply)", param=where) from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f'{where} must be an object with "structures" and "triggers"', param=where)
+    if "format" in value:
+        raise ApiError(400, f"{where}: the structural tag's \"format\" form is not supported here; send "
+                       '"structures" and "triggers"', param=f"{where}.format")  # fmt: skip
+    unknown = sorted(set(value) - {"type", "structures", "triggers"})
+    if unknown:
+        raise ApiError(400, f"{where} has no field {unknown[0]!r}", param=f"{where}.{unknown[0]}")
+    if value.get("type", "structural_tag") != "structural_tag":
+        raise ApiError(400, f'{where}.type must be "structural_tag"', param=f"{where}.type")
+    triggers, structures = value.get("triggers"), value.get("structures")
+    if not isinstance(triggers, list) or not 1 <= len(triggers) <= MAX_TAGS:
+        raise ApiError(400, f"{where}.triggers must be a list of 1 to {MAX_TAGS} strings", param=f"{where}.triggers")
+    for index, trigger in enumerate(triggers):
+        if not isinstance(trigger, str) or not trigger or len(trigger) > MAX_NAME_CHARS:
+            raise ApiError(400, f"{where}.triggers[{index}] must be a non-empty string of at most {MAX_NAME_CHARS} "
+                           "characters", param=f"{where}.triggers[{index}]")  # fmt: skip
+    if not isinstance(structures, list) or not 1 <= len(structures) <= MAX_TAGS:
+        raise ApiError(400, f"{where}.structures must be a list of 1 to {MAX_TAGS} objects",
+                       param=f"{where}.structures")  # fmt: skip
+    tags: list[Tag] = []
+    for index, structure in enumerate(structures):
+        at = f"{where}.structures[{index}]"
+        if not isinstance(structure, dict):
+            raise ApiError(400, f'{at} must be an object with "begin", "schema" and "end"', param=at)
+        extra = sorted(set(structure) - {"begin", "schema", "end"})
+        if extra:
+            raise ApiError(400, f"{at} has no field {extra[0]!r}", param=f"{at}.{extra[0]}")
+        begin, end, schema = structure.get("begin"), structure.get("end", ""), structure.get("schema")
+        for name, text in (("begin", begin), ("end", end)):
+            if not isinstance(text, str) or (name == "begin" and not text) or len(text) > MAX_NAME_CHARS:
+                raise ApiError(400, f"{at}.{name} must be a{' non-empty' if name == 'begin' else ''} string of at "
+                               f"most {MAX_NAME_CHARS} characters", param=f"{at}.{name}")  # fmt: skip
+        assert isinstance(begin, str) and isinstance(end, str)
+        opened_by = [trigger for trigger in triggers if begin.startswith(trigger)]
+        if not opened_by:
+            raise ApiError(400, f"{at}.begin {begin!r} starts with none of the triggers", param=f"{at}.begin")
+        if schema is None or schema is True:
+            schema = {}  # any JSON value
+        try:
+            too_long = isinstance(schema, dict) and len(json.dumps(schema)) > MAX_GRAMMAR_CHARS
+        except (ValueError, RecursionError):
+            too_long = True
+        if not isinstance(schema, dict) or too_long:
+            raise ApiError(400, f"{at}.schema must be a JSON schema (an object) of at most {MAX_GRAMMAR_CHARS:,} "
+                           "characters", param=f"{at}.schema")  # fmt: skip
+        tags.append(Tag(max(opened_by, key=len), begin, schema, end))
+    try:
+        grammar = structural_tag_grammar(tags)
+        check_grammar(grammar, grammar_tokenizer(tokenizer, vocab, tokenizer.eos_token_ids))
     except StructuredOutputError as exc:
         raise ApiError(400, f"{where}: {exc}", param=where) from None
     return grammar

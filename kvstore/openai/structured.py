@@ -1,10 +1,11 @@
 """Structured output: a JSON schema, regex or grammar as an llguidance grammar, and its per-choice matcher.
 
-What a request asks for (``response_format`` of type ``json_object`` or
-``json_schema``; vLLM's ``structured_outputs`` ``json`` / ``regex`` /
-``grammar`` / ``json_object``, or their older ``guided_*`` names) becomes
-one llguidance grammar text on the front (:func:`json_schema_grammar`,
-:func:`regex_grammar`, :func:`text_grammar`), checked there against the
+What a request asks for (``response_format`` of type ``json_object``,
+``json_schema`` or ``structural_tag``; vLLM's ``structured_outputs``
+``json`` / ``regex`` / ``grammar`` / ``json_object`` / ``structural_tag``,
+or their older ``guided_*`` names) becomes one llguidance grammar text on
+the front (:func:`json_schema_grammar`, :func:`regex_grammar`,
+:func:`text_grammar`, :func:`structural_tag_grammar`), checked there against the
 model's tokenizer (:func:`check_grammar`), so a bad schema is a 400 that
 quotes the compiler. The text travels in ``SamplingParams.grammar``; the
 worker builds a matcher per choice (``kvstore.workers.grammar``) when the
@@ -38,7 +39,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import llguidance
 
@@ -117,6 +118,29 @@ def text_grammar(text: str) -> str:
     try:
         return llguidance.grammar_from("grammar", text)
     except ValueError as exc:
+        raise StructuredOutputError(str(exc)) from None
+
+
+class Tag(NamedTuple):
+    """One structure of a structural tag: free text may open it with ``begin`` (which starts with ``trigger``);
+    then JSON following ``schema`` (a JSON schema) and ``end`` are forced."""
+
+    trigger: str
+    begin: str
+    schema: dict[str, Any]
+    end: str
+
+
+def structural_tag_grammar(tags: Sequence[Tag]) -> str:
+    """vLLM's structural tag as a grammar: any text, in which each tag's trigger must go on as one of the tags
+    that start with it (its ``begin``, JSON of its schema, its ``end``), and then any text again. llguidance's
+    own construction (``StructTag``): the triggers are lazy lexemes, so text between structures is free."""
+    if not tags:
+        raise StructuredOutputError("a structural tag needs at least one structure")
+    try:
+        built = [llguidance.StructTag(trigger=t.trigger, begin=t.begin, grammar=t.schema, end=t.end) for t in tags]
+        return llguidance.grammar_from("lark", llguidance.StructTag.to_grammar(built))
+    except (ValueError, TypeError) as exc:
         raise StructuredOutputError(str(exc)) from None
 
 

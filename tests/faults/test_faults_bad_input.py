@@ -116,7 +116,8 @@ def bad_cases(rng: random.Random) -> list[Case]:
     add("bad batch", {"prompt": ["hello", ""], "max_tokens": 4})  # an empty prompt in a batch
     add("unsupported", {"prompt": t, "max_tokens": 4, "use_beam_search": True})
     add("unsupported", {"prompt": t, "max_tokens": 4, "best_of": rng.randint(2, 8)})
-    add("unsupported", {"prompt": t, "max_tokens": 4, "response_format": {"type": "structural_tag"}})
+    add("unsupported", {"prompt": t, "max_tokens": 4, "response_format": {"type": "structural_tag", "format": {}}})
+    add("bad structural tag", {"prompt": t, "max_tokens": 4, "response_format": {"type": "structural_tag"}})
     add("unsupported", {"prompt": t, "max_tokens": 4, "n": 100})
     # Wrong content: not JSON, whatever the content type claims.
     add("wrong content", b"prompt=hello&max_tokens=4", headers={"content-type": "application/x-www-form-urlencoded"})

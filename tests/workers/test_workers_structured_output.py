@@ -1,8 +1,9 @@
-"""Structured output (``response_format`` json_object / json_schema, vLLM's ``structured_outputs`` json, regex,
-grammar and json_object, and the older ``guided_*`` names): whatever a random model samples, the output is a
-string of the grammar -- JSON that validates against its schema (``jsonschema`` is the oracle), text the regex
-matches whole, a sentence of the grammar -- through the worker and through its HTTP front with the official
-``openai`` client, whose ``chat.completions.parse`` reads the answer into a pydantic model."""
+"""Structured output (``response_format`` json_object / json_schema / structural_tag, vLLM's ``structured_outputs``
+json, regex, grammar, json_object and structural_tag, and the older ``guided_*`` names): whatever a random model
+samples, the output is a string of the grammar -- JSON that validates against its schema (``jsonschema`` is the
+oracle), text the regex matches whole, a sentence of the grammar, free text whose every structure is whole --
+through the worker and through its HTTP front with the official ``openai`` client, whose
+``chat.completions.parse`` reads the answer into a pydantic model."""
 
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ SCHEMA = {
     "additionalProperties": False,
 }
 LIMITS = ModelLimits(vocab_size=VOCAB, max_context=512)
+# vLLM's structural tag: free text, in which "@" opens a call: "call " and JSON of its schema, then ";" are forced.
+CALL = {"type": "object", "properties": {"tier": {"enum": ["cpu", "disk"]}, "n": {"type": "integer", "minimum": 0,
+        "maximum": 99}}, "required": ["tier", "n"], "additionalProperties": False}  # fmt: skip
+TAG = {"begin": "@call ", "schema": CALL, "end": ";"}
+STRUCTURAL_TAG = {"type": "structural_tag", "structures": [TAG], "triggers": ["@"]}
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +188,8 @@ def test_every_way_of_asking_compiles_to_a_grammar(hf: Any) -> None:
         {"guided_grammar": 'root ::= "a"'},
         # options alone beside response_format: vLLM's knobs for OpenAI's field
         {"response_format": {"type": "json_object"}, "structured_outputs": {"disable_additional_properties": True}},
+        {"response_format": STRUCTURAL_TAG},
+        {"structured_outputs": {"structural_tag": json.dumps(STRUCTURAL_TAG)}},  # vLLM's field: the object as JSON
     ]
     for ask in asks:
         sampling = _completion(hf, **ask)
@@ -229,7 +237,31 @@ def test_closed_objects_and_compact_whitespace_change_what_is_allowed(hf: Any) -
         ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar", ""),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.regex", "one kind"),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "no field"),
-        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", "not supported"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", "not JSON"),
+        ({"structured_outputs": {"structural_tag": "[]"}}, "structured_outputs.structural_tag", "structures"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}},
+         "response_format.format", "not supported"),
+        ({"response_format": {**STRUCTURAL_TAG, "trigers": []}}, "response_format.trigers", "no field"),
+        ({"response_format": {**STRUCTURAL_TAG, "triggers": []}}, "response_format.triggers", "1 to 64"),
+        ({"response_format": {**STRUCTURAL_TAG, "triggers": [""]}}, "response_format.triggers[0]", "non-empty"),
+        ({"response_format": {**STRUCTURAL_TAG, "structures": []}}, "response_format.structures", "1 to 64"),
+        ({"response_format": {**STRUCTURAL_TAG, "structures": ["@"]}}, "response_format.structures[0]", "begin"),
+        ({"response_format": {**STRUCTURAL_TAG, "structures": [{**TAG, "begin": "#call "}]}},
+         "response_format.structures[0].begin", "none of the triggers"),
+        ({"response_format": {**STRUCTURAL_TAG, "structures": [{**TAG, "begin": ""}]}},
+         "response_format.structures[0].begin", "non-empty"),
+        ({"response_format": {**STRUCTURAL_TAG, "structures": [{**TAG, "end": 3}]}},
+         "response_format.structures[0].end", "string"),
+        ({"response_format": {**STRUCTURAL_TAG, "structures": [{**TAG, "args": {}}]}},
+         "response_format.structures[0].args", "no field"),
+        ({"response_format": {**STRUCTURAL_TAG, "structures": [{**TAG, "schema": [1]}]}},
+         "response_format.structures[0].schema", "JSON schema"),
+        ({"response_format": {**STRUCTURAL_TAG, "structures": [{**TAG, "schema": {"type": "strang"}}]}},
+         "response_format", "strang"),
+        ({"response_format": STRUCTURAL_TAG, "structured_outputs": {"disable_any_whitespace": True}},
+         "structured_outputs.disable_any_whitespace", "not to a structural tag"),
+        ({"response_format": STRUCTURAL_TAG, "structured_outputs": {"regex": "a"}}, "structured_outputs.regex",
+         "one kind"),
         ({"structured_outputs": "json"}, "structured_outputs", "object"),
         ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}},
          "structured_outputs.disable_any_whitespace", "boolean"),
@@ -249,6 +281,90 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(hf: Any, body: dict[str
         _completion(hf, **body)
     assert refused.value.status == 400 and refused.value.param == param, refused.value.message
     assert words in refused.value.message, refused.value.message
+
+
+def _calls(text: str, finished: bool) -> list[Any]:
+    """The JSON of every "@call {...};" in ``text``, checked against ``CALL``; asserts that every "@" opens one (a
+    choice cut short by ``max_tokens`` may end inside its last)."""
+    found, position = [], text.find("@")
+    while position >= 0:
+        rest = text[position:]
+        if not finished and "@call ".startswith(rest):
+            break
+        assert rest.startswith("@call "), text
+        try:
+            value, used = json.JSONDecoder().raw_decode(rest, len("@call "))
+        except json.JSONDecodeError:
+            assert not finished, text  # cut short inside the JSON
+            break
+        jsonschema.validate(value, CALL)
+        found.append(value)
+        if not finished and used == len(rest):
+            break
+        assert rest[used] == ";", text
+        position = text.find("@", position + used)
+    return found
+
+
+def test_a_structural_tag_leaves_text_free_and_forces_each_structure(hf: Any) -> None:
+    """Whatever text a choice writes, each "@" goes on as "@call", JSON of the schema and ";" -- text before and
+    after is free."""
+    llm = grammar_tokenizer(hf, VOCAB, hf.eos_token_ids)
+    grammar = _completion(hf, response_format=STRUCTURAL_TAG).grammar
+    assert grammar is not None
+
+    def accepts(text: str) -> bool:
+        matcher = GrammarMatcher(llm, grammar)
+        return all(matcher.consume(t) for t in hf.encode(text))
+
+    assert accepts("no call at all, just words")
+    assert accepts('see @call {"tier": "cpu", "n": 7}; and @call {"tier":"disk","n":0}; then more')
+    assert not accepts('@call {"tier": "gpu", "n": 7};')  # not in the enum
+    assert not accepts('@call {"tier": "cpu", "n": 7} and')  # not closed by ";"
+    assert not accepts("mail me @ home")  # "@" must open a call
+    # structured_outputs.structural_tag (JSON text) asks for the same grammar
+    assert _completion(hf, structured_outputs={"structural_tag": json.dumps(STRUCTURAL_TAG)}).grammar == grammar
+
+
+def test_sampled_structures_follow_their_schema(worker: KVWorker, hf: Any) -> None:
+    """A random model pushed towards "@" (logit_bias) opens many calls: each one it opens is completed by the
+    grammar, JSON that validates, closed by ";"."""
+    grammar = _completion(hf, response_format=STRUCTURAL_TAG).grammar
+    (at,) = hf.encode("@")
+    calls = 0
+    for seed in range(3):
+        sampling = SamplingParams(temperature=1.0, seed=seed, n=3, grammar=grammar, logit_bias={at: 10.0})
+        result = worker.generate(GenerateRequest([11, 12, 13], 200, sampling=sampling))
+        for choice in result.choices:
+            calls += len(_calls(choice.text, choice.finish_reason is FinishReason.STOP))
+    assert calls >= 10, calls
+    worker.check_invariants()
+
+
+def test_a_structural_tag_through_the_http_front_with_the_openai_client(worker: KVWorker, hf: Any) -> None:
+    """The same ask as a client sends it, plain and streamed: every call the answer opens is whole and valid."""
+    server = ServerThread(create_worker_app(worker)).start()
+    try:
+        client = check.client(server.url)
+        model = worker.info().model_name
+        (at,) = hf.encode("@")
+        ask: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "Call a tier."}],
+                               "max_tokens": 200, "temperature": 1.0, "logit_bias": {str(at): 10}}  # fmt: skip
+        plain = client.chat.completions.create(**ask, seed=3, response_format=STRUCTURAL_TAG)  # type: ignore[arg-type]
+        choice = plain.choices[0]
+        calls = _calls(choice.message.content or "", choice.finish_reason == "stop")
+        as_text = {"structured_outputs": {"structural_tag": json.dumps(STRUCTURAL_TAG)}}
+        streamed = client.chat.completions.create(**ask, seed=4, stream=True, extra_body=as_text)
+        chunks = [chunk for chunk in streamed if chunk.choices]
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+        calls += _calls(text, chunks[-1].choices[0].finish_reason == "stop")
+        assert len(calls) >= 2, (choice.message.content, text)
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json={**ask, "response_format": {
+            **STRUCTURAL_TAG, "structures": [{**TAG, "begin": "#call "}]}})  # fmt: skip
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "response_format.structures[0].begin"
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
