@@ -226,6 +226,7 @@ class ParsedRequest(NamedTuple):
     reasoning_parser: str | None = None  # chat: the answer's reasoning is split from its content by this parser
     named_tool: str | None = None  # chat: tool_choice names this function; the answer is its arguments
     tools_required: bool = False  # chat: tool_choice "required"; the answer is a JSON array of calls
+    tool_types: dict[str, dict[str, str]] | None = None  # chat, qwen3_coder: each function's parameter types
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -463,9 +464,10 @@ def parse_chat(
             sampling = msgspec.structs.replace(sampling, constraint_after=end)
         # else the prompt itself ended the thinking (a template with thinking off, an assistant prefill): the
         # constraint holds from the first token, as vLLM reads the prompt
+    tool_types = _tool_types(req.tools or []) if calls_parsed == "qwen3_coder" else None
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
         role=role, tool_parser=calls_parsed, reasoning_parser=reasoning,
-        named_tool=named, tools_required=required,
+        named_tool=named, tools_required=required, tool_types=tool_types,
     )  # fmt: skip
 
 
@@ -710,6 +712,25 @@ def _tools(tools: list[Any] | None, choice: Any, parser: str | None = None) -> l
     if choice not in (None, "auto", "none", "required"):
         _named_tool(choice, tools)
     return [as_vllm_tool(tool) for tool in tools]
+
+
+def _tool_types(tools: list[Any]) -> dict[str, dict[str, str]]:
+    """For the ``qwen3_coder`` parser, which writes values as raw text: each function's parameters and the type
+    its schema declares, lowercased (a list of types: its first that is not "null"; "" where there is none).
+    ``tools`` were checked by :func:`_tools`."""
+    types: dict[str, dict[str, str]] = {}
+    for tool in tools:
+        function = tool["function"]
+        parameters = function.get("parameters")
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        found: dict[str, str] = {}
+        for name, schema in (properties or {}).items() if isinstance(properties, dict) else ():
+            kind = schema.get("type") if isinstance(schema, dict) else None
+            if isinstance(kind, list):
+                kind = next((k for k in kind if isinstance(k, str) and k != "null"), None)
+            found[str(name)] = kind.strip().lower() if isinstance(kind, str) else ""
+        types[function["name"]] = found
+    return types
 
 
 def _named_tool(choice: Any, tools: list[Any] | None) -> str | None:

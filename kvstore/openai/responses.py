@@ -129,7 +129,7 @@ class ResponseBuilder:
                     reasoning, answer = split(choice.text, prompt.reasoning_parser)
                     parsed["reasoning"] = parsed["reasoning_content"] = reasoning
                 if prompt.tool_parser is not None:
-                    found = extract(answer or "", prompt.tool_parser)
+                    found = extract(answer or "", prompt.tool_parser, prompt.tool_types)
                     answer = found.content
                     parsed["tool_calls"] = found.tool_calls
                     if found.tool_calls:
@@ -384,7 +384,7 @@ def _call_stream(prompt: ParsedRequest) -> CallStream:
     if prompt.tools_required:
         return RequiredCallStream()
     assert prompt.tool_parser is not None
-    return ToolCallStream(prompt.tool_parser)
+    return ToolCallStream(prompt.tool_parser, prompt.tool_types)
 
 
 def _forced_calls(

@@ -23,7 +23,9 @@ tools are sent) has its answer turned into OpenAI ``tool_calls``:
   delta is held back until the next delta tells); a block is held until
   its ``</tool_call>`` (or the end of the answer) and then goes out as one
   ``tool_calls`` delta with the call's index, id, name and whole
-  arguments. OpenAI's clients accumulate tool-call deltas by index, so one
+  arguments. Whitespace after a call goes out only when text follows it
+  (newlines between and after calls are no content, as in the plain
+  answer). OpenAI's clients accumulate tool-call deltas by index, so one
   delta per call reads the same as vLLM's argument-by-argument deltas. A
   block that is not a valid call goes out as content.
 
@@ -64,6 +66,30 @@ get_time()]`` (inside ``<|python_start|>`` / ``<|python_end|>`` for Llama
 any other answer is content. Streamed like ``llama3_json``: an answer that
 starts as a list is held whole and parsed at its end.
 
+``qwen3_coder`` (Qwen3-Coder, vLLM's ``--tool-call-parser qwen3_coder``):
+each call is an XML-like block, a parameter's value written raw between its
+tags::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A value loses one newline at each end and is then read by the type its
+parameter declares in the request's ``tools`` (``tool_types``), as vLLM
+reads it: ``null`` is null whatever the type; a string type (or a parameter
+the schema does not name, or one without a type) keeps the text; an
+integer type reads an int, a number type a float (an int when whole); a
+boolean is ``true`` or not; any other type (object, array) reads JSON, then
+a Python literal, else keeps the text. A block may hold several
+``<function=...>`` calls, and the last may be cut off by the end of the
+answer. Blocks, content and fallback are as for ``hermes``: a block with no
+readable function leaves the whole plain answer as content, and streams as
+content. Streamed, a block goes out whole at its ``</tool_call>``.
+
 Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them
 (Mistral's aside).
 """
@@ -72,19 +98,25 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import random
 import re
 import string
 import uuid
 from typing import Any, NamedTuple
 
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 START, END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
 _BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_FUNCTIONS = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
+_PARAMETERS = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
+
+ToolTypes = dict[str, dict[str, str]]
+"""Per function name, per parameter name, the type its JSON schema declares (lowercased; "" for none)."""
 
 
 class Extracted(NamedTuple):
@@ -123,8 +155,9 @@ def _as_call(name: str, arguments: Any) -> dict[str, Any]:
     return named_call(name, arguments_text(arguments))
 
 
-def extract(text: str, parser: str = "hermes") -> Extracted:
-    """A whole answer's content and tool calls, by ``parser`` (see the module docstring)."""
+def extract(text: str, parser: str = "hermes", tool_types: ToolTypes | None = None) -> Extracted:
+    """A whole answer's content and tool calls, by ``parser`` (see the module docstring); ``tool_types``: the
+    request's parameter types, which ``qwen3_coder`` reads its values by."""
     if parser == "llama3_json":
         return _extract_json(text)
     if parser == "mistral":
@@ -133,11 +166,78 @@ def extract(text: str, parser: str = "hermes") -> Extracted:
         return _extract_pythonic(text)
     if START not in text:
         return Extracted(text, [])
-    calls = [_call(closed or open_) for closed, open_ in _BLOCKS.findall(text)]
-    if not calls or any(c is None for c in calls):
+    calls: list[dict[str, Any]] = []
+    for closed, open_ in _BLOCKS.findall(text):
+        found = _block_calls(closed or open_, parser, tool_types)
+        if found is None:
+            return Extracted(text, [])
+        calls += found
+    if not calls:
         return Extracted(text, [])
     content = text[: text.find(START)]
-    return Extracted(content or None, [c for c in calls if c is not None])
+    return Extracted(content or None, calls)
+
+
+def _block_calls(body: str, parser: str, tool_types: ToolTypes | None) -> list[dict[str, Any]] | None:
+    """The calls in one ``<tool_call>`` block's text, or None when it holds none that reads."""
+    if parser == "qwen3_coder":
+        return _xml_calls(body, tool_types or {})
+    call = _call(body)
+    return None if call is None else [call]
+
+
+def _xml_calls(body: str, tool_types: ToolTypes) -> list[dict[str, Any]] | None:
+    """qwen3_coder: every ``<function=NAME>`` in a block, with its ``<parameter=NAME>`` values read by type."""
+    calls = []
+    for closed, open_ in _FUNCTIONS.findall(body):
+        function = closed or open_
+        name, bracket, rest = function.partition(">")
+        name = name.strip()
+        if not bracket or not name:
+            return None
+        types = tool_types.get(name, {})
+        arguments: dict[str, Any] = {}
+        for parameter in _PARAMETERS.findall(rest):
+            key, bracket, value = parameter.partition(">")
+            if not bracket:
+                return None
+            value = value.removeprefix("\n").removesuffix("\n")
+            arguments[key.strip()] = _typed(value, types.get(key.strip(), "string"))
+        calls.append(_as_call(name, arguments))
+    return calls or None
+
+
+def _typed(value: str, kind: str) -> Any:
+    """A qwen3_coder parameter's raw text read as its declared type (see the module docstring)."""
+    if value.lower() == "null":
+        return None
+    if kind in ("", "string", "str", "text", "varchar", "char", "enum"):
+        return value
+    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if kind.startswith(("num", "float")):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        if not math.isfinite(number):  # JSON has no inf or nan
+            return value
+        return int(number) if number.is_integer() else number
+    if kind in ("boolean", "bool", "binary"):
+        return value.strip().lower() == "true"
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        literal = ast.literal_eval(value)
+        json.dumps(literal)  # a literal JSON cannot hold (a set, bytes) stays text
+        return literal
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return value
 
 
 def _extract_json(text: str) -> Extracted:
@@ -237,10 +337,12 @@ class Piece(NamedTuple):
 class ToolCallStream:
     """One choice's streamed text, split into content and whole tool calls (see the module docstring)."""
 
-    def __init__(self, parser: str = "hermes") -> None:
+    def __init__(self, parser: str = "hermes", tool_types: ToolTypes | None = None) -> None:
         self._parser = parser
+        self._tool_types = tool_types
         self._held = ""  # text not yet sent: a possible start tag's prefix, or an open block (a JSON answer)
         self._in_block = False
+        self._gap = ""  # whitespace after a call, held until text follows it
         # llama3_json and pythonic: whether the answer is calls is told by its start
         self._decided = parser not in ("llama3_json", "pythonic")
         self.calls = 0  # tool calls sent so far (the next one's index)
@@ -266,12 +368,12 @@ class ToolCallStream:
                 continue
             start = buffer.find(START)
             if start >= 0:
-                content.append(buffer[:start])
+                self._out(content, buffer[:start])
                 buffer = buffer[start + len(START) :]
                 self._in_block = True
                 continue
             keep = _partial_tag(buffer)
-            content.append(buffer[: len(buffer) - keep])
+            self._out(content, buffer[: len(buffer) - keep])
             buffer = buffer[len(buffer) - keep :]
             break
         self._held = buffer
@@ -325,17 +427,29 @@ class ToolCallStream:
             self._in_block = False
             self._finish_block(held, content, calls, closed=False)
         else:
-            content.append(held)
+            self._out(content, held)
+        self._gap = ""  # whitespace after the last call: not content, as in the plain answer
         return Piece("".join(content), calls)
+
+    def _out(self, content: list[str], text: str) -> None:
+        """Text outside the blocks, to stream as content -- but whitespace after a call is held until text follows
+        it, and dropped if none does: the plain answer's content is its text before the first call, and models
+        put newlines between and after their calls."""
+        if self.calls and not text.strip():
+            self._gap += text
+        elif text:
+            content.append(self._gap + text)
+            self._gap = ""
 
     def _finish_block(self, body: str, content: list[str], calls: list[dict[str, Any]], *, closed: bool = True) -> None:
         self._in_block = False
-        call = _call(body)
-        if call is None:
-            content.append(START + body + (END if closed else ""))  # not a call: the text as the model wrote it
+        found = _block_calls(body, self._parser, self._tool_types)
+        if found is None:
+            self._out(content, START + body + (END if closed else ""))  # not a call: the text as the model wrote it
             return
-        calls.append({"index": self.calls, **call})
-        self.calls += 1
+        for call in found:
+            calls.append({"index": self.calls, **call})
+            self.calls += 1
 
 
 def _partial_tag(text: str, tag: str = START) -> int:

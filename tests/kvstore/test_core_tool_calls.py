@@ -133,7 +133,8 @@ def test_a_plain_body_carries_the_calls_as_the_openai_client_reads_them() -> Non
 
 @pytest.mark.parametrize("size", [1, 4, 13, 500])
 def test_a_stream_carries_the_calls_as_the_openai_client_accumulates_them(size: int) -> None:
-    text = "Checking." + WEATHER + TIME
+    # the newlines a model writes between and after its calls are no content, as in the plain answer
+    text = "Checking." + WEATHER + "\n" + TIME + "\n\n"
     made = builder(stream=True)
     state, finishes = accumulated(made, chunks_of(text, size))
     final = state.get_final_completion()
@@ -326,3 +327,81 @@ def test_a_runaway_or_unencodable_answer_falls_back_or_is_escaped(parser: str) -
     assert json.loads(call["function"]["arguments"])["city"] in ("\ud83d", "\U0001f600")  # a pair reads as one
     body = ResponseBuilder(parsed_chat(parser), TOK, model="m", request_id="c").body(fold_stream(chunks_of(lone, 7), 1))
     assert msgspec.json.encode(body)  # the answer encodes
+
+
+# Qwen3-Coder's XML-like calls: values raw between tags, read by the type each parameter declares.
+QWEN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"}, "hourly": {"type": "boolean"},
+    "tags": {"type": "array"}, "opts": {"type": "object"}, "note": {"description": "no type"},
+    "maybe": {"type": ["integer", "null"]}}}}}, {"type": "function", "function": {"name": "get_time"}}]  # fmt: skip
+QWEN_CALLS = (
+    "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan\nFrancisco\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=temp>\n21.0\n</parameter>\n<parameter=hourly>\nTrue\n</parameter>\n"
+    '<parameter=tags>\n[\'a\', 1]\n</parameter>\n<parameter=opts>\n{"units": "C"}\n</parameter>\n'
+    "<parameter=note>\n7\n</parameter>\n<parameter=maybe>\nnull\n</parameter>\n<parameter=extra>\n1.5\n</parameter>\n"
+    "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+)
+QWEN_WEATHER = {"city": "San\nFrancisco", "days": 3, "temp": 21, "hourly": True, "tags": ["a", 1],
+                "opts": {"units": "C"}, "note": "7", "maybe": None, "extra": "1.5"}  # fmt: skip
+
+
+def qwen_types() -> Any:
+    return parsed_chat("qwen3_coder", tools=QWEN_TOOLS).tool_types
+
+
+def test_qwen3_coder_reads_each_value_by_its_declared_type() -> None:
+    types = qwen_types()
+    assert types["get_weather"]["maybe"] == "integer" and types["get_time"] == {}
+    found = extract(QWEN_CALLS, "qwen3_coder", types)
+    assert found.content == "Let me look.\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found.tool_calls] == [
+        ("get_weather", QWEN_WEATHER), ("get_time", {})]  # fmt: skip
+    assert all(c["id"].startswith("chatcmpl-tool-") for c in found.tool_calls)
+    # read as vLLM reads them: bad numbers stay text, non-finite numbers too, a literal JSON cannot hold too
+    odd = ("<tool_call><function=get_weather><parameter=days>many</parameter><parameter=temp>inf</parameter>"
+           "<parameter=tags>{1, 2}</parameter><parameter=hourly>yes</parameter></function></tool_call>")  # fmt: skip
+    (call,) = extract(odd, "qwen3_coder", types).tool_calls
+    assert json.loads(call["function"]["arguments"]) == {"days": "many", "temp": "inf", "tags": "{1, 2}",
+                                                         "hourly": False}  # fmt: skip
+    # several calls in one block; the last cut off by the end of the answer; no types: text
+    cut = "<tool_call><function=get_time></function><function=get_weather><parameter=city>\nOslo"
+    read = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in extract(cut, "qwen3_coder")[1]]
+    assert read == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    for text in ["no calls", '<tool_call>{"name": "f"}</tool_call>', "<tool_call><function=>x</function></tool_call>",
+                 "<tool_call><function=f</tool_call>", QWEN_CALLS + "<tool_call>prose</tool_call>"]:  # fmt: skip
+        assert extract(text, "qwen3_coder", types) == (text, [])  # any block without a call: all content
+
+
+@pytest.mark.parametrize("size", [1, 3, 11, 500])
+def test_qwen3_coder_streams_as_the_plain_body_reads(size: int) -> None:
+    cut_short = [QWEN_CALLS[:-24], QWEN_CALLS[: QWEN_CALLS.index("</parameter>")]]  # the answer ends in a call
+    for text in [QWEN_CALLS, "Plain <tool_ prose.", *cut_short, "x<tool_call>not a call</tool_call> y"]:
+        parsed = parsed_chat("qwen3_coder", tools=QWEN_TOOLS)
+        body = ResponseBuilder(parsed, TOK, model="m", request_id="c").body(fold_stream(chunks_of(text, size), 1))
+        expected = body["choices"][0]
+        made = ResponseBuilder(parsed, TOK, model="m", request_id="c")
+        state, finishes = accumulated(made, chunks_of(text, size))
+        message = state.get_final_completion().choices[0].message
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+        want = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected["message"]["tool_calls"]
+        ]
+        assert got == want, (text, size)
+        assert (message.content or None) == expected["message"]["content"], (text, size)
+        assert [f for f in finishes if f] == [expected["finish_reason"]]
+    assert want == [] and expected["finish_reason"] == "stop"  # the last text: no call
+    first = ResponseBuilder(parsed_chat("qwen3_coder", tools=QWEN_TOOLS), TOK, model="m", request_id="c")
+    message = ChatCompletion.model_validate(first.body(fold_stream(chunks_of(QWEN_CALLS, 9), 1))).choices[0]
+    assert message.finish_reason == "tool_calls" and json.loads(
+        (message.message.tool_calls or [])[0].function.arguments) == QWEN_WEATHER  # type: ignore[union-attr]  # fmt: skip
+
+
+def test_qwen3_coder_survives_runaway_and_unencodable_values() -> None:
+    types = qwen_types()
+    deep = "<tool_call><function=get_weather><parameter=opts>" + "[" * 1200 + "{" * 1200
+    (call,) = extract(deep, "qwen3_coder", types).tool_calls  # JSON and literal readers give up: the text
+    assert json.loads(call["function"]["arguments"]) == {"opts": "[" * 1200 + "{" * 1200}
+    lone = '<tool_call><function=get_weather><parameter=opts>{"k": "\\ud83d"}</parameter></function></tool_call>'
+    (call,) = extract(lone, "qwen3_coder", types).tool_calls
+    call["function"]["arguments"].encode("utf-8")  # escaped: no lone surrogate left in the text
+    assert json.loads(call["function"]["arguments"]) == {"opts": {"k": "\ud83d"}}
