@@ -53,6 +53,7 @@ from kvstore.openai.structured import (
     grammar_tokenizer,
     json_schema_grammar,
     regex_grammar,
+    special_token_ids,
     structural_tag_grammar,
     text_grammar,
 )
@@ -1058,9 +1059,11 @@ def _structural_tag(value: Any, where: str, options: dict[str, Any], tokenizer: 
         if not isinstance(schema, dict) or too_long:
             raise ApiError(400, f"{at}.schema must be a JSON schema (an object) of at most {MAX_GRAMMAR_CHARS:,} "
                            "characters", param=f"{at}.schema")  # fmt: skip
-        tags.append(Tag(max(opened_by, key=len), begin, schema, end))
+        # The shortest: a trigger fires as soon as its text appears, so one that a longer trigger starts with
+        # would fire first and leave this structure unreachable.
+        tags.append(Tag(min(opened_by, key=len), begin, schema, end))
     try:
-        grammar = structural_tag_grammar(tags)
+        grammar = structural_tag_grammar(tags, special_token_ids(tokenizer))
         check_grammar(grammar, grammar_tokenizer(tokenizer, vocab, tokenizer.eos_token_ids))
     except StructuredOutputError as exc:
         raise ApiError(400, f"{where}: {exc}", param=where) from None

@@ -36,9 +36,10 @@ Invariants and failure modes:
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import llguidance
@@ -131,17 +132,44 @@ class Tag(NamedTuple):
     end: str
 
 
-def structural_tag_grammar(tags: Sequence[Tag]) -> str:
+def structural_tag_grammar(tags: Sequence[Tag], special_ids: Mapping[str, int]) -> str:
     """vLLM's structural tag as a grammar: any text, in which each tag's trigger must go on as one of the tags
-    that start with it (its ``begin``, JSON of its schema, its ``end``), and then any text again. llguidance's
-    own construction (``StructTag``): the triggers are lazy lexemes, so text between structures is free."""
+    that start with it (the rest of its ``begin``, JSON of its schema, its ``end``), and then any text again.
+
+    As llguidance's ``StructTag`` builds it, but with every string escaped as a Lark literal: a trigger is a
+    lazy lexeme (text matched as soon as it appears), or, when it is one of the tokenizer's special tokens
+    (``special_ids``: ``<|python_tag|>``), that token by id -- a model writes a special token as its id, which
+    no text lexeme matches."""
     if not tags:
         raise StructuredOutputError("a structural tag needs at least one structure")
+    lines = [
+        "%llguidance {}",
+        f"start: ({' | '.join(f'tag_{index}' for index in range(len(tags)))})* TAG_TEXT",
+        "TAG_TEXT: /(.|\\n)*/",
+    ]
+    for index, tag in enumerate(tags):
+        rest = tag.begin[len(tag.trigger) :]
+        body = " ".join(part for part in (_literal(rest), "%json " + json.dumps(tag.schema), _literal(tag.end)) if part)
+        token = special_ids.get(tag.trigger)
+        if token is not None:
+            lines.append(f"tag_{index}: TAG_TEXT <[{token}]> {body}")
+        else:
+            lines.append(f"tag_{index}_trigger[lazy]: TAG_TEXT {_literal(tag.trigger)}")
+            lines.append(f"tag_{index}: tag_{index}_trigger {body}")
     try:
-        built = [llguidance.StructTag(trigger=t.trigger, begin=t.begin, grammar=t.schema, end=t.end) for t in tags]
-        return llguidance.grammar_from("lark", llguidance.StructTag.to_grammar(built))
-    except (ValueError, TypeError) as exc:
+        return llguidance.grammar_from("lark", "\n".join(lines))
+    except (ValueError, TypeError) as exc:  # UnicodeEncodeError (a lone surrogate) is a ValueError
         raise StructuredOutputError(str(exc)) from None
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Lark string literal ("" for none: an empty literal matches nothing to write)."""
+    return json.dumps(text, ensure_ascii=False) if text else ""
+
+
+def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """A tokenizer's special tokens, text -> id (none for the built-in byte tokenizer)."""
+    return tokenizer.special_token_ids() if isinstance(tokenizer, HFTokenizer) else {}
 
 
 def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:

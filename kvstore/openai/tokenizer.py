@@ -125,6 +125,11 @@ class HFTokenizer:
     def special_tokens(self) -> dict[str, str]:
         return dict(self._special)
 
+    def special_token_ids(self) -> dict[str, int]:
+        """The added tokens marked special (``<|im_start|>``, ``<|python_tag|>``, ...): text -> id."""
+        added = self._tok.get_added_tokens_decoder()
+        return {str(token.content): int(token_id) for token_id, token in added.items() if token.special}
+
     @property
     def chat_template(self) -> ChatTemplate | None:
         return self._template

@@ -23,9 +23,8 @@ tools are sent) has its answer turned into OpenAI ``tool_calls``:
   delta is held back until the next delta tells); a block is held until
   its ``</tool_call>`` (or the end of the answer) and then goes out as one
   ``tool_calls`` delta with the call's index, id, name and whole
-  arguments. Whitespace after a call goes out only when text follows it
-  (newlines between and after calls are no content, as in the plain
-  answer). OpenAI's clients accumulate tool-call deltas by index, so one
+  arguments. Text outside the blocks after the first call is not content,
+  as in the plain answer (vLLM's streams drop it too). OpenAI's clients accumulate tool-call deltas by index, so one
   delta per call reads the same as vLLM's argument-by-argument deltas. A
   block that is not a valid call goes out as content.
 
@@ -79,12 +78,15 @@ tags::
     </tool_call>
 
 A value loses one newline at each end and is then read by the type its
-parameter declares in the request's ``tools`` (``tool_types``), as vLLM
-reads it: ``null`` is null whatever the type; a string type (or a parameter
-the schema does not name, or one without a type) keeps the text; an
-integer type reads an int, a number type a float (an int when whole); a
+parameter declares in the request's ``tools`` (``tool_types``), much as
+vLLM reads it: ``null`` is null whatever the type; a string type (or a
+parameter the schema does not name, or one without a type) keeps the text;
+an integer type reads an int, a number type a float (an int when whole); a
 boolean is ``true`` or not; any other type (object, array) reads JSON, then
-a Python literal, else keeps the text. A block may hold several
+a Python literal, else keeps the text. Where this differs from vLLM: a
+boolean ignores surrounding whitespace, a list of types is read by its
+first that is not ``"null"``, an unknown type tries JSON before a Python
+literal, and what JSON cannot carry (NaN, infinities, a set) stays text. A block may hold several
 ``<function=...>`` calls, and the last may be cut off by the end of the
 answer. Blocks, content and fallback are as for ``hermes``: a block with no
 readable function leaves the whole plain answer as content, and streams as
@@ -130,8 +132,13 @@ def call_id() -> str:
 
 def arguments_text(arguments: Any) -> str:
     """Parsed arguments as JSON text: non-ASCII kept, as vLLM writes them -- but escaped where a string holds a
-    lone surrogate (from an escape the model wrote), which UTF-8, and so the answer, cannot carry."""
-    text = json.dumps(arguments, ensure_ascii=False)
+    lone surrogate (from an escape the model wrote), which UTF-8, and so the answer, cannot carry. Raises
+    ValueError for arguments nested too deeply to write (read back at the edge of the reader's depth: writing
+    them inside the call takes a level more)."""
+    try:
+        text = json.dumps(arguments, ensure_ascii=False)
+    except RecursionError:
+        raise ValueError("the arguments nest too deeply to write as JSON") from None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -147,7 +154,10 @@ def _call(text: str) -> dict[str, Any] | None:
         return None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or "arguments" not in parsed:
         return None  # vLLM's parser needs both keys too
-    return _as_call(parsed["name"], parsed["arguments"])
+    try:
+        return _as_call(parsed["name"], parsed["arguments"])
+    except ValueError:  # arguments JSON cannot carry (see arguments_text)
+        return None
 
 
 def _as_call(name: str, arguments: Any) -> dict[str, Any]:
@@ -203,7 +213,10 @@ def _xml_calls(body: str, tool_types: ToolTypes) -> list[dict[str, Any]] | None:
                 return None
             value = value.removeprefix("\n").removesuffix("\n")
             arguments[key.strip()] = _typed(value, types.get(key.strip(), "string"))
-        calls.append(_as_call(name, arguments))
+        try:
+            calls.append(_as_call(name, arguments))
+        except ValueError:  # nested too deeply to write back as JSON
+            return None
     return calls or None
 
 
@@ -228,16 +241,14 @@ def _typed(value: str, kind: str) -> Any:
         return int(number) if number.is_integer() else number
     if kind in ("boolean", "bool", "binary"):
         return value.strip().lower() == "true"
-    try:
-        return json.loads(value)
-    except (ValueError, RecursionError):
-        pass
-    try:
-        literal = ast.literal_eval(value)
-        json.dumps(literal)  # a literal JSON cannot hold (a set, bytes) stays text
-        return literal
-    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-        return value
+    for read in (json.loads, ast.literal_eval):
+        try:
+            parsed = read(value)
+            json.dumps(parsed, allow_nan=False)  # what JSON cannot carry (NaN, a set, bytes) stays text
+            return parsed
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            continue
+    return value
 
 
 def _extract_json(text: str) -> Extracted:
@@ -256,7 +267,10 @@ def _extract_json(text: str) -> Extracted:
             return Extracted(text, [])
         if "arguments" not in parsed and "parameters" not in parsed:  # vLLM's parser needs one of them
             return Extracted(text, [])
-        calls.append(_as_call(parsed["name"], parsed["arguments"] if "arguments" in parsed else parsed["parameters"]))
+        try:
+            calls.append(_as_call(parsed["name"], parsed.get("arguments", parsed.get("parameters"))))
+        except ValueError:  # arguments JSON cannot carry (see arguments_text)
+            return Extracted(text, [])
     return Extracted(None, calls) if calls else Extracted(text, [])
 
 
@@ -284,7 +298,10 @@ def _extract_mistral(text: str) -> Extracted:
         if not isinstance(parsed, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                                    for c in parsed):  # fmt: skip
             return Extracted(text, [])
-        calls = [named_call(c["name"], arguments_text(c.get("arguments", {})), mistral_call_id()) for c in parsed]
+        try:
+            calls = [named_call(c["name"], arguments_text(c.get("arguments", {})), mistral_call_id()) for c in parsed]
+        except ValueError:  # arguments JSON cannot carry (see arguments_text)
+            return Extracted(text, [])
     else:  # v11+: [TOOL_CALLS]name{...} per call, the arguments kept as written
         for segment in raw:
             brace = segment.find("{")
@@ -342,7 +359,6 @@ class ToolCallStream:
         self._tool_types = tool_types
         self._held = ""  # text not yet sent: a possible start tag's prefix, or an open block (a JSON answer)
         self._in_block = False
-        self._gap = ""  # whitespace after a call, held until text follows it
         # llama3_json and pythonic: whether the answer is calls is told by its start
         self._decided = parser not in ("llama3_json", "pythonic")
         self.calls = 0  # tool calls sent so far (the next one's index)
@@ -428,24 +444,19 @@ class ToolCallStream:
             self._finish_block(held, content, calls, closed=False)
         else:
             self._out(content, held)
-        self._gap = ""  # whitespace after the last call: not content, as in the plain answer
         return Piece("".join(content), calls)
 
     def _out(self, content: list[str], text: str) -> None:
-        """Text outside the blocks, to stream as content -- but whitespace after a call is held until text follows
-        it, and dropped if none does: the plain answer's content is its text before the first call, and models
-        put newlines between and after their calls."""
-        if self.calls and not text.strip():
-            self._gap += text
-        elif text:
-            content.append(self._gap + text)
-            self._gap = ""
+        """Text outside the blocks: content until the first call, and nothing after it, as the plain answer's
+        content is its text before the first call (a block that is not a call still goes out as content)."""
+        if not self.calls:
+            content.append(text)
 
     def _finish_block(self, body: str, content: list[str], calls: list[dict[str, Any]], *, closed: bool = True) -> None:
         self._in_block = False
         found = _block_calls(body, self._parser, self._tool_types)
         if found is None:
-            self._out(content, START + body + (END if closed else ""))  # not a call: the text as the model wrote it
+            content.append(START + body + (END if closed else ""))  # not a call: the text as the model wrote it
             return
         for call in found:
             calls.append({"index": self.calls, **call})

@@ -59,7 +59,8 @@ def test_the_stream_gives_the_same_calls_and_content_however_the_text_is_cut(siz
     tail = stream.finish()
     content.append(tail.content)
     calls.extend(tail.tool_calls)
-    assert "".join(content) == "Sure <tool thing.  then  done <tool_call>{bad}</tool_call> <tool_"
+    # text after the first call is no content (as in the plain answer); a block that is not a call still is
+    assert "".join(content) == "Sure <tool thing. <tool_call>{bad}</tool_call>"
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "get_time")]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Zürich", "days": 2}
 
@@ -133,8 +134,8 @@ def test_a_plain_body_carries_the_calls_as_the_openai_client_reads_them() -> Non
 
 @pytest.mark.parametrize("size", [1, 4, 13, 500])
 def test_a_stream_carries_the_calls_as_the_openai_client_accumulates_them(size: int) -> None:
-    # the newlines a model writes between and after its calls are no content, as in the plain answer
-    text = "Checking." + WEATHER + "\n" + TIME + "\n\n"
+    # what a model writes between and after its calls is no content, as in the plain answer
+    text = "Checking." + WEATHER + "\n" + TIME + "\nDone, anything else?\n"
     made = builder(stream=True)
     state, finishes = accumulated(made, chunks_of(text, size))
     final = state.get_final_completion()
@@ -375,7 +376,8 @@ def test_qwen3_coder_reads_each_value_by_its_declared_type() -> None:
 @pytest.mark.parametrize("size", [1, 3, 11, 500])
 def test_qwen3_coder_streams_as_the_plain_body_reads(size: int) -> None:
     cut_short = [QWEN_CALLS[:-24], QWEN_CALLS[: QWEN_CALLS.index("</parameter>")]]  # the answer ends in a call
-    for text in [QWEN_CALLS, "Plain <tool_ prose.", *cut_short, "x<tool_call>not a call</tool_call> y"]:
+    after = [QWEN_CALLS + "\nDone, anything else?", "x<tool_call>not a call</tool_call> y"]
+    for text in [QWEN_CALLS, "Plain <tool_ prose.", *cut_short, *after]:
         parsed = parsed_chat("qwen3_coder", tools=QWEN_TOOLS)
         body = ResponseBuilder(parsed, TOK, model="m", request_id="c").body(fold_stream(chunks_of(text, size), 1))
         expected = body["choices"][0]
@@ -405,3 +407,19 @@ def test_qwen3_coder_survives_runaway_and_unencodable_values() -> None:
     (call,) = extract(lone, "qwen3_coder", types).tool_calls
     call["function"]["arguments"].encode("utf-8")  # escaped: no lone surrogate left in the text
     assert json.loads(call["function"]["arguments"]) == {"opts": {"k": "\ud83d"}}
+
+
+def test_qwen3_coder_values_at_the_json_readers_depth_and_what_json_cannot_carry() -> None:
+    """A value nested just deep enough to read but not to write back inside its call is no call (never an
+    exception), at whatever depth the readers' limits fall; NaN and infinities stay text."""
+    types = qwen_types()
+    for depth in range(850, 1150, 3):
+        text = "<tool_call><function=get_weather><parameter=opts>" + "[" * depth + "]" * depth + "</parameter>"
+        found = extract(text, "qwen3_coder", types)
+        assert found.tool_calls or found.content == text
+        made = ResponseBuilder(parsed_chat("qwen3_coder", tools=QWEN_TOOLS), TOK, model="m", request_id="c")
+        assert made.body(fold_stream(chunks_of(text, 64), 1))["choices"]
+    for raw in ["NaN", "[1e999]", '{"t": Infinity}']:
+        text = f"<tool_call><function=get_weather><parameter=opts>{raw}</parameter></function></tool_call>"
+        (call,) = extract(text, "qwen3_coder", types).tool_calls
+        assert json.loads(call["function"]["arguments"]) == {"opts": raw}

@@ -326,6 +326,42 @@ def test_a_structural_tag_leaves_text_free_and_forces_each_structure(hf: Any) ->
     assert _completion(hf, structured_outputs={"structural_tag": json.dumps(STRUCTURAL_TAG)}).grammar == grammar
 
 
+def test_structural_tag_triggers_that_nest_look_like_tags_or_are_special_tokens(hf: Any) -> None:
+    """A trigger another one starts with (each structure opened by the shortest trigger its begin starts with,
+    so none is unreachable); a ``<...>`` trigger that is only text here (escaped as text, never grammar); and a
+    special token (matched as its id, the way a model writes it)."""
+    llm = grammar_tokenizer(hf, VOCAB, hf.eos_token_ids)
+
+    def grammar(structures: list[Any], triggers: list[str]) -> str:
+        spec = {"type": "structural_tag", "structures": structures, "triggers": triggers}
+        found = _completion(hf, response_format=spec).grammar
+        assert found is not None
+        return found
+
+    def accepts(compiled: str, ids: list[int]) -> bool:
+        matcher = GrammarMatcher(llm, compiled)
+        return all(matcher.consume(t) for t in ids)
+
+    nested = [
+        {"begin": "<function=a>", "schema": {}, "end": "</function>"},
+        {"begin": "<fx>", "schema": {}, "end": ";"},
+    ]
+    for triggers in (["<f", "<function="], ["<function=", "<f"]):
+        compiled = grammar(nested, triggers)
+        assert accepts(compiled, hf.encode("hi <function=a>{}</function> and <fx>1; bye"))
+        assert not accepts(compiled, hf.encode("hi <fz"))  # "<f" opens a structure: "z" begins none
+    as_text = grammar([{"begin": "<tool_call>", "schema": CALL, "end": "</tool_call>"}], ["<tool_call>"])
+    assert accepts(as_text, hf.encode('a <tool_call>{"tier": "cpu", "n": 1}</tool_call> b'))
+    assert not accepts(as_text, hf.encode("a <tool_call>prose"))
+    quoted = grammar([{"begin": '"} | x', "schema": {}, "end": ""}], ['"}'])  # an escaped literal, not grammar
+    assert accepts(quoted, hf.encode('say "} | x7 ok')) and not accepts(quoted, hf.encode('say "} y'))
+    start = hf.encode("<|im_start|>")
+    assert len(start) == 1 and "<|im_start|>" in hf.special_token_ids()
+    special = grammar([{"begin": "<|im_start|>call ", "schema": CALL, "end": ";"}], ["<|im_start|>"])
+    assert accepts(special, hf.encode("x ") + start + hf.encode('call {"tier": "disk", "n": 2}; y'))
+    assert not accepts(special, hf.encode("x ") + start + hf.encode("hello"))
+
+
 def test_sampled_structures_follow_their_schema(worker: KVWorker, hf: Any) -> None:
     """A random model pushed towards "@" (logit_bias) opens many calls: each one it opens is completed by the
     grammar, JSON that validates, closed by ";"."""
