@@ -14,9 +14,10 @@ large span.
   least ``SPLIT_MIN_BYTES`` is shared with the Copier's ``num_threads - 1``
   helper threads (C threads of its own, asleep between batches): the runs
   are cut into pieces and every thread, the caller's included, takes the
-  next piece until none is left (claiming it before copying the one it
-  holds, so the copy can prefetch it), so a helper that wakes late costs
-  the caller at most the two pieces it holds. Every copy prefetches
+  next piece until none is left (in a job of more than two pieces a
+  thread, claiming it before copying the one it holds, so the copy can
+  prefetch it), so a helper that wakes late costs the caller at most the
+  two pieces it holds. Every copy prefetches
   ``PREFETCH_BYTES`` (8 KiB) ahead of its loads, across the end of a run
   into the next one its thread copies. Without the kernel, a Python loop
   around libc ``memmove`` (bounds checked first); batches over 1 MiB are
