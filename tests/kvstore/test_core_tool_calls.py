@@ -285,25 +285,29 @@ def test_a_mistral_v11_call_keeps_its_arguments_as_written() -> None:
     assert call["function"] == {"name": "f", "arguments": "{'not': json}"}  # as vLLM keeps them
 
 
+def streams_as_plain(parsed: Any, text: str, size: int) -> dict[str, Any]:
+    """Assert that ``text`` streamed in pieces of ``size``, read by the openai client's accumulator, gives the
+    plain body's calls, content and finish reason; returns the plain body's choice."""
+    body = ResponseBuilder(parsed, TOK, model="m", request_id="c").body(fold_stream(chunks_of(text, size), 1))
+    expected: dict[str, Any] = body["choices"][0]
+    made = ResponseBuilder(parsed, TOK, model="m", request_id="c")
+    state, finishes = accumulated(made, chunks_of(text, size))
+    message = state.get_final_completion().choices[0].message
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+    want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected["message"]["tool_calls"]]
+    assert got == want, (text, size)
+    assert (message.content or None) == expected["message"]["content"], (text, size)
+    assert [f for f in finishes if f] == [expected["finish_reason"]]
+    return expected
+
+
 @pytest.mark.parametrize("parser", ["mistral", "pythonic"])
 @pytest.mark.parametrize("size", [1, 3, 11, 500])
 def test_mistral_and_pythonic_stream_as_the_plain_body_reads(parser: str, size: int) -> None:
     texts = [MISTRAL_V03, MISTRAL_V11, "Plain [TOOL_CALLS prose."] if parser == "mistral" else [
         PYTHONIC, "  " + PYTHONIC, "[not, a call", "Plain prose [with brackets]."]  # fmt: skip
     for text in texts:
-        parsed = parsed_chat(parser)
-        body = ResponseBuilder(parsed, TOK, model="m", request_id="c").body(fold_stream(chunks_of(text, size), 1))
-        expected = body["choices"][0]
-        made = ResponseBuilder(parsed, TOK, model="m", request_id="c")
-        state, finishes = accumulated(made, chunks_of(text, size))
-        message = state.get_final_completion().choices[0].message
-        got = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
-        want = [
-            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected["message"]["tool_calls"]
-        ]
-        assert got == want, (text, size)
-        assert (message.content or None) == expected["message"]["content"], (text, size)
-        assert [f for f in finishes if f] == [expected["finish_reason"]]
+        streams_as_plain(parsed_chat(parser), text, size)
 
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])
@@ -378,20 +382,8 @@ def test_qwen3_coder_streams_as_the_plain_body_reads(size: int) -> None:
     cut_short = [QWEN_CALLS[:-24], QWEN_CALLS[: QWEN_CALLS.index("</parameter>")]]  # the answer ends in a call
     after = [QWEN_CALLS + "\nDone, anything else?", "x<tool_call>not a call</tool_call> y"]
     for text in [QWEN_CALLS, "Plain <tool_ prose.", *cut_short, *after]:
-        parsed = parsed_chat("qwen3_coder", tools=QWEN_TOOLS)
-        body = ResponseBuilder(parsed, TOK, model="m", request_id="c").body(fold_stream(chunks_of(text, size), 1))
-        expected = body["choices"][0]
-        made = ResponseBuilder(parsed, TOK, model="m", request_id="c")
-        state, finishes = accumulated(made, chunks_of(text, size))
-        message = state.get_final_completion().choices[0].message
-        got = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
-        want = [
-            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected["message"]["tool_calls"]
-        ]
-        assert got == want, (text, size)
-        assert (message.content or None) == expected["message"]["content"], (text, size)
-        assert [f for f in finishes if f] == [expected["finish_reason"]]
-    assert want == [] and expected["finish_reason"] == "stop"  # the last text: no call
+        last = streams_as_plain(parsed_chat("qwen3_coder", tools=QWEN_TOOLS), text, size)
+    assert last["message"]["tool_calls"] == [] and last["finish_reason"] == "stop"  # the last text: no call
     first = ResponseBuilder(parsed_chat("qwen3_coder", tools=QWEN_TOOLS), TOK, model="m", request_id="c")
     message = ChatCompletion.model_validate(first.body(fold_stream(chunks_of(QWEN_CALLS, 9), 1))).choices[0]
     assert message.finish_reason == "tool_calls" and json.loads(
