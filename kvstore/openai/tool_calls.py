@@ -92,6 +92,18 @@ answer. Blocks, content and fallback are as for ``hermes``: a block with no
 readable function leaves the whole plain answer as content, and streams as
 content. Streamed, a block goes out whole at its ``</tool_call>``.
 
+``deepseek_v3`` and ``deepseek_v31`` (DeepSeek-V3 / R1 and V3.1, vLLM's
+parsers of those names; either reads both forms): the calls follow
+``<｜tool▁calls▁begin｜>``, each between ``<｜tool▁call▁begin｜>`` and
+``<｜tool▁call▁end｜>``. V3 writes the call's type, ``<｜tool▁sep｜>``, the
+name and its arguments in a fenced JSON block (``function<｜tool▁sep｜>name``,
+then ```` ```json ```` ... ```` ``` ````); V3.1 writes the name,
+``<｜tool▁sep｜>`` and the arguments. The arguments are kept as written, as
+vLLM keeps them. The content is the text before the calls; blocks and
+fallbacks are as for ``hermes``, and streamed the same way (the calls'
+opening tag is no content: a stream keeps it back until a call reads, and
+sends it as content only if none does).
+
 Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them
 (Mistral's aside).
 """
@@ -107,13 +119,18 @@ import string
 import uuid
 from typing import Any, NamedTuple
 
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "deepseek_v31")
+DEEPSEEK = ("deepseek_v3", "deepseek_v31")
+DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DS_FENCE = "\n```json\n"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 START, END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
 _BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_DS_BLOCKS = re.compile(f"{DS_CALL}(.*?){DS_CALL_END}|{DS_CALL}(.*)", re.DOTALL)
 _FUNCTIONS = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
 _PARAMETERS = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
 
@@ -174,26 +191,47 @@ def extract(text: str, parser: str = "hermes", tool_types: ToolTypes | None = No
         return _extract_mistral(text)
     if parser == "pythonic":
         return _extract_pythonic(text)
-    if START not in text:
+    deepseek = parser in DEEPSEEK
+    start = DS_CALL if deepseek else START
+    if start not in text:
         return Extracted(text, [])
     calls: list[dict[str, Any]] = []
-    for closed, open_ in _BLOCKS.findall(text):
+    for closed, open_ in (_DS_BLOCKS if deepseek else _BLOCKS).findall(text):
         found = _block_calls(closed or open_, parser, tool_types)
         if found is None:
             return Extracted(text, [])
         calls += found
     if not calls:
         return Extracted(text, [])
-    content = text[: text.find(START)]
+    first = text.find(start)
+    opener = text.find(DS_CALLS) if deepseek else -1
+    content = text[: opener if 0 <= opener < first else first]
     return Extracted(content or None, calls)
 
 
 def _block_calls(body: str, parser: str, tool_types: ToolTypes | None) -> list[dict[str, Any]] | None:
-    """The calls in one ``<tool_call>`` block's text, or None when it holds none that reads."""
+    """The calls in one block's text (between a parser's call tags), or None when it holds none that reads."""
     if parser == "qwen3_coder":
         return _xml_calls(body, tool_types or {})
-    call = _call(body)
+    call = _deepseek_call(body) if parser in DEEPSEEK else _call(body)
     return None if call is None else [call]
+
+
+def _deepseek_call(body: str) -> dict[str, Any] | None:
+    """One DeepSeek call: V3's ``type<｜tool▁sep｜>name`` and fenced JSON, or V3.1's ``name<｜tool▁sep｜>arguments``
+    (the arguments kept as written; a V3 block cut off by the end of the answer keeps what it has)."""
+    head, sep, rest = body.partition(DS_SEP)
+    if not sep:
+        return None
+    name, fence, arguments = rest.partition(DS_FENCE)
+    if fence:  # V3: the type before the separator, the name and the fenced arguments after it
+        arguments = arguments.rstrip().removesuffix("```").rstrip()
+    else:
+        name, arguments = head, rest.strip()
+    name = name.strip()
+    if not name or "\n" in name or not arguments:  # a call writes its arguments, "{}" for none
+        return None
+    return named_call(name, arguments)
 
 
 def _xml_calls(body: str, tool_types: ToolTypes) -> list[dict[str, Any]] | None:
@@ -359,6 +397,11 @@ class ToolCallStream:
         self._tool_types = tool_types
         self._held = ""  # text not yet sent: a possible start tag's prefix, or an open block (a JSON answer)
         self._in_block = False
+        deepseek = parser in DEEPSEEK
+        self._start, self._end = (DS_CALL, DS_CALL_END) if deepseek else (START, END)
+        self._opener = DS_CALLS if deepseek else ""  # a tag opening the calls, before the first call's own
+        self._opened = False  # the opener was seen
+        self._section = ""  # the opener and what followed it, kept until a call reads (content if none does)
         # llama3_json and pythonic: whether the answer is calls is told by its start
         self._decided = parser not in ("llama3_json", "pythonic")
         self.calls = 0  # tool calls sent so far (the next one's index)
@@ -374,21 +417,31 @@ class ToolCallStream:
         buffer = self._held + text
         content: list[str] = []
         calls: list[dict[str, Any]] = []
+        opener = self._opener
         while buffer:
             if self._in_block:
-                end = buffer.find(END)
+                end = buffer.find(self._end)
                 if end < 0:
                     break
                 self._finish_block(buffer[:end], content, calls)
-                buffer = buffer[end + len(END) :]
+                buffer = buffer[end + len(self._end) :]
                 continue
-            start = buffer.find(START)
+            start = buffer.find(self._start)
+            if opener and not self._opened:
+                at = buffer.find(opener)
+                if at >= 0 and (start < 0 or at < start):
+                    self._out(content, buffer[:at])
+                    self._opened, self._section = True, opener
+                    buffer = buffer[at + len(opener) :]
+                    continue
             if start >= 0:
                 self._out(content, buffer[:start])
-                buffer = buffer[start + len(START) :]
+                buffer = buffer[start + len(self._start) :]
                 self._in_block = True
                 continue
-            keep = _partial_tag(buffer)
+            keep = _partial_tag(buffer, self._start)
+            if opener and not self._opened:
+                keep = max(keep, _partial_tag(buffer, opener))
             self._out(content, buffer[: len(buffer) - keep])
             buffer = buffer[len(buffer) - keep :]
             break
@@ -444,19 +497,28 @@ class ToolCallStream:
             self._finish_block(held, content, calls, closed=False)
         else:
             self._out(content, held)
+        if not self.calls and self._section:  # calls opened but none read: their text is content after all
+            content.insert(0, self._section)
+        self._section = ""
         return Piece("".join(content), calls)
 
     def _out(self, content: list[str], text: str) -> None:
         """Text outside the blocks: content until the first call, and nothing after it, as the plain answer's
-        content is its text before the first call (a block that is not a call still goes out as content)."""
-        if not self.calls:
+        content is its text before the first call (a block that is not a call still goes out as content). After
+        an opener (DeepSeek's) and before a call, kept back in case no call reads."""
+        if self.calls:
+            return
+        if self._opened:
+            self._section += text
+        else:
             content.append(text)
 
     def _finish_block(self, body: str, content: list[str], calls: list[dict[str, Any]], *, closed: bool = True) -> None:
         self._in_block = False
         found = _block_calls(body, self._parser, self._tool_types)
-        if found is None:
-            content.append(START + body + (END if closed else ""))  # not a call: the text as the model wrote it
+        if found is None:  # not a call: the text as the model wrote it (after what was kept back before it)
+            content.append(self._section + self._start + body + (self._end if closed else ""))
+            self._section = ""
             return
         for call in found:
             calls.append({"index": self.calls, **call})

@@ -17,7 +17,7 @@ from kvstore.openai.errors import ApiError
 from kvstore.openai.protocol import ModelLimits, decode_chat, parse_chat
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.tokenizer import ByteTokenizer
-from kvstore.openai.tool_calls import ToolCallStream, extract
+from kvstore.openai.tool_calls import DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP, ToolCallStream, extract
 from kvstore.worker_api import ChoiceDelta, FinishReason, RequestStats, StreamChunk, fold_stream
 
 TOK = ByteTokenizer()
@@ -293,8 +293,8 @@ def streams_as_plain(parsed: Any, text: str, size: int) -> dict[str, Any]:
     made = ResponseBuilder(parsed, TOK, model="m", request_id="c")
     state, finishes = accumulated(made, chunks_of(text, size))
     message = state.get_final_completion().choices[0].message
-    got = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
-    want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected["message"]["tool_calls"]]
+    got = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in expected["message"]["tool_calls"]]
     assert got == want, (text, size)
     assert (message.content or None) == expected["message"]["content"], (text, size)
     assert [f for f in finishes if f] == [expected["finish_reason"]]
@@ -310,11 +310,12 @@ def test_mistral_and_pythonic_stream_as_the_plain_body_reads(parser: str, size: 
         streams_as_plain(parsed_chat(parser), text, size)
 
 
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3"])
 def test_a_runaway_or_unencodable_answer_falls_back_or_is_escaped(parser: str) -> None:
     """A model stuck writing brackets must not crash the answer (the JSON reader's recursion limit), and a call
     whose string holds a lone surrogate (an escape the model wrote) must still encode as UTF-8."""
-    opener = {"hermes": "<tool_call>", "llama3_json": "", "mistral": "Sure.[TOOL_CALLS]", "pythonic": ""}[parser]
+    opener = {"hermes": "<tool_call>", "llama3_json": "", "mistral": "Sure.[TOOL_CALLS]", "pythonic": "",
+              "deepseek_v3": DS_CALLS + DS_CALL}[parser]  # fmt: skip
     deep = opener + "[" * 1200 + "{" * 1200
     found = extract(deep, parser)
     assert found.content == deep and not found.tool_calls
@@ -326,6 +327,7 @@ def test_a_runaway_or_unencodable_answer_falls_back_or_is_escaped(parser: str) -
         "llama3_json": '{"name": "f", "parameters": {"city": "\\ud83d"}}',
         "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"city": "\\ud83d"}}]',
         "pythonic": "[f(city='\\ud83d\\ude00')]",
+        "deepseek_v3": DS_CALLS + DS_CALL + "f" + DS_SEP + '{"city": "\\ud83d"}' + DS_CALL_END,
     }[parser]
     (call,) = extract(lone, parser).tool_calls
     call["function"]["arguments"].encode("utf-8")  # no lone surrogate left in the text
@@ -415,3 +417,36 @@ def test_qwen3_coder_values_at_the_json_readers_depth_and_what_json_cannot_carry
         text = f"<tool_call><function=get_weather><parameter=opts>{raw}</parameter></function></tool_call>"
         (call,) = extract(text, "qwen3_coder", types).tool_calls
         assert json.loads(call["function"]["arguments"]) == {"opts": raw}
+
+
+# DeepSeek: V3's typed, fenced calls and V3.1's name and arguments, after the calls' opening tag.
+DS_V3 = (
+    f'Let me check.{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Zürich"}}\n```{DS_CALL_END}\n'
+    f"{DS_CALL}function{DS_SEP}get_time\n```json\n{{}}\n```{DS_CALL_END}{DS_CALLS_END}"
+)
+DS_V31 = f'{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{{"city": "Nice", "days": 2}}{DS_CALL_END}{DS_CALLS_END}'
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31"])
+def test_deepseek_calls_in_both_forms(parser: str) -> None:
+    found = extract(DS_V3, parser)
+    assert found.content == "Let me check."
+    read = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found.tool_calls]
+    assert read == [("get_weather", {"city": "Zürich"}), ("get_time", {})]
+    found = extract(DS_V31, parser)
+    assert found.content is None
+    assert json.loads(found.tool_calls[0]["function"]["arguments"]) == {"city": "Nice", "days": 2}
+    cut = DS_V3[: DS_V3.index("Zürich") + 3]  # the answer ends inside the first call: kept as written, as vLLM does
+    (call,) = extract(cut, parser).tool_calls
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Zür'}
+    for text in ["no calls", f"x{DS_CALLS}", f"{DS_CALLS}{DS_CALL}no separator{DS_CALL_END}",
+                 f"{DS_CALL}function{DS_SEP}{DS_CALL_END}", DS_V31 + f"{DS_CALL}bad{DS_CALL_END}"]:  # fmt: skip
+        assert extract(text, parser) == (text, [])  # any block without a call: all content
+
+
+@pytest.mark.parametrize("size", [1, 3, 11, 500])
+def test_deepseek_streams_as_the_plain_body_reads(size: int) -> None:
+    cut = DS_V3[: DS_V3.index("Zürich") + 3]
+    bad = f"x{DS_CALLS}{DS_CALL}no separator{DS_CALL_END} y"
+    for text in [DS_V3, DS_V31, cut, "Plain <｜tool prose.", f"x{DS_CALLS}", f"x{DS_CALLS}\n", bad, DS_V3 + " Done."]:
+        streams_as_plain(parsed_chat("deepseek_v3"), text, size)
