@@ -26,13 +26,16 @@ tools are sent) has its answer turned into OpenAI ``tool_calls``:
   arguments. Text outside the blocks after the first call is not content,
   as in the plain answer (vLLM's streams drop it too). OpenAI's clients accumulate tool-call deltas by index, so one
   delta per call reads the same as vLLM's argument-by-argument deltas. A
-  block that is not a valid call goes out as content.
+  block that is not a valid call goes out as content, and when no call
+  went out before it, so does the rest of the answer (the plain answer is
+  then all content).
 
 ``llama3_json`` (Llama 3.1+, vLLM's ``--tool-call-parser llama3_json``): the
 model answers a call as a JSON object, ``{"name": ..., "parameters": ...}``
 (or ``"arguments"``), several separated by ``; ``, after an optional
-``<|python_tag|>``. Plain (:func:`extract`), every top-level JSON object in
-the answer is a call and the content is None; any object that does not
+``<|python_tag|>``. Plain (:func:`extract`), an answer that starts with
+``{`` or ``<|python_tag|>`` is calls (as vLLM reads it): every top-level
+JSON object in it is a call and the content is None; any object that does not
 parse or lacks a name leaves the whole answer as content, as vLLM falls
 back. Streamed, an answer that starts with ``{`` or ``<|python_tag|>`` is
 held whole and parsed at its end (calls, or the text as content if it is
@@ -226,6 +229,8 @@ def _deepseek_call(body: str) -> dict[str, Any] | None:
     name, fence, arguments = rest.partition(DS_FENCE)
     if fence:  # V3: the type before the separator, the name and the fenced arguments after it
         arguments = arguments.rstrip().removesuffix("```").rstrip()
+    elif head.strip() == "function" and not rest.lstrip().startswith(("{", "[")):
+        return None  # V3 cut off before its fenced arguments (not V3.1's call of a function named "function")
     else:
         name, arguments = head, rest.strip()
     name = name.strip()
@@ -290,7 +295,10 @@ def _typed(value: str, kind: str) -> Any:
 
 
 def _extract_json(text: str) -> Extracted:
-    """llama3_json: every top-level JSON object in ``text`` is a call; any that is not leaves it all content."""
+    """llama3_json: an answer that starts with ``{`` or ``<|python_tag|>`` (as vLLM reads it, and as a stream
+    decides) is calls: every top-level JSON object in it is one, and any that is not leaves it all content."""
+    if not text.startswith(("{", PYTHON_TAG)):
+        return Extracted(text, [])
     calls: list[dict[str, Any]] = []
     end = -1
     for start in range(len(text)):
@@ -402,6 +410,7 @@ class ToolCallStream:
         self._opener = DS_CALLS if deepseek else ""  # a tag opening the calls, before the first call's own
         self._opened = False  # the opener was seen
         self._section = ""  # the opener and what followed it, kept until a call reads (content if none does)
+        self._as_text = False  # a block before any call was not one: the rest of the answer is content
         # llama3_json and pythonic: whether the answer is calls is told by its start
         self._decided = parser not in ("llama3_json", "pythonic")
         self.calls = 0  # tool calls sent so far (the next one's index)
@@ -419,6 +428,10 @@ class ToolCallStream:
         calls: list[dict[str, Any]] = []
         opener = self._opener
         while buffer:
+            if self._as_text:
+                content.append(buffer)
+                buffer = ""
+                break
             if self._in_block:
                 end = buffer.find(self._end)
                 if end < 0:
@@ -492,7 +505,9 @@ class ToolCallStream:
         held, self._held = self._held, ""
         content: list[str] = []
         calls: list[dict[str, Any]] = []
-        if self._in_block:
+        if self._as_text:
+            content.append(held)
+        elif self._in_block:
             self._in_block = False
             self._finish_block(held, content, calls, closed=False)
         else:
@@ -519,7 +534,10 @@ class ToolCallStream:
         if found is None:  # not a call: the text as the model wrote it (after what was kept back before it)
             content.append(self._section + self._start + body + (self._end if closed else ""))
             self._section = ""
+            # Before any call, a block that is not one makes the plain answer all content, whatever follows.
+            self._as_text = not self.calls
             return
+        self._section = ""
         for call in found:
             calls.append({"index": self.calls, **call})
             self.calls += 1

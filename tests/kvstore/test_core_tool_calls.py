@@ -439,7 +439,8 @@ def test_deepseek_calls_in_both_forms(parser: str) -> None:
     cut = DS_V3[: DS_V3.index("Zürich") + 3]  # the answer ends inside the first call: kept as written, as vLLM does
     (call,) = extract(cut, parser).tool_calls
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Zür'}
-    for text in ["no calls", f"x{DS_CALLS}", f"{DS_CALLS}{DS_CALL}no separator{DS_CALL_END}",
+    cut_early = [f"{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather", f"{DS_CALL}function{DS_SEP}get_weather\n```"]
+    for text in ["no calls", f"x{DS_CALLS}", f"{DS_CALLS}{DS_CALL}no separator{DS_CALL_END}", *cut_early,
                  f"{DS_CALL}function{DS_SEP}{DS_CALL_END}", DS_V31 + f"{DS_CALL}bad{DS_CALL_END}"]:  # fmt: skip
         assert extract(text, parser) == (text, [])  # any block without a call: all content
 
@@ -448,5 +449,24 @@ def test_deepseek_calls_in_both_forms(parser: str) -> None:
 def test_deepseek_streams_as_the_plain_body_reads(size: int) -> None:
     cut = DS_V3[: DS_V3.index("Zürich") + 3]
     bad = f"x{DS_CALLS}{DS_CALL}no separator{DS_CALL_END} y"
-    for text in [DS_V3, DS_V31, cut, "Plain <｜tool prose.", f"x{DS_CALLS}", f"x{DS_CALLS}\n", bad, DS_V3 + " Done."]:
+    for text in [DS_V3, DS_V31, cut, "Plain <｜tool prose.", f"x{DS_CALLS}", f"x{DS_CALLS}\n", bad, DS_V3 + " Done.",
+                 f"{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather", bad + DS_V31]:  # fmt: skip
         streams_as_plain(parsed_chat("deepseek_v3"), text, size)
+    # a bad block after a call: the call went out already, and only the block follows as content
+    after = f"a{DS_CALLS}b{DS_CALL}f{DS_SEP}{{}}{DS_CALL_END}c{DS_CALL}x{DS_CALL_END}"
+    stream = ToolCallStream("deepseek_v3")
+    pieces = [stream.push(after[i : i + size]) for i in range(0, len(after), size)] + [stream.finish()]
+    assert "".join(p.content for p in pieces) == f"a{DS_CALL}x{DS_CALL_END}"
+    assert [c["function"]["name"] for p in pieces for c in p.tool_calls] == ["f"]
+
+
+@pytest.mark.parametrize("size", [1, 4, 500])
+def test_a_bad_block_before_any_call_makes_the_stream_all_content_as_the_plain_answer(size: int) -> None:
+    good = {"hermes": WEATHER, "qwen3_coder": QWEN_CALLS, "deepseek_v3": DS_V31}
+    bad = {"hermes": "<tool_call>x</tool_call>", "qwen3_coder": "<tool_call>x</tool_call>",
+           "deepseek_v3": f"{DS_CALL}x{DS_CALL_END}"}  # fmt: skip
+    for parser, call in good.items():
+        expected = streams_as_plain(parsed_chat(parser, tools=QWEN_TOOLS), "Hm. " + bad[parser] + call, size)
+        assert expected["finish_reason"] == "stop" and expected["message"]["tool_calls"] == []
+    for text in ['Sure: {"name": "get_time", "parameters": {}}', '{"name": "get_time", "parameters": {}}']:
+        streams_as_plain(parsed_chat("llama3_json"), text, size)  # calls only when the answer starts as one
