@@ -9,6 +9,7 @@ from msgspec import Meta
 
 from kvstore.config import CacheConfig, Fraction, NonNegativeInt, PositiveInt, check_zmq_endpoints, is_z85_key
 from kvstore.openai.bounds import BodyBounds
+from kvstore.openai.tool_calls import ToolCallParser
 from kvstore.subscriber import CurveKeyPair, load_client_cert
 
 PolicyName = Literal["kvstore", "round_robin", "random", "least_loaded"]
@@ -105,9 +106,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Render a ``chat_template`` sent in a chat request (vLLM's ``--trust-request-chat-template``). Off, such a
     request is a 400: a template is a program, and one request's could hold a core and memory for as long as it
     likes. In front of a vLLM fleet, off, the router routes such a request by load alone and forwards it."""
-    tool_call_parser: Literal[
-        "", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "deepseek_v31"
-    ] = ""
+    tool_call_parser: Literal["", ToolCallParser] = ""
     """Parse tool calls out of chat answers with this parser (vLLM's ``--enable-auto-tool-choice
     --tool-call-parser``): ``hermes`` for models that answer ``<tool_call>{"name": ..., "arguments": ...}
     </tool_call>`` (Qwen2.5, Hermes), ``llama3_json`` for Llama 3.1+'s ``{"name": ..., "parameters": ...}``,
@@ -115,7 +114,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     for Llama 3.2 / 4's ``[get_weather(city="Paris")]``, ``qwen3_coder`` for Qwen3-Coder's
     ``<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>`` (each value read by
     the type its parameter declares in ``tools``), ``deepseek_v3`` / ``deepseek_v31`` for DeepSeek-V3 / R1 /
-    V3.1's ``<｜tool▁calls▁begin｜>`` calls (either name reads both forms).
+    V3.1's ``<｜tool▁calls▁begin｜>`` calls (either name reads both forms), ``glm45`` for GLM-4.5 / 4.6's
+    ``<tool_call>NAME<arg_key>..</arg_key><arg_value>..</arg_value></tool_call>``, ``kimi_k2`` for Kimi K2's
+    ``<|tool_calls_section_begin|>`` calls.
     Set, a chat with ``tools`` and ``tool_choice`` ``"auto"`` (the default with tools) is served; unset, it is
     a 400. Our workers' fronts only: a vLLM fleet parses its own."""
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""

@@ -58,6 +58,7 @@ from kvstore.openai.structured import (
     text_grammar,
 )
 from kvstore.openai.tokenizer import Tokenizer
+from kvstore.openai.tool_calls import TYPED
 from kvstore.worker_api import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -227,7 +228,7 @@ class ParsedRequest(NamedTuple):
     reasoning_parser: str | None = None  # chat: the answer's reasoning is split from its content by this parser
     named_tool: str | None = None  # chat: tool_choice names this function; the answer is its arguments
     tools_required: bool = False  # chat: tool_choice "required"; the answer is a JSON array of calls
-    tool_types: dict[str, dict[str, str]] | None = None  # chat, qwen3_coder: each function's parameter types
+    tool_types: dict[str, dict[str, str]] | None = None  # chat, qwen3_coder / glm45: each function's parameter types
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -465,7 +466,7 @@ def parse_chat(
             sampling = msgspec.structs.replace(sampling, constraint_after=end)
         # else the prompt itself ended the thinking (a template with thinking off, an assistant prefill): the
         # constraint holds from the first token, as vLLM reads the prompt
-    tool_types = _tool_types(req.tools or []) if calls_parsed == "qwen3_coder" else None
+    tool_types = _tool_types(req.tools or []) if calls_parsed in TYPED else None
     return _parsed("chat", req, token_ids, max_tokens, sampling, echo, top)._replace(
         role=role, tool_parser=calls_parsed, reasoning_parser=reasoning,
         named_tool=named, tools_required=required, tool_types=tool_types,
@@ -716,9 +717,9 @@ def _tools(tools: list[Any] | None, choice: Any, parser: str | None = None) -> l
 
 
 def _tool_types(tools: list[Any]) -> dict[str, dict[str, str]]:
-    """For the ``qwen3_coder`` parser, which writes values as raw text: each function's parameters and the type
-    its schema declares, lowercased (a list of types: its first that is not "null"; "" where there is none).
-    ``tools`` were checked by :func:`_tools`."""
+    """For the parsers whose models write values as raw text (``qwen3_coder``, ``glm45``): each function's
+    parameters and the type its schema declares, lowercased (a list of types: its first that is not "null"; ""
+    where there is none). ``tools`` were checked by :func:`_tools`."""
     types: dict[str, dict[str, str]] = {}
     for tool in tools:
         function = tool["function"]

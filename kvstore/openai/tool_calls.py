@@ -107,8 +107,22 @@ fallbacks are as for ``hermes``, and streamed the same way (the calls'
 opening tag is no content: a stream keeps it back until a call reads, and
 sends it as content only if none does).
 
+``glm45`` (GLM-4.5 / 4.6, vLLM's ``glm45``): ``<tool_call>`` blocks that
+hold the function's name on their first line, then ``<arg_key>KEY</arg_key>``
+``<arg_value>VALUE</arg_value>`` pairs. A value is kept as text where its
+parameter's declared type is ``string``, and otherwise read as JSON, then as
+a Python literal, else kept as text, as vLLM reads it. Blocks, content and
+streaming are ``hermes``'s.
+
+``kimi_k2`` (Kimi K2, vLLM's ``kimi_k2``): the calls follow
+``<|tool_calls_section_begin|>``, each ``<|tool_call_begin|>`` id
+``<|tool_call_argument_begin|>`` arguments ``<|tool_call_end|>``, where the
+id is ``functions.NAME:INDEX``. The function is the id's ``NAME``, the
+call keeps the model's id (Kimi's template reads tool results by it), and
+the arguments are kept as written. Streamed as DeepSeek's.
+
 Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them
-(Mistral's aside).
+(Mistral's and Kimi's aside).
 """
 
 from __future__ import annotations
@@ -120,20 +134,35 @@ import random
 import re
 import string
 import uuid
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "deepseek_v31")
+ToolCallParser = Literal[
+    "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "deepseek_v31", "glm45", "kimi_k2"
+]  # fmt: skip
+PARSERS: tuple[str, ...] = get_args(ToolCallParser)
 DEEPSEEK = ("deepseek_v3", "deepseek_v31")
 DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 DS_FENCE = "\n```json\n"
+GLM_KEY, GLM_VALUE = "<arg_key>", "<arg_value>"
+KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_CALL_END, KIMI_ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+TYPED = ("qwen3_coder", "glm45")  # the parsers that read values by the parameter types the request declares
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 START, END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
-_BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-_DS_BLOCKS = re.compile(f"{DS_CALL}(.*?){DS_CALL_END}|{DS_CALL}(.*)", re.DOTALL)
+# The parsers whose calls are blocks between tags: (a call's opening tag, its closing tag, a tag opening all the
+# calls before the first call's own, or "").
+BLOCK_TAGS = {
+    "hermes": (START, END, ""), "qwen3_coder": (START, END, ""), "glm45": (START, END, ""),
+    "deepseek_v3": (DS_CALL, DS_CALL_END, DS_CALLS), "deepseek_v31": (DS_CALL, DS_CALL_END, DS_CALLS),
+    "kimi_k2": (KIMI_CALL, KIMI_CALL_END, KIMI_CALLS),
+}  # fmt: skip
+_GLM_ARGUMENTS = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_KIMI_ID = re.compile(r"[\w.]+:\d+")
+_GLM_NAME = re.compile(r"[\w.:/-]+")  # a function's name (a runaway "[[[" or prose is no call)
 _FUNCTIONS = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
 _PARAMETERS = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
 
@@ -194,30 +223,78 @@ def extract(text: str, parser: str = "hermes", tool_types: ToolTypes | None = No
         return _extract_mistral(text)
     if parser == "pythonic":
         return _extract_pythonic(text)
-    deepseek = parser in DEEPSEEK
-    start = DS_CALL if deepseek else START
+    start, end, opener = BLOCK_TAGS.get(parser, BLOCK_TAGS["hermes"])
     if start not in text:
         return Extracted(text, [])
     calls: list[dict[str, Any]] = []
-    for closed, open_ in (_DS_BLOCKS if deepseek else _BLOCKS).findall(text):
-        found = _block_calls(closed or open_, parser, tool_types)
+    for body in _bodies(text, start, end):
+        found = _block_calls(body, parser, tool_types)
         if found is None:
             return Extracted(text, [])
         calls += found
     if not calls:
         return Extracted(text, [])
     first = text.find(start)
-    opener = text.find(DS_CALLS) if deepseek else -1
-    content = text[: opener if 0 <= opener < first else first]
+    opened = text.find(opener) if opener else -1
+    content = text[: opened if 0 <= opened < first else first]
     return Extracted(content or None, calls)
+
+
+def _bodies(text: str, start: str, end: str) -> list[str]:
+    """The text of every ``start`` ... ``end`` block in ``text``, the last one to the end of the text if it is
+    not closed."""
+    bodies = []
+    at = text.find(start)
+    while at >= 0:
+        at += len(start)
+        close = text.find(end, at)
+        if close < 0:
+            bodies.append(text[at:])
+            break
+        bodies.append(text[at:close])
+        at = text.find(start, close + len(end))
+    return bodies
 
 
 def _block_calls(body: str, parser: str, tool_types: ToolTypes | None) -> list[dict[str, Any]] | None:
     """The calls in one block's text (between a parser's call tags), or None when it holds none that reads."""
     if parser == "qwen3_coder":
         return _xml_calls(body, tool_types or {})
-    call = _deepseek_call(body) if parser in DEEPSEEK else _call(body)
+    if parser == "glm45":
+        call = _glm_call(body, tool_types or {})
+    elif parser == "kimi_k2":
+        call = _kimi_call(body)
+    else:
+        call = _deepseek_call(body) if parser in DEEPSEEK else _call(body)
     return None if call is None else [call]
+
+
+def _glm_call(body: str, tool_types: ToolTypes) -> dict[str, Any] | None:
+    """One GLM-4.5 call: the name, then ``<arg_key>`` / ``<arg_value>`` pairs, each value read unless its parameter
+    is declared a string."""
+    cut = min((at for at in (body.find("\n"), body.find(GLM_KEY)) if at >= 0), default=len(body))
+    name = body[:cut].strip()
+    if not _GLM_NAME.fullmatch(name):
+        return None
+    types = tool_types.get(name, {})
+    arguments: dict[str, Any] = {}
+    for key, value in _GLM_ARGUMENTS.findall(body[cut:]):
+        key, value = key.strip(), value.strip()
+        arguments[key] = value if types.get(key) == "string" else _decoded(value)
+    try:
+        return _as_call(name, arguments)
+    except ValueError:  # nested too deeply to write back as JSON
+        return None
+
+
+def _kimi_call(body: str) -> dict[str, Any] | None:
+    """One Kimi K2 call: ``functions.NAME:INDEX``, the argument tag, the arguments (kept as written); the call keeps
+    the model's id."""
+    ident, sep, arguments = body.partition(KIMI_ARGS)
+    ident, arguments = ident.strip(), arguments.strip()
+    if not sep or not arguments or not _KIMI_ID.fullmatch(ident):
+        return None
+    return named_call(ident.split(":")[0].split(".")[-1], arguments, ident)
 
 
 def _deepseek_call(body: str) -> dict[str, Any] | None:
@@ -284,6 +361,12 @@ def _typed(value: str, kind: str) -> Any:
         return int(number) if number.is_integer() else number
     if kind in ("boolean", "bool", "binary"):
         return value.strip().lower() == "true"
+    return _decoded(value)
+
+
+def _decoded(value: str) -> Any:
+    """A raw value read as JSON, else as a Python literal, else kept as text (what JSON cannot carry -- NaN, a set,
+    bytes -- stays text too)."""
     for read in (json.loads, ast.literal_eval):
         try:
             parsed = read(value)
@@ -405,9 +488,8 @@ class ToolCallStream:
         self._tool_types = tool_types
         self._held = ""  # text not yet sent: a possible start tag's prefix, or an open block (a JSON answer)
         self._in_block = False
-        deepseek = parser in DEEPSEEK
-        self._start, self._end = (DS_CALL, DS_CALL_END) if deepseek else (START, END)
-        self._opener = DS_CALLS if deepseek else ""  # a tag opening the calls, before the first call's own
+        # a call's tags, and a tag opening all the calls before the first call's own ("" for none)
+        self._start, self._end, self._opener = BLOCK_TAGS.get(parser, BLOCK_TAGS["hermes"])
         self._opened = False  # the opener was seen
         self._section = ""  # the opener and what followed it, kept until a call reads (content if none does)
         self._as_text = False  # a block before any call was not one: the rest of the answer is content

@@ -310,12 +310,13 @@ def test_mistral_and_pythonic_stream_as_the_plain_body_reads(parser: str, size: 
         streams_as_plain(parsed_chat(parser), text, size)
 
 
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3"])
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "glm45", "kimi_k2"])
 def test_a_runaway_or_unencodable_answer_falls_back_or_is_escaped(parser: str) -> None:
     """A model stuck writing brackets must not crash the answer (the JSON reader's recursion limit), and a call
     whose string holds a lone surrogate (an escape the model wrote) must still encode as UTF-8."""
     opener = {"hermes": "<tool_call>", "llama3_json": "", "mistral": "Sure.[TOOL_CALLS]", "pythonic": "",
-              "deepseek_v3": DS_CALLS + DS_CALL}[parser]  # fmt: skip
+              "deepseek_v3": DS_CALLS + DS_CALL, "glm45": "<tool_call>",
+              "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>"}[parser]  # fmt: skip
     deep = opener + "[" * 1200 + "{" * 1200
     found = extract(deep, parser)
     assert found.content == deep and not found.tool_calls
@@ -328,6 +329,8 @@ def test_a_runaway_or_unencodable_answer_falls_back_or_is_escaped(parser: str) -
         "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"city": "\\ud83d"}}]',
         "pythonic": "[f(city='\\ud83d\\ude00')]",
         "deepseek_v3": DS_CALLS + DS_CALL + "f" + DS_SEP + '{"city": "\\ud83d"}' + DS_CALL_END,
+        "glm45": '<tool_call>f\n<arg_key>city</arg_key><arg_value>"\\ud83d"</arg_value></tool_call>',
+        "kimi_k2": '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"city": "\\ud83d"}<|tool_call_end|>',
     }[parser]
     (call,) = extract(lone, parser).tool_calls
     call["function"]["arguments"].encode("utf-8")  # no lone surrogate left in the text
@@ -470,3 +473,48 @@ def test_a_bad_block_before_any_call_makes_the_stream_all_content_as_the_plain_a
         assert expected["finish_reason"] == "stop" and expected["message"]["tool_calls"] == []
     for text in ['Sure: {"name": "get_time", "parameters": {}}', '{"name": "get_time", "parameters": {}}']:
         streams_as_plain(parsed_chat("llama3_json"), text, size)  # calls only when the answer starts as one
+
+
+# GLM-4.5: the name on the block's first line, then key / value pairs, values read unless declared strings.
+GLM_CALLS = (
+    "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>1999</arg_value>\n"
+    "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>['a', 1]</arg_value>\n"
+    "<arg_key>note</arg_key>\n<arg_value>7</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>not json</arg_value>\n"
+    "</tool_call>\n<tool_call>get_time\n</tool_call>"
+)
+# Kimi K2: ids functions.NAME:INDEX, kept as the calls' ids.
+KIMI = (
+    "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}'
+    "<|tool_call_end|><|tool_calls_section_end|>"
+)
+
+
+def test_glm45_and_kimi_k2_calls() -> None:
+    types = parsed_chat("glm45", tools=QWEN_TOOLS).tool_types
+    found = extract(GLM_CALLS, "glm45", types)
+    assert found.content == "Checking.\n"
+    read = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found.tool_calls]
+    # city is a string (kept, digits and all); days, tags, note (no type) and the undeclared extra are read, or kept
+    assert read == [("get_weather", {"city": "1999", "days": 3, "tags": ["a", 1], "note": 7,
+                                     "extra": "not json"}), ("get_time", {})]  # fmt: skip
+    (call,) = extract("<tool_call>get_time<arg_key>zone</arg_key><arg_value>UTC</arg_value>", "glm45").tool_calls
+    assert json.loads(call["function"]["arguments"]) == {"zone": "UTC"}  # no newline after the name; cut off
+    for text in ["<tool_call>\n<arg_key>a</arg_key></tool_call>", "<tool_call><arg_key>a</arg_key><arg_value>1"]:
+        assert extract(text, "glm45") == (text, [])  # no name: no call, all content
+    found = extract(KIMI, "kimi_k2")
+    assert found.content == "Sure."
+    read = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in found.tool_calls]
+    assert read == [("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+                    ("functions.get_time:1", "get_time", "{}")]  # fmt: skip
+    bad_id = "<|tool_calls_section_begin|><|tool_call_begin|>get weather<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    for text in [bad_id, "x<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.f:0<|tool_call_end|>"]:
+        assert extract(text, "kimi_k2") == (text, [])
+
+
+@pytest.mark.parametrize("size", [1, 3, 11, 500])
+def test_glm45_and_kimi_k2_stream_as_the_plain_body_reads(size: int) -> None:
+    for text in [GLM_CALLS, GLM_CALLS[:-30], GLM_CALLS + "\nDone.", "Plain <tool_ prose.", "<tool_call>\n</tool_call>"]:
+        streams_as_plain(parsed_chat("glm45", tools=QWEN_TOOLS), text, size)
+    for text in [KIMI, KIMI[:-40], "x<|tool_calls_section_begin|>", "Plain <|tool_calls prose.", KIMI + " Done."]:
+        streams_as_plain(parsed_chat("kimi_k2"), text, size)
