@@ -102,16 +102,18 @@ parsers of those names; either reads both forms): the calls follow
 name and its arguments in a fenced JSON block (``function<｜tool▁sep｜>name``,
 then ```` ```json ```` ... ```` ``` ````); V3.1 writes the name,
 ``<｜tool▁sep｜>`` and the arguments. The arguments are kept as written, as
-vLLM keeps them. The content is the text before the calls; blocks and
+vLLM keeps them, so a call needs its closing tag (one the end of the answer
+cut off is no call). The content is the text before the calls; blocks and
 fallbacks are as for ``hermes``, and streamed the same way (the calls'
 opening tag is no content: a stream keeps it back until a call reads, and
 sends it as content only if none does).
 
 ``glm45`` (GLM-4.5 / 4.6, vLLM's ``glm45``): ``<tool_call>`` blocks that
 hold the function's name on their first line, then ``<arg_key>KEY</arg_key>``
-``<arg_value>VALUE</arg_value>`` pairs. A value is kept as text where its
+``<arg_value>VALUE</arg_value>`` pairs. A value is kept as written where its
 parameter's declared type is ``string``, and otherwise read as JSON, then as
-a Python literal, else kept as text, as vLLM reads it. Blocks, content and
+a Python literal, else kept as text, as vLLM reads it; a call needs its
+closing tag. Blocks, content and
 streaming are ``hermes``'s.
 
 ``kimi_k2`` (Kimi K2, vLLM's ``kimi_k2``): the calls follow
@@ -119,7 +121,7 @@ streaming are ``hermes``'s.
 ``<|tool_call_argument_begin|>`` arguments ``<|tool_call_end|>``, where the
 id is ``functions.NAME:INDEX``. The function is the id's ``NAME``, the
 call keeps the model's id (Kimi's template reads tool results by it), and
-the arguments are kept as written. Streamed as DeepSeek's.
+the arguments are kept as written; a call needs its closing tag. Streamed as DeepSeek's.
 
 Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them
 (Mistral's and Kimi's aside).
@@ -148,6 +150,7 @@ GLM_KEY, GLM_VALUE = "<arg_key>", "<arg_value>"
 KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 KIMI_CALL, KIMI_CALL_END, KIMI_ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
 TYPED = ("qwen3_coder", "glm45")  # the parsers that read values by the parameter types the request declares
+CLOSED_ONLY = ("deepseek_v3", "deepseek_v31", "glm45", "kimi_k2")  # a call needs its closing tag
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 START, END = "<tool_call>", "</tool_call>"
@@ -160,8 +163,7 @@ BLOCK_TAGS = {
     "deepseek_v3": (DS_CALL, DS_CALL_END, DS_CALLS), "deepseek_v31": (DS_CALL, DS_CALL_END, DS_CALLS),
     "kimi_k2": (KIMI_CALL, KIMI_CALL_END, KIMI_CALLS),
 }  # fmt: skip
-_GLM_ARGUMENTS = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-_KIMI_ID = re.compile(r"[\w.]+:\d+")
+_KIMI_ID = re.compile(r"[^<]+:\d+")
 _GLM_NAME = re.compile(r"[\w.:/-]+")  # a function's name (a runaway "[[[" or prose is no call)
 _FUNCTIONS = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
 _PARAMETERS = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
@@ -227,8 +229,8 @@ def extract(text: str, parser: str = "hermes", tool_types: ToolTypes | None = No
     if start not in text:
         return Extracted(text, [])
     calls: list[dict[str, Any]] = []
-    for body in _bodies(text, start, end):
-        found = _block_calls(body, parser, tool_types)
+    for body, closed in _bodies(text, start, end):
+        found = _block_calls(body, parser, tool_types, closed=closed)
         if found is None:
             return Extracted(text, [])
         calls += found
@@ -240,24 +242,31 @@ def extract(text: str, parser: str = "hermes", tool_types: ToolTypes | None = No
     return Extracted(content or None, calls)
 
 
-def _bodies(text: str, start: str, end: str) -> list[str]:
-    """The text of every ``start`` ... ``end`` block in ``text``, the last one to the end of the text if it is
-    not closed."""
+def _bodies(text: str, start: str, end: str) -> list[tuple[str, bool]]:
+    """The text of every ``start`` ... ``end`` block in ``text`` and whether it was closed (the last one may run
+    to the end of the text)."""
     bodies = []
     at = text.find(start)
     while at >= 0:
         at += len(start)
         close = text.find(end, at)
         if close < 0:
-            bodies.append(text[at:])
+            bodies.append((text[at:], False))
             break
-        bodies.append(text[at:close])
+        bodies.append((text[at:close], True))
         at = text.find(start, close + len(end))
     return bodies
 
 
-def _block_calls(body: str, parser: str, tool_types: ToolTypes | None) -> list[dict[str, Any]] | None:
-    """The calls in one block's text (between a parser's call tags), or None when it holds none that reads."""
+def _block_calls(
+    body: str, parser: str, tool_types: ToolTypes | None, *, closed: bool = True
+) -> list[dict[str, Any]] | None:
+    """The calls in one block's text (between a parser's call tags), or None when it holds none that reads. A
+    block the end of the answer cut off is read only where what it holds shows whether it is whole (``hermes``'s
+    JSON; ``qwen3_coder``'s, as vLLM reads it): the formats whose arguments are kept as written or come in pairs
+    (DeepSeek's, GLM's, Kimi's) need their closing tag, as vLLM's parsers do."""
+    if not closed and parser in CLOSED_ONLY:
+        return None
     if parser == "qwen3_coder":
         return _xml_calls(body, tool_types or {})
     if parser == "glm45":
@@ -278,13 +287,35 @@ def _glm_call(body: str, tool_types: ToolTypes) -> dict[str, Any] | None:
         return None
     types = tool_types.get(name, {})
     arguments: dict[str, Any] = {}
-    for key, value in _GLM_ARGUMENTS.findall(body[cut:]):
-        key, value = key.strip(), value.strip()
-        arguments[key] = value if types.get(key) == "string" else _decoded(value)
+    for key, value in _glm_pairs(body[cut:]):
+        key = key.strip()  # a string is kept as written (a file's text keeps its last newline); the rest is read
+        arguments[key] = value if types.get(key) == "string" else _decoded(value.strip())
     try:
         return _as_call(name, arguments)
     except ValueError:  # nested too deeply to write back as JSON
         return None
+
+
+def _glm_pairs(text: str) -> list[tuple[str, str]]:
+    """``<arg_key>K</arg_key>`` ``<arg_value>V</arg_value>`` pairs in order, whitespace between the two tags;
+    read up to the first that is not whole (one pass: a runaway answer costs its length, not its square)."""
+    pairs = []
+    at = text.find("<arg_key>")
+    while at >= 0:
+        key_end = text.find("</arg_key>", at)
+        if key_end < 0:
+            break
+        value_at = key_end + len("</arg_key>")
+        while value_at < len(text) and text[value_at].isspace():
+            value_at += 1
+        if not text.startswith("<arg_value>", value_at):
+            break
+        value_end = text.find("</arg_value>", value_at)
+        if value_end < 0:
+            break
+        pairs.append((text[at + len("<arg_key>") : key_end], text[value_at + len("<arg_value>") : value_end]))
+        at = text.find("<arg_key>", value_end)
+    return pairs
 
 
 def _kimi_call(body: str) -> dict[str, Any] | None:
@@ -294,12 +325,13 @@ def _kimi_call(body: str) -> dict[str, Any] | None:
     ident, arguments = ident.strip(), arguments.strip()
     if not sep or not arguments or not _KIMI_ID.fullmatch(ident):
         return None
-    return named_call(ident.split(":")[0].split(".")[-1], arguments, ident)
+    name = ident.rsplit(":", 1)[0].split(".")[-1].strip()
+    return named_call(name, arguments, ident) if name else None
 
 
 def _deepseek_call(body: str) -> dict[str, Any] | None:
     """One DeepSeek call: V3's ``type<｜tool▁sep｜>name`` and fenced JSON, or V3.1's ``name<｜tool▁sep｜>arguments``
-    (the arguments kept as written; a V3 block cut off by the end of the answer keeps what it has)."""
+    (the arguments kept as written)."""
     head, sep, rest = body.partition(DS_SEP)
     if not sep:
         return None
@@ -612,7 +644,7 @@ class ToolCallStream:
 
     def _finish_block(self, body: str, content: list[str], calls: list[dict[str, Any]], *, closed: bool = True) -> None:
         self._in_block = False
-        found = _block_calls(body, self._parser, self._tool_types)
+        found = _block_calls(body, self._parser, self._tool_types, closed=closed)
         if found is None:  # not a call: the text as the model wrote it (after what was kept back before it)
             content.append(self._section + self._start + body + (self._end if closed else ""))
             self._section = ""

@@ -439,9 +439,8 @@ def test_deepseek_calls_in_both_forms(parser: str) -> None:
     found = extract(DS_V31, parser)
     assert found.content is None
     assert json.loads(found.tool_calls[0]["function"]["arguments"]) == {"city": "Nice", "days": 2}
-    cut = DS_V3[: DS_V3.index("Zürich") + 3]  # the answer ends inside the first call: kept as written, as vLLM does
-    (call,) = extract(cut, parser).tool_calls
-    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Zür'}
+    cut = DS_V3[: DS_V3.index("Zürich") + 3]  # the answer ends inside the first call: arguments kept as written
+    assert extract(cut, parser) == (cut, [])  # would be cut short too, so a call needs its closing tag, as in vLLM
     cut_early = [f"{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather", f"{DS_CALL}function{DS_SEP}get_weather\n```"]
     for text in ["no calls", f"x{DS_CALLS}", f"{DS_CALLS}{DS_CALL}no separator{DS_CALL_END}", *cut_early,
                  f"{DS_CALL}function{DS_SEP}{DS_CALL_END}", DS_V31 + f"{DS_CALL}bad{DS_CALL_END}"]:  # fmt: skip
@@ -498,8 +497,11 @@ def test_glm45_and_kimi_k2_calls() -> None:
     # city is a string (kept, digits and all); days, tags, note (no type) and the undeclared extra are read, or kept
     assert read == [("get_weather", {"city": "1999", "days": 3, "tags": ["a", 1], "note": 7,
                                      "extra": "not json"}), ("get_time", {})]  # fmt: skip
-    (call,) = extract("<tool_call>get_time<arg_key>zone</arg_key><arg_value>UTC</arg_value>", "glm45").tool_calls
-    assert json.loads(call["function"]["arguments"]) == {"zone": "UTC"}  # no newline after the name; cut off
+    spaced = "<tool_call>get_weather<arg_key>city</arg_key> <arg_value>\n  Paris\n</arg_value></tool_call>"
+    (call,) = extract(spaced, "glm45", types).tool_calls  # no newline after the name; a string kept as written
+    assert json.loads(call["function"]["arguments"]) == {"city": "\n  Paris\n"}
+    cut = "<tool_call>get_time<arg_key>zone</arg_key><arg_value>UTC</arg_value>"  # a call needs its closing tag
+    assert extract(cut, "glm45") == (cut, [])
     for text in ["<tool_call>\n<arg_key>a</arg_key></tool_call>", "<tool_call><arg_key>a</arg_key><arg_value>1"]:
         assert extract(text, "glm45") == (text, [])  # no name: no call, all content
     found = extract(KIMI, "kimi_k2")
@@ -507,8 +509,11 @@ def test_glm45_and_kimi_k2_calls() -> None:
     read = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in found.tool_calls]
     assert read == [("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
                     ("functions.get_time:1", "get_time", "{}")]  # fmt: skip
+    call = extract(KIMI.replace("get_time", "get-time"), "kimi_k2").tool_calls[1]
+    assert (call["id"], call["function"]["name"]) == ("functions.get-time:1", "get-time")  # MCP-style names
     bad_id = "<|tool_calls_section_begin|><|tool_call_begin|>get weather<|tool_call_argument_begin|>{}<|tool_call_end|>"
-    for text in [bad_id, "x<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.f:0<|tool_call_end|>"]:
+    no_name = "<|tool_call_begin|>functions.:0<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    for text in [bad_id, no_name, "x<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.f:0<|tool_call_end|>"]:
         assert extract(text, "kimi_k2") == (text, [])
 
 
@@ -516,5 +521,6 @@ def test_glm45_and_kimi_k2_calls() -> None:
 def test_glm45_and_kimi_k2_stream_as_the_plain_body_reads(size: int) -> None:
     for text in [GLM_CALLS, GLM_CALLS[:-30], GLM_CALLS + "\nDone.", "Plain <tool_ prose.", "<tool_call>\n</tool_call>"]:
         streams_as_plain(parsed_chat("glm45", tools=QWEN_TOOLS), text, size)
-    for text in [KIMI, KIMI[:-40], "x<|tool_calls_section_begin|>", "Plain <|tool_calls prose.", KIMI + " Done."]:
+    cut = KIMI[: KIMI.index("Paris")]  # inside the first call: no call (its arguments would be cut short)
+    for text in [KIMI, cut, "x<|tool_calls_section_begin|>", "Plain <|tool_calls prose.", KIMI + " Done."]:
         streams_as_plain(parsed_chat("kimi_k2"), text, size)
