@@ -22,10 +22,10 @@
  *   thread alone) once it is at least split_min bytes. The runs are cut into pieces of
  *   at most PIECE_BYTES; the caller posts the batch, wakes the helpers and copies
  *   pieces itself, each thread taking the next piece from one atomic counter (work
- *   stealing; a thread claims its next piece before copying the one it holds, so it can
- *   prefetch it). So a helper that wakes late, or is descheduled by other work on the
- *   machine, costs the caller at most the two pieces it holds. Helpers block on a condition variable between batches,
- *   taking no CPU. Smaller batches, and buffers that overlap each other (a shared copy
+ *   stealing; in a job of many pieces a thread claims its next piece before copying the
+ *   one it holds, so it can prefetch it). So a helper that wakes late, or is descheduled
+ *   by other work on the machine, costs the caller at most the two pieces it holds.
+ *   Helpers block on a condition variable between batches, taking no CPU. Smaller batches, and buffers that overlap each other (a shared copy
  *   has no order between pieces), are copied by the caller alone, run by run in order.
  *   One call at a time per Copier; calls from several threads queue.
  *
@@ -58,7 +58,6 @@ typedef struct {
     const uint8_t *from;
     size_t bytes;
 } Span;
-
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
@@ -313,19 +312,18 @@ typedef struct {
  * piece before it copies the one it holds, so the copy can prefetch the start of the next: it holds at most
  * two pieces. Only for jobs of many pieces: in a job of a few, the caller would claim them all before a
  * helper woke (2-4 pieces of 256 KiB took 20-45% longer that way). */
+static size_t claim_piece(Job *job) {
+    return atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+}
+
 static int take_pieces(Job *job) {
     int streamed = 0;
-    size_t i = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+    size_t i = claim_piece(job);
     while (i < job->count) {
-        if (!job->claim_ahead) {
-            streamed |= copy_span(&job->pieces[i], NULL, job->stream_min);
-            i = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
-            continue;
-        }
-        size_t after = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+        size_t after = job->claim_ahead ? claim_piece(job) : job->count;
         const Span *next = after < job->count ? &job->pieces[after] : NULL;
         streamed |= copy_span(&job->pieces[i], next, job->stream_min);
-        i = after;
+        i = job->claim_ahead ? after : claim_piece(job);
     }
     return streamed;
 }
