@@ -24,8 +24,9 @@ tools are sent) has its answer turned into OpenAI ``tool_calls``:
   its ``</tool_call>`` (or the end of the answer) and then goes out as one
   ``tool_calls`` delta with the call's index, id, name and whole
   arguments. Text outside the blocks after the first call is not content,
-  as in the plain answer (vLLM's streams drop it too). OpenAI's clients accumulate tool-call deltas by index, so one
-  delta per call reads the same as vLLM's argument-by-argument deltas. A
+  as in the plain answer (vLLM's streams drop it too). OpenAI's clients
+  accumulate tool-call deltas by index, so one delta per call reads the
+  same as vLLM's argument-by-argument deltas. A
   block that is not a valid call goes out as content, and when no call
   went out before it, so does the rest of the answer (the plain answer is
   then all content).
@@ -89,9 +90,9 @@ boolean is ``true`` or not; any other type (object, array) reads JSON, then
 a Python literal, else keeps the text. Where this differs from vLLM: a
 boolean ignores surrounding whitespace, a list of types is read by its
 first that is not ``"null"``, an unknown type tries JSON before a Python
-literal, and what JSON cannot carry (NaN, infinities, a set) stays text. A block may hold several
-``<function=...>`` calls, and the last may be cut off by the end of the
-answer. Blocks, content and fallback are as for ``hermes``: a block with no
+literal, and what JSON cannot carry (NaN, infinities, a set) stays text.
+A block may hold several ``<function=...>`` calls, and the last may be
+cut off by the end of the answer. Blocks, content and fallback are as for ``hermes``: a block with no
 readable function leaves the whole plain answer as content, and streams as
 content. Streamed, a block goes out whole at its ``</tool_call>``.
 
@@ -113,15 +114,15 @@ hold the function's name on their first line, then ``<arg_key>KEY</arg_key>``
 ``<arg_value>VALUE</arg_value>`` pairs. A value is kept as written where its
 parameter's declared type is ``string``, and otherwise read as JSON, then as
 a Python literal, else kept as text, as vLLM reads it; a call needs its
-closing tag. Blocks, content and
-streaming are ``hermes``'s.
+closing tag. Blocks, content and streaming are ``hermes``'s.
 
 ``kimi_k2`` (Kimi K2, vLLM's ``kimi_k2``): the calls follow
 ``<|tool_calls_section_begin|>``, each ``<|tool_call_begin|>`` id
 ``<|tool_call_argument_begin|>`` arguments ``<|tool_call_end|>``, where the
 id is ``functions.NAME:INDEX``. The function is the id's ``NAME``, the
 call keeps the model's id (Kimi's template reads tool results by it), and
-the arguments are kept as written; a call needs its closing tag. Streamed as DeepSeek's.
+the arguments are kept as written; a call needs its closing tag. Streamed
+as DeepSeek's.
 
 Call ids are ``chatcmpl-tool-`` and 32 hex digits, as vLLM makes them
 (Mistral's and Kimi's aside).
@@ -146,8 +147,8 @@ DEEPSEEK = ("deepseek_v3", "deepseek_v31")
 DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 DS_FENCE = "\n```json\n"
-GLM_KEY, GLM_VALUE = "<arg_key>", "<arg_value>"
-KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+KIMI_CALLS = "<|tool_calls_section_begin|>"
 KIMI_CALL, KIMI_CALL_END, KIMI_ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
 TYPED = ("qwen3_coder", "glm45")  # the parsers that read values by the parameter types the request declares
 CLOSED_ONLY = ("deepseek_v3", "deepseek_v31", "glm45", "kimi_k2")  # a call needs its closing tag
@@ -205,15 +206,16 @@ def _call(text: str) -> dict[str, Any] | None:
         return None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or "arguments" not in parsed:
         return None  # vLLM's parser needs both keys too
+    return _as_call(parsed["name"], parsed["arguments"])
+
+
+def _as_call(name: str, arguments: Any) -> dict[str, Any] | None:
+    """An OpenAI tool call; ``arguments`` re-serialised as JSON text (see :func:`arguments_text`). None when they
+    nest too deeply to write back: no call (a value read at the edge of the JSON reader's depth)."""
     try:
-        return _as_call(parsed["name"], parsed["arguments"])
-    except ValueError:  # arguments JSON cannot carry (see arguments_text)
+        return named_call(name, arguments_text(arguments))
+    except ValueError:
         return None
-
-
-def _as_call(name: str, arguments: Any) -> dict[str, Any]:
-    """An OpenAI tool call; ``arguments`` re-serialised as JSON text (see :func:`arguments_text`)."""
-    return named_call(name, arguments_text(arguments))
 
 
 def extract(text: str, parser: str = "hermes", tool_types: ToolTypes | None = None) -> Extracted:
@@ -290,31 +292,28 @@ def _glm_call(body: str, tool_types: ToolTypes) -> dict[str, Any] | None:
     for key, value in _glm_pairs(body[cut:]):
         key = key.strip()  # a string is kept as written (a file's text keeps its last newline); the rest is read
         arguments[key] = value if types.get(key) == "string" else _decoded(value.strip())
-    try:
-        return _as_call(name, arguments)
-    except ValueError:  # nested too deeply to write back as JSON
-        return None
+    return _as_call(name, arguments)
 
 
 def _glm_pairs(text: str) -> list[tuple[str, str]]:
     """``<arg_key>K</arg_key>`` ``<arg_value>V</arg_value>`` pairs in order, whitespace between the two tags;
     read up to the first that is not whole (one pass: a runaway answer costs its length, not its square)."""
     pairs = []
-    at = text.find("<arg_key>")
+    at = text.find(GLM_KEY)
     while at >= 0:
-        key_end = text.find("</arg_key>", at)
+        key_end = text.find(GLM_KEY_END, at)
         if key_end < 0:
             break
-        value_at = key_end + len("</arg_key>")
+        value_at = key_end + len(GLM_KEY_END)
         while value_at < len(text) and text[value_at].isspace():
             value_at += 1
-        if not text.startswith("<arg_value>", value_at):
+        if not text.startswith(GLM_VALUE, value_at):
             break
-        value_end = text.find("</arg_value>", value_at)
+        value_end = text.find(GLM_VALUE_END, value_at)
         if value_end < 0:
             break
-        pairs.append((text[at + len("<arg_key>") : key_end], text[value_at + len("<arg_value>") : value_end]))
-        at = text.find("<arg_key>", value_end)
+        pairs.append((text[at + len(GLM_KEY) : key_end], text[value_at + len(GLM_VALUE) : value_end]))
+        at = text.find(GLM_KEY, value_end)
     return pairs
 
 
@@ -363,12 +362,12 @@ def _xml_calls(body: str, tool_types: ToolTypes) -> list[dict[str, Any]] | None:
             key, bracket, value = parameter.partition(">")
             if not bracket:
                 return None
-            value = value.removeprefix("\n").removesuffix("\n")
-            arguments[key.strip()] = _typed(value, types.get(key.strip(), "string"))
-        try:
-            calls.append(_as_call(name, arguments))
-        except ValueError:  # nested too deeply to write back as JSON
+            key = key.strip()
+            arguments[key] = _typed(value.removeprefix("\n").removesuffix("\n"), types.get(key, "string"))
+        call = _as_call(name, arguments)
+        if call is None:
             return None
+        calls.append(call)
     return calls or None
 
 
@@ -428,10 +427,10 @@ def _extract_json(text: str) -> Extracted:
             return Extracted(text, [])
         if "arguments" not in parsed and "parameters" not in parsed:  # vLLM's parser needs one of them
             return Extracted(text, [])
-        try:
-            calls.append(_as_call(parsed["name"], parsed.get("arguments", parsed.get("parameters"))))
-        except ValueError:  # arguments JSON cannot carry (see arguments_text)
+        call = _as_call(parsed["name"], parsed.get("arguments", parsed.get("parameters")))
+        if call is None:
             return Extracted(text, [])
+        calls.append(call)
     return Extracted(None, calls) if calls else Extracted(text, [])
 
 
@@ -501,9 +500,12 @@ def _extract_pythonic(text: str) -> Extracted:
             except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
                 return Extracted(text, [])
         try:
-            calls.append(_as_call(element.func.id, arguments))
-        except (TypeError, ValueError):  # a literal JSON cannot hold (a set, bytes, a complex number)
+            call = _as_call(element.func.id, arguments)
+        except TypeError:  # a literal JSON cannot hold (a set, bytes, a complex number)
             return Extracted(text, [])
+        if call is None:
+            return Extracted(text, [])
+        calls.append(call)
     return Extracted(None, calls)
 
 
@@ -733,9 +735,10 @@ class RequiredCallStream:
                 item, end = _DECODER.raw_decode(stripped)
             except (ValueError, RecursionError):
                 break  # the element is not whole yet (or nests past what can be read)
-            if not _is_required_item(item):
-                break
-            calls.append({"index": self.calls, **_as_call(item["name"], item["parameters"])})
+            call = _as_call(item["name"], item["parameters"]) if _is_required_item(item) else None
+            if call is None:
+                break  # not a call (or one whose arguments nest too deeply to write back)
+            calls.append({"index": self.calls, **call})
             self.calls += 1
             self._at += skipped + end
         return Piece("", calls)

@@ -17,7 +17,16 @@ from kvstore.openai.errors import ApiError
 from kvstore.openai.protocol import ModelLimits, decode_chat, parse_chat
 from kvstore.openai.responses import ResponseBuilder
 from kvstore.openai.tokenizer import ByteTokenizer
-from kvstore.openai.tool_calls import DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP, ToolCallStream, extract
+from kvstore.openai.tool_calls import (
+    DS_CALL,
+    DS_CALL_END,
+    DS_CALLS,
+    DS_CALLS_END,
+    DS_SEP,
+    ToolCallStream,
+    extract,
+    read_required,
+)
 from kvstore.worker_api import ChoiceDelta, FinishReason, RequestStats, StreamChunk, fold_stream
 
 TOK = ByteTokenizer()
@@ -524,3 +533,12 @@ def test_glm45_and_kimi_k2_stream_as_the_plain_body_reads(size: int) -> None:
     cut = KIMI[: KIMI.index("Paris")]  # inside the first call: no call (its arguments would be cut short)
     for text in [KIMI, cut, "x<|tool_calls_section_begin|>", "Plain <|tool_calls prose.", KIMI + " Done."]:
         streams_as_plain(parsed_chat("kimi_k2"), text, size)
+
+
+def test_a_required_call_at_the_json_readers_depth_is_no_call() -> None:
+    """A forced call whose parameters nest just deep enough to read but not to write back is no call (never an
+    exception), at whatever depth the readers' limits fall."""
+    for depth in range(850, 1150, 3):
+        text = '[{"name": "f", "parameters": {"a": ' + "[" * depth + "]" * depth + "}}]"
+        calls, rest, _ = read_required(text)
+        assert calls or rest == text
