@@ -27,7 +27,6 @@ and never rewrites them.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -50,8 +49,10 @@ from kvstore.openai.structured import (
     StructuredOutputError,
     Tag,
     check_grammar,
+    check_json_size,
     grammar_tokenizer,
     json_schema_grammar,
+    read_json_text,
     regex_grammar,
     special_token_ids,
     structural_tag_grammar,
@@ -726,7 +727,7 @@ def _tool_types(tools: list[Any]) -> dict[str, dict[str, str]]:
         parameters = function.get("parameters")
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
         found: dict[str, str] = {}
-        for name, schema in (properties or {}).items() if isinstance(properties, dict) else ():
+        for name, schema in properties.items() if isinstance(properties, dict) else ():
             kind = schema.get("type") if isinstance(schema, dict) else None
             if isinstance(kind, list):
                 kind = next((k for k in kind if isinstance(k, str) and k != "null"), None)
@@ -970,14 +971,9 @@ def _grammar(
         if kind in ("json", "json_object"):
             schema = {"type": "object"} if kind == "json_object" else value
             if isinstance(schema, str):  # vLLM takes the schema as JSON text too
-                if len(schema) > MAX_GRAMMAR_CHARS:
-                    raise StructuredOutputError(f"the schema is longer than {MAX_GRAMMAR_CHARS:,} characters")
-                try:
-                    schema = json.loads(schema)
-                except (ValueError, RecursionError):
-                    raise StructuredOutputError("the schema is not JSON (or nests too deeply)") from None
-            elif len(json.dumps(schema)) > MAX_GRAMMAR_CHARS:
-                raise StructuredOutputError(f"the schema is longer than {MAX_GRAMMAR_CHARS:,} characters")
+                schema = read_json_text(schema, "the schema")
+            else:
+                check_json_size(schema, "the schema")
             grammar = json_schema_grammar(
                 schema,
                 any_whitespace=not options.get("disable_any_whitespace", False),
@@ -1008,12 +1004,10 @@ def _structural_tag(value: Any, where: str, options: dict[str, Any], tokenizer: 
         raise ApiError(400, f"structured_outputs.{option} applies to JSON schemas, not to a structural tag",
                        param=f"structured_outputs.{option}")  # fmt: skip
     if isinstance(value, str):  # structured_outputs.structural_tag: the object as JSON text, as vLLM takes it
-        if len(value) > MAX_GRAMMAR_CHARS:
-            raise ApiError(400, f"{where} is longer than {MAX_GRAMMAR_CHARS:,} characters", param=where)
         try:
-            value = json.loads(value)
-        except (ValueError, RecursionError):
-            raise ApiError(400, f"{where} is not JSON (or nests too deeply)", param=where) from None
+            value = read_json_text(value, "the structural tag")
+        except StructuredOutputError as exc:
+            raise ApiError(400, f"{where}: {exc}", param=where) from None
     if not isinstance(value, dict):
         raise ApiError(400, f'{where} must be an object with "structures" and "triggers"', param=where)
     if "format" in value:
@@ -1053,13 +1047,12 @@ def _structural_tag(value: Any, where: str, options: dict[str, Any], tokenizer: 
             raise ApiError(400, f"{at}.begin {begin!r} starts with none of the triggers", param=f"{at}.begin")
         if schema is None or schema is True:
             schema = {}  # any JSON value
+        if not isinstance(schema, dict):
+            raise ApiError(400, f"{at}.schema must be a JSON schema (an object)", param=f"{at}.schema")
         try:
-            too_long = isinstance(schema, dict) and len(json.dumps(schema)) > MAX_GRAMMAR_CHARS
-        except (ValueError, RecursionError):
-            too_long = True
-        if not isinstance(schema, dict) or too_long:
-            raise ApiError(400, f"{at}.schema must be a JSON schema (an object) of at most {MAX_GRAMMAR_CHARS:,} "
-                           "characters", param=f"{at}.schema")  # fmt: skip
+            check_json_size(schema, "the schema")
+        except StructuredOutputError as exc:
+            raise ApiError(400, f"{at}.schema: {exc}", param=f"{at}.schema") from None
         # The shortest: a trigger fires as soon as its text appears, so one that a longer trigger starts with
         # would fire first and leave this structure unreachable.
         tags.append(Tag(min(opened_by, key=len), begin, schema, end))

@@ -122,6 +122,27 @@ def text_grammar(text: str) -> str:
         raise StructuredOutputError(str(exc)) from None
 
 
+def read_json_text(text: str, what: str) -> Any:
+    """JSON a request sent as text (vLLM takes a schema, and a structural tag, that way), read; StructuredOutputError
+    naming ``what`` when it is longer than MAX_GRAMMAR_CHARS, or is not JSON."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise StructuredOutputError(f"{what} is longer than {MAX_GRAMMAR_CHARS:,} characters")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise StructuredOutputError(f"{what} is not JSON (or nests too deeply)") from None
+
+
+def check_json_size(value: Any, what: str) -> None:
+    """StructuredOutputError naming ``what`` unless ``value`` written as JSON is at most MAX_GRAMMAR_CHARS."""
+    try:
+        size = len(json.dumps(value))
+    except (ValueError, RecursionError):
+        raise StructuredOutputError(f"{what} cannot be written as JSON (it nests too deeply)") from None
+    if size > MAX_GRAMMAR_CHARS:
+        raise StructuredOutputError(f"{what} is longer than {MAX_GRAMMAR_CHARS:,} characters")
+
+
 class Tag(NamedTuple):
     """One structure of a structural tag: free text may open it with ``begin`` (which starts with ``trigger``);
     then JSON following ``schema`` (a JSON schema) and ``end`` are forced."""
