@@ -59,8 +59,12 @@ between the name and the arguments. The format is told by what follows the
 token (an array or not), where vLLM reads the tokenizer's version; a v11
 call's arguments are kept as written, well-formed or not, as vLLM keeps
 them. Call ids are 9 letters and digits, as Mistral's templates require.
-Streamed, text before the first ``[TOOL_CALLS]`` streams as content; the
-calls are held and go out at the end of the answer, one delta per call.
+Streamed, text before the first ``[TOOL_CALLS]`` streams as content; a
+v11 call goes out as soon as its arguments begin (the name in its first
+delta, then its arguments as they come, as vLLM streams them), while a
+v0.3 array is held and goes out at the end of the answer, one delta per
+call: an array that never closes is all content in the plain answer, so
+none of its elements may go out before it does.
 
 ``pythonic`` (Llama 3.2 and 4, vLLM's ``--tool-call-parser pythonic``): an
 answer that is a Python list of calls, ``[get_weather(city="Paris"),
@@ -527,6 +531,8 @@ class ToolCallStream:
         self._opened = False  # the opener was seen
         self._section = ""  # the opener and what followed it, kept until a call reads (content if none does)
         self._as_text = False  # a block before any call was not one: the rest of the answer is content
+        self._mistral_mode = ""  # mistral, after its first [TOOL_CALLS]: "array" (v0.3) or "v11" ("": not told yet)
+        self._call_open = False  # mistral v11: the last call sent may get more of its arguments
         # llama3_json and pythonic: whether the answer is calls is told by its start
         self._decided = parser not in ("llama3_json", "pythonic")
         self.calls = 0  # tool calls sent so far (the next one's index)
@@ -594,22 +600,72 @@ class ToolCallStream:
         return Piece(held, [])
 
     def _push_mistral(self, text: str) -> Piece:
-        """mistral: content until ``[TOOL_CALLS]`` (a possible start of it at the end held back one delta); from it
-        on, everything is held and parsed at the end."""
-        held = self._held + text
+        """mistral: content until ``[TOOL_CALLS]`` (a possible start of it at the end held back one delta); after
+        it, v11+ calls as they come (:meth:`_mistral_calls`), a v0.3 array held and parsed at the end."""
         if self._in_block:
-            self._held = held
-            return Piece("", [])
+            return self._mistral_calls(text)
+        held = self._held + text
         at = held.find(MISTRAL_CALLS)
-        if at >= 0:
-            self._held, self._in_block = held[at:], True
-            return Piece(held[:at], [])
-        keep = _partial_tag(held, MISTRAL_CALLS)
-        self._held = held[len(held) - keep :]
-        return Piece(held[: len(held) - keep], [])
+        if at < 0:
+            keep = _partial_tag(held, MISTRAL_CALLS)
+            self._held = held[len(held) - keep :]
+            return Piece(held[: len(held) - keep], [])
+        self._held, self._in_block, self._section = "", True, MISTRAL_CALLS
+        return Piece(held[:at], self._mistral_calls(held[at + len(MISTRAL_CALLS) :]).tool_calls)
+
+    def _mistral_calls(self, text: str) -> Piece:
+        """Text after the first ``[TOOL_CALLS]``. What follows that tag tells the format, as the plain answer
+        reads it: an array (v0.3) is held whole (one that does not close is all content, so no element can go
+        out early); otherwise (v11+) each ``name{...}`` call goes out once its ``{`` arrives, the name first and
+        then its arguments as they come -- trailing whitespace and a possible next tag held back, since the plain
+        answer's arguments end where the next ``[TOOL_CALLS]`` begins, stripped. Until a call goes out the text
+        is kept (``_section``): the plain answer is all content if none does."""
+        if not self.calls:
+            self._section += text
+        buffer = self._held + text
+        if not self._mistral_mode:
+            start = buffer.lstrip()
+            if not start.startswith(MISTRAL_CALLS) and MISTRAL_CALLS.startswith(start):
+                self._held = buffer  # only whitespace, or what may become the next tag: not told yet
+                return Piece("", [])
+            self._mistral_mode = "array" if start.startswith("[") and not start.startswith(MISTRAL_CALLS) else "v11"
+        if self._mistral_mode == "array":
+            self._held = ""  # all of it is in _section, read at the end
+            return Piece("", [])
+        calls: list[dict[str, Any]] = []
+        while True:
+            tag = buffer.find(MISTRAL_CALLS)
+            segment = buffer if tag < 0 else buffer[:tag]
+            if not self._call_open:
+                brace = segment.find("{")
+                if brace >= 0:  # the name is whole: the call goes out, its arguments follow
+                    name = segment[:brace].replace(MISTRAL_ARGS, "").strip()
+                    calls.append({"index": self.calls, **named_call(name, "", mistral_call_id())})
+                    self.calls += 1
+                    self._section, self._call_open, buffer = "", True, buffer[brace:]
+                    continue
+                if tag < 0:
+                    self._held = buffer  # a name, not yet followed by its arguments
+                    break
+                buffer = buffer[tag + len(MISTRAL_CALLS) :]  # a segment with no arguments is no call
+                continue
+            if tag >= 0:  # the call ends where the next tag begins
+                _add_arguments(calls, self.calls - 1, segment.rstrip())
+                self._call_open, buffer = False, buffer[tag + len(MISTRAL_CALLS) :]
+                continue
+            ready = buffer[: len(buffer) - _partial_tag(buffer, MISTRAL_CALLS)].rstrip()
+            _add_arguments(calls, self.calls - 1, ready)
+            self._held = buffer[len(ready) :]
+            break
+        return Piece("", calls)
 
     def finish(self) -> Piece:
         """The answer ended: what is still held (an unclosed block is a call if it parses, else content)."""
+        if self._parser == "mistral" and self._mistral_mode == "v11":
+            return self._finish_mistral()
+        if self._parser == "mistral" and self._in_block:  # an array, or not told: read whole, as the plain answer
+            self._held, self._in_block = self._section, False
+            self._section = ""
         if self._parser in ("llama3_json", "mistral", "pythonic"):
             held, self._held, self._in_block = self._held, "", False
             if not held:
@@ -632,6 +688,17 @@ class ToolCallStream:
             content.insert(0, self._section)
         self._section = ""
         return Piece("".join(content), calls)
+
+    def _finish_mistral(self) -> Piece:
+        """mistral v11 at the end: the rest of the open call's arguments, or all the text after the first tag as
+        content if no call went out."""
+        held, self._held, self._in_block = self._held, "", False
+        calls: list[dict[str, Any]] = []
+        if self._call_open:  # the last call's arguments run to the end of the answer
+            self._call_open = False
+            _add_arguments(calls, self.calls - 1, held.rstrip())
+        section, self._section = self._section, ""
+        return Piece("" if self.calls else section, calls)
 
     def _out(self, content: list[str], text: str) -> None:
         """Text outside the blocks: content until the first call, and nothing after it, as the plain answer's
@@ -657,6 +724,17 @@ class ToolCallStream:
         for call in found:
             calls.append({"index": self.calls, **call})
             self.calls += 1
+
+
+def _add_arguments(calls: list[dict[str, Any]], index: int, text: str) -> None:
+    """Add ``text`` to the arguments of call ``index`` among the deltas ``calls`` to send: into its last entry when
+    that is the call's (one entry per call in a chunk, as vLLM sends them), else as a delta of its own."""
+    if not text:
+        return
+    if calls and calls[-1]["index"] == index:
+        calls[-1]["function"]["arguments"] += text
+    else:
+        calls.append({"index": index, "function": {"arguments": text}})
 
 
 def _partial_tag(text: str, tag: str = START) -> int:

@@ -5,6 +5,7 @@ accumulator (the oracle for what a client sees)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import msgspec
@@ -23,6 +24,7 @@ from kvstore.openai.tool_calls import (
     DS_CALLS,
     DS_CALLS_END,
     DS_SEP,
+    Piece,
     ToolCallStream,
     extract,
     read_required,
@@ -317,6 +319,51 @@ def test_mistral_and_pythonic_stream_as_the_plain_body_reads(parser: str, size: 
         PYTHONIC, "  " + PYTHONIC, "[not, a call", "Plain prose [with brackets]."]  # fmt: skip
     for text in texts:
         streams_as_plain(parsed_chat(parser), text, size)
+
+
+MISTRAL_STREAMS = [
+    "Let me check. " + MISTRAL_V11,
+    '[TOOL_CALLS]f{"a": 1}  \n [TOOL_CALLS] g [ARGS] {"b": [1, 2]}\n\n',  # whitespace around each part
+    "[TOOL_CALLS]   [TOOL_CALLS]f{}",  # an empty first segment: v11
+    "[TOOL_CALLS]no_arguments[TOOL_CALLS]f{'as': written} and more [TOOL_CA",  # a name alone is no call
+    "Prose [TOOL_CALLS]only a name",
+    "[TOOL_CALLS]  ",
+    "[TOOL_CALLS] [{not json",
+    '[TOOL_CALLS]{"no": "name"}',
+    "x[TOOL_CALLS][ARGS]{}",
+]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 13, 500])
+def test_mistral_v11_streams_as_the_plain_body_reads(size: int) -> None:
+    for text in MISTRAL_STREAMS:
+        streams_as_plain(parsed_chat("mistral"), text, size)
+
+
+def test_a_mistral_v11_call_goes_out_as_its_arguments_come() -> None:
+    """Each call's name as soon as its arguments begin, then the arguments as they come (whitespace that may end
+    them held back), not at the end of the answer."""
+    stream = ToolCallStream("mistral")
+    assert stream.push("Sure. [TOOL_") == Piece("Sure. ", [])
+    assert stream.push("CALLS]get_weather[AR") == Piece("", [])
+    first = stream.push('GS]{"city": ')
+    (call,) = first.tool_calls
+    assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city":'}
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call["id"])
+    assert stream.push('"Nice"}  [TOOL') == Piece("", [{"index": 0, "function": {"arguments": ' "Nice"}'}}])
+    second = stream.push("_CALLS]get_time{")
+    assert [c["index"] for c in second.tool_calls] == [1]
+    assert second.tool_calls[0]["function"] == {"name": "get_time", "arguments": "{"}
+    assert stream.push("}\n") == Piece("", [{"index": 1, "function": {"arguments": "}"}}])
+    assert stream.finish() == Piece("", []) and stream.calls == 2
+
+
+def test_a_mistral_v03_array_is_held_to_the_end() -> None:
+    stream = ToolCallStream("mistral")
+    head, tail = MISTRAL_V03[:60], MISTRAL_V03[60:]
+    assert stream.push(head) == Piece("Sure.", []) and stream.push(tail) == Piece("", [])
+    end = stream.finish()
+    assert [c["function"]["name"] for c in end.tool_calls] == ["get_weather", "get_time"] and end.content == ""
 
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "glm45", "kimi_k2"])
