@@ -96,9 +96,16 @@ boolean ignores surrounding whitespace, a list of types is read by its
 first that is not ``"null"``, an unknown type tries JSON before a Python
 literal, and what JSON cannot carry (NaN, infinities, a set) stays text.
 A block may hold several ``<function=...>`` calls, and the last may be
-cut off by the end of the answer. Blocks, content and fallback are as for ``hermes``: a block with no
-readable function leaves the whole plain answer as content, and streams as
-content. Streamed, a block goes out whole at its ``</tool_call>``.
+cut off by the end of the answer. Blocks, content and fallback are as for
+``hermes``: a block whose function does not read leaves the whole plain
+answer as content, and streams as content; a block with no ``<function=``
+in it is passed over, as vLLM passes it (its text is content only if no
+call is read). Streamed, a block goes out whole at its ``</tool_call>``.
+Calls written without their ``<tool_call>`` blocks are read when the answer
+has no block at all (vLLM's back-off), the content being the text before
+the first ``<function=``; streamed, such an answer is held from its first
+``<function=`` and read at its end (or, if a block opens after all, the
+held text goes out as content, as the plain answer's is then).
 
 ``deepseek_v3`` and ``deepseek_v31`` (DeepSeek-V3 / R1 and V3.1, vLLM's
 parsers of those names; either reads both forms): the calls follow
@@ -159,6 +166,7 @@ CLOSED_ONLY = ("deepseek_v3", "deepseek_v31", "glm45", "kimi_k2")  # a call need
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 START, END = "<tool_call>", "</tool_call>"
+FUNCTION = "<function="  # qwen3_coder: a call's own opening
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
 # The parsers whose calls are blocks between tags: (a call's opening tag, its closing tag, a tag opening all the
@@ -233,6 +241,10 @@ def extract(text: str, parser: str = "hermes", tool_types: ToolTypes | None = No
         return _extract_pythonic(text)
     start, end, opener = BLOCK_TAGS.get(parser, BLOCK_TAGS["hermes"])
     if start not in text:
+        if parser == "qwen3_coder" and FUNCTION in text:  # calls the model wrote without their <tool_call> blocks
+            bare = _xml_calls(text, tool_types or {})
+            if bare:
+                return Extracted(text[: text.find(FUNCTION)] or None, bare)
         return Extracted(text, [])
     calls: list[dict[str, Any]] = []
     for body, closed in _bodies(text, start, end):
@@ -273,8 +285,8 @@ def _block_calls(
     (DeepSeek's, GLM's, Kimi's) need their closing tag, as vLLM's parsers do."""
     if not closed and parser in CLOSED_ONLY:
         return None
-    if parser == "qwen3_coder":
-        return _xml_calls(body, tool_types or {})
+    if parser == "qwen3_coder":  # a block with no function in it is passed over, as vLLM passes it
+        return _xml_calls(body, tool_types or {}) if FUNCTION in body else []
     if parser == "glm45":
         call = _glm_call(body, tool_types or {})
     elif parser == "kimi_k2":
@@ -531,6 +543,8 @@ class ToolCallStream:
         self._opened = False  # the opener was seen
         self._section = ""  # the opener and what followed it, kept until a call reads (content if none does)
         self._as_text = False  # a block before any call was not one: the rest of the answer is content
+        self._bare: str | None = None  # qwen3_coder: the answer from a <function=> written outside any block
+        self._bare_ok = parser == "qwen3_coder"  # no <tool_call> yet: such calls are still read
         self._mistral_mode = ""  # mistral, after its first [TOOL_CALLS]: "array" (v0.3) or "v11" ("": not told yet)
         self._call_open = False  # mistral v11: the last call sent may get more of its arguments
         # llama3_json and pythonic: whether the answer is calls is told by its start
@@ -548,6 +562,15 @@ class ToolCallStream:
         buffer = self._held + text
         content: list[str] = []
         calls: list[dict[str, Any]] = []
+        if self._bare is not None:  # calls outside blocks, read at the end -- unless a block opens after all
+            bare = self._bare + buffer
+            at = bare.find(self._start)
+            if at < 0:
+                self._bare, self._held = bare, ""
+                return Piece("", [])
+            self._bare = None  # the plain answer then reads the blocks only, the text before the first as content
+            self._out(content, bare[:at])
+            buffer = bare[at:]
         opener = self._opener
         while buffer:
             if self._as_text:
@@ -572,11 +595,18 @@ class ToolCallStream:
             if start >= 0:
                 self._out(content, buffer[:start])
                 buffer = buffer[start + len(self._start) :]
-                self._in_block = True
+                self._in_block, self._bare_ok = True, False
                 continue
             keep = _partial_tag(buffer, self._start)
             if opener and not self._opened:
                 keep = max(keep, _partial_tag(buffer, opener))
+            if self._bare_ok and not self.calls and not self._opened:
+                at = buffer.find(FUNCTION)
+                if at >= 0:  # held from here: calls if no block opens before the end (vLLM's back-off)
+                    self._out(content, buffer[:at])
+                    self._bare, buffer = buffer[at:], ""
+                    break
+                keep = max(keep, _partial_tag(buffer, FUNCTION))
             self._out(content, buffer[: len(buffer) - keep])
             buffer = buffer[len(buffer) - keep :]
             break
@@ -677,6 +707,12 @@ class ToolCallStream:
         held, self._held = self._held, ""
         content: list[str] = []
         calls: list[dict[str, Any]] = []
+        if self._bare is not None:
+            held, self._bare = self._bare + held, None
+            found = _xml_calls(held, self._tool_types or {})
+            numbered = [{"index": index, **call} for index, call in enumerate(found or [], self.calls)]
+            self.calls += len(numbered)
+            return Piece("" if numbered else held, numbered)
         if self._as_text:
             content.append(held)
         elif self._in_block:
@@ -714,6 +750,10 @@ class ToolCallStream:
     def _finish_block(self, body: str, content: list[str], calls: list[dict[str, Any]], *, closed: bool = True) -> None:
         self._in_block = False
         found = _block_calls(body, self._parser, self._tool_types, closed=closed)
+        if found == [] and not self.calls:  # a block passed over: content only if no call follows
+            self._opened = True
+            self._section += self._start + body + (self._end if closed else "")
+            return
         if found is None:  # not a call: the text as the model wrote it (after what was kept back before it)
             content.append(self._section + self._start + body + (self._end if closed else ""))
             self._section = ""

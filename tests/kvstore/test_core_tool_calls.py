@@ -434,8 +434,42 @@ def test_qwen3_coder_reads_each_value_by_its_declared_type() -> None:
     read = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in extract(cut, "qwen3_coder")[1]]
     assert read == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
     for text in ["no calls", '<tool_call>{"name": "f"}</tool_call>', "<tool_call><function=>x</function></tool_call>",
-                 "<tool_call><function=f</tool_call>", QWEN_CALLS + "<tool_call>prose</tool_call>"]:  # fmt: skip
+                 "<tool_call><function=f</tool_call>", "<tool_call>prose</tool_call> and <function=f"]:  # fmt: skip
         assert extract(text, "qwen3_coder", types) == (text, [])  # any block without a call: all content
+
+
+QWEN_PASSED_OVER = [QWEN_CALLS + "<tool_call>prose</tool_call>", "Hm <tool_call>prose</tool_call>" + QWEN_CALLS]
+QWEN_BARE = [
+    "Sure.\n<function=get_time>\n</function>",
+    "<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function> then <function=get_time>",
+    "Sure <function=get_time></function> and <tool_call>\n<function=get_weather>\n</function>\n</tool_call>",
+    "Sure <function=get_time</function>",  # a function with no name's end: all content
+    "Almost <function",
+]
+
+
+def test_qwen3_coder_passes_over_a_block_without_a_function_and_reads_calls_without_blocks() -> None:
+    """As vLLM: a ``<tool_call>`` block with no ``<function=`` adds no call and spoils none; an answer with no block
+    at all has its bare ``<function=`` calls read, the text before the first as content."""
+    types = qwen_types()
+    for text, content in zip(QWEN_PASSED_OVER, ["Let me look.\n", "Hm "], strict=True):
+        found = extract(text, "qwen3_coder", types)
+        assert found.content == content and [c["function"]["name"] for c in found.tool_calls] == [
+            "get_weather", "get_time"]  # fmt: skip
+    read = [extract(text, "qwen3_coder", types) for text in QWEN_BARE]
+    assert read[0].content == "Sure.\n" and [c["function"]["name"] for c in read[0].tool_calls] == ["get_time"]
+    assert read[1].content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in read[1].tool_calls] == [
+        ("get_weather", {"days": 2}), ("get_time", {})]  # fmt: skip
+    assert read[2].content == "Sure <function=get_time></function> and "  # a block: only blocks are read
+    assert [c["function"]["name"] for c in read[2].tool_calls] == ["get_weather"]
+    assert read[3] == (QWEN_BARE[3], []) and read[4] == (QWEN_BARE[4], [])
+
+
+@pytest.mark.parametrize("size", [1, 4, 9, 500])
+def test_qwen3_coder_passed_over_blocks_and_bare_calls_stream_as_the_plain_body_reads(size: int) -> None:
+    for text in [*QWEN_PASSED_OVER, *QWEN_BARE, "x<tool_call>prose</tool_call> y <tool_call>more</tool_call>"]:
+        streams_as_plain(parsed_chat("qwen3_coder", tools=QWEN_TOOLS), text, size)
 
 
 @pytest.mark.parametrize("size", [1, 3, 11, 500])
@@ -521,7 +555,7 @@ def test_deepseek_streams_as_the_plain_body_reads(size: int) -> None:
 @pytest.mark.parametrize("size", [1, 4, 500])
 def test_a_bad_block_before_any_call_makes_the_stream_all_content_as_the_plain_answer(size: int) -> None:
     good = {"hermes": WEATHER, "qwen3_coder": QWEN_CALLS, "deepseek_v3": DS_V31}
-    bad = {"hermes": "<tool_call>x</tool_call>", "qwen3_coder": "<tool_call>x</tool_call>",
+    bad = {"hermes": "<tool_call>x</tool_call>", "qwen3_coder": "<tool_call><function=x</tool_call>",
            "deepseek_v3": f"{DS_CALL}x{DS_CALL_END}"}  # fmt: skip
     for parser, call in good.items():
         expected = streams_as_plain(parsed_chat(parser, tools=QWEN_TOOLS), "Hm. " + bad[parser] + call, size)
