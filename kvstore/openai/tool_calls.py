@@ -701,18 +701,14 @@ class ToolCallStream:
             if not held:
                 return Piece("", [])
             found = extract(held, self._parser)
-            numbered = [{"index": index, **call} for index, call in enumerate(found.tool_calls, self.calls)]
-            self.calls += len(numbered)
-            return Piece(found.content or "", numbered)
+            return Piece(found.content or "", self._numbered(found.tool_calls))
         held, self._held = self._held, ""
         content: list[str] = []
         calls: list[dict[str, Any]] = []
         if self._bare is not None:
             held, self._bare = self._bare + held, None
-            found = _xml_calls(held, self._tool_types or {})
-            numbered = [{"index": index, **call} for index, call in enumerate(found or [], self.calls)]
-            self.calls += len(numbered)
-            return Piece("" if numbered else held, numbered)
+            bare = self._numbered(_xml_calls(held, self._tool_types or {}) or [])
+            return Piece("" if bare else held, bare)
         if self._as_text:
             content.append(held)
         elif self._in_block:
@@ -724,6 +720,12 @@ class ToolCallStream:
             content.insert(0, self._section)
         self._section = ""
         return Piece("".join(content), calls)
+
+    def _numbered(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``calls`` as deltas to send, each with its index among the answer's calls."""
+        numbered = [{"index": index, **call} for index, call in enumerate(calls, self.calls)]
+        self.calls += len(numbered)
+        return numbered
 
     def _finish_mistral(self) -> Piece:
         """mistral v11 at the end: the rest of the open call's arguments, or all the text after the first tag as
@@ -761,9 +763,7 @@ class ToolCallStream:
             self._as_text = not self.calls
             return
         self._section = ""
-        for call in found:
-            calls.append({"index": self.calls, **call})
-            self.calls += 1
+        calls += self._numbered(found)
 
 
 def _add_arguments(calls: list[dict[str, Any]], index: int, text: str) -> None:
