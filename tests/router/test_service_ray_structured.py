@@ -1,10 +1,12 @@
-"""Structured output and forced tool calls through the router, over a Ray worker serving a checkpoint, as
-``kvstore serve --model`` runs them: the router compiles and checks the grammar, the worker actor builds the
-matcher off its event loop, and the answers come back through the official ``openai`` client."""
+"""Structured output, forced tool calls and a tool-call parser's calls through the router, over a Ray worker
+serving a checkpoint, as ``kvstore serve --model`` runs them: the router compiles and checks the grammar, the worker
+actor builds the matcher off its event loop, the router's parser reads the calls, and the answers come back through
+the official ``openai`` client."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 import httpx
@@ -46,7 +48,7 @@ def test_structured_output_and_forced_calls_through_the_router(
             {
                 "pool": {"num_blocks": 128},
                 "worker": {"device": "cpu", "model": str(qwen2_checkpoint.path)},
-                "router": {"health_interval_s": 0.2},
+                "router": {"health_interval_s": 0.2, "tool_call_parser": "qwen3_coder"},
             }
         )
     )
@@ -71,6 +73,24 @@ def test_structured_output_and_forced_calls_through_the_router(
         assert choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls or []
         jsonschema.validate(json.loads(call.function.arguments), ARGUMENTS)  # type: ignore[union-attr]
+        # tool_choice "auto" read by the router's qwen3_coder parser: the regex holds the answer to one call, which
+        # comes back as tool_calls -- plain, and streamed through the openai client's accumulator alike.
+        head, middle = "Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n", "\n</parameter>\n"
+        tail = "\n</parameter>\n</function>\n</tool_call>"
+        spelled = (
+            f"{re.escape(head)}[a-z]{{1,6}}{re.escape(middle + '<parameter=unit>' + chr(10))}(c|f){re.escape(tail)}"
+        )
+        asked = {"model": model, "messages": messages, "tools": TOOLS, "max_tokens": 200, "temperature": 1.0, "seed": 5,
+                 "extra_body": {"structured_outputs": {"regex": spelled}}}  # fmt: skip
+        plain = client.chat.completions.create(**asked).choices[0]
+        assert plain.finish_reason == "tool_calls" and plain.message.content == "Let me see.\n", plain
+        (call,) = plain.message.tool_calls or []
+        jsonschema.validate(json.loads(call.function.arguments), ARGUMENTS)  # type: ignore[union-attr]
+        with client.chat.completions.stream(**asked) as events:
+            final = events.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls" and final.message.content == "Let me see.\n", final
+        assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls or []] == [
+            (call.function.name, call.function.arguments)]  # type: ignore[union-attr]  # fmt: skip
         streamed = client.completions.create(
             model=model, prompt="Port:", max_tokens=10, temperature=1.0, seed=1, stream=True,
             extra_body={"structured_outputs": {"regex": "[1-9][0-9]{3}"}},
