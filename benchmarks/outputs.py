@@ -2,9 +2,10 @@
 
 Every tool's command is wrapped in :func:`benchmark_command`: it checks the
 ``--json`` and ``--plot`` paths before any work (a run may take minutes; a
-path it cannot write must not be found only afterwards), and ends quietly
-when the reader of stdout leaves (``kvstore simulate ... | head -1``), as
-command-line tools do. The files themselves are written with
+path it cannot write must not be found only afterwards), and carries on
+quietly when the reader of stdout leaves (``kvstore simulate ... | head
+-1``): the rest of its tables go to /dev/null, its files are still written,
+and it exits 0 with nothing on stderr. The files themselves are written with
 :func:`write_output` (and :func:`~kvstore.benchmarks.figures.save_figure`).
 """
 
@@ -17,6 +18,7 @@ import select
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvstore.errors import ConfigError
 
@@ -62,12 +64,15 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def benchmark_command(command: Command) -> Command:
-    """``command``, after checking its ``--json``/``--plot`` paths (when it has them), and stopped quietly
-    (exit code 0) when the reader of its stdout goes away (``| head``).
+    """``command``, after checking its ``--json``/``--plot`` paths (when it has them), carrying on quietly (exit
+    code 0) when the reader of its stdout goes away (``| head``).
 
     Its stdout then points at /dev/null, as Python's documentation advises for
-    SIGPIPE, so that the interpreter's last flush does not fail again. A
-    BrokenPipeError from anything but stdout (a socket) propagates.
+    SIGPIPE, so that the interpreter's last flush does not fail again; what
+    it prints after that is dropped, and the files it writes are written. A
+    write to stdout that bypasses ``sys.stdout`` and finds it gone stops the
+    command there, still with exit code 0. A BrokenPipeError from anything but
+    stdout (a socket) propagates.
     """
 
     @functools.wraps(command)
@@ -76,6 +81,8 @@ def benchmark_command(command: Command) -> Command:
             check_output("--json", args.json)
         if getattr(args, "plot", None) is not None:
             check_plot(args.plot)
+        stdout = sys.stdout
+        sys.stdout = _ReaderMayLeave(stdout)  # type: ignore[assignment]  # a stand-in for what print() writes to
         try:
             code = command(args)
             sys.stdout.flush()
@@ -84,9 +91,42 @@ def benchmark_command(command: Command) -> Command:
                 raise
             discard_stdout()
             return 0
+        finally:
+            sys.stdout = stdout
         return code
 
     return run
+
+
+class _ReaderMayLeave:
+    """A command's stdout that, once its reader has gone, writes to /dev/null instead and lets the command go on, so
+    that the files it was asked for (``--json``, ``--plot``) are still written. A broken pipe that is not stdout's
+    reader leaving still raises."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError as exc:
+            self._reader_gone(exc)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError as exc:
+            self._reader_gone(exc)
+
+    @staticmethod
+    def _reader_gone(exc: BrokenPipeError) -> None:
+        if not stdout_closed():
+            raise exc
+        discard_stdout()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def stdout_closed() -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -59,10 +60,11 @@ def test_check_output_leaves_the_file_system_as_it_was(tmp_path: Path) -> None:
     check_plot(tmp_path / "figure")  # no suffix: matplotlib writes its default type
 
 
-def test_simulate_ends_quietly_when_stdout_is_closed() -> None:
-    """``kvstore simulate ... | head -1``: it stops, as a tool killed by SIGPIPE would, with exit 0 and nothing
-    on stderr."""
-    argv = ["simulate", "--limit", "30", "--policies", "kvstore", *FAST]
+def test_simulate_ends_quietly_when_stdout_is_closed(tmp_path: Path) -> None:
+    """``kvstore simulate ... | head -1``: exit 0 and nothing on stderr, as a tool killed by SIGPIPE would end --
+    and the ``--json`` it was asked for is written all the same."""
+    report = tmp_path / "sim.json"
+    argv = ["simulate", "--limit", "30", "--policies", "kvstore", "--json", str(report), *FAST]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -70,3 +72,4 @@ def test_simulate_ends_quietly_when_stdout_is_closed() -> None:
     proc.stdout.close()  # the reader is gone before the first line
     _, err = proc.communicate(timeout=300)
     assert (proc.returncode, err) == (0, "")
+    assert json.loads(report.read_text())["requests"] == 30
