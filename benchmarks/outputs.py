@@ -82,10 +82,12 @@ def benchmark_command(command: Command) -> Command:
         if getattr(args, "plot", None) is not None:
             check_plot(args.plot)
         stdout = sys.stdout
-        sys.stdout = _ReaderMayLeave(stdout)  # type: ignore[assignment]  # a stand-in for what print() writes to
+        if stdout is not None:  # None: started with stdout closed (print() then writes nowhere)
+            sys.stdout = _ReaderMayLeave(stdout)  # type: ignore[assignment]  # a stand-in for what print() writes to
         try:
             code = command(args)
-            sys.stdout.flush()
+            if stdout is not None:
+                sys.stdout.flush()
         except BrokenPipeError:
             if not stdout_closed():
                 raise
@@ -108,10 +110,14 @@ class _ReaderMayLeave:
 
     def write(self, text: str) -> int:
         try:
-            return int(self._stream.write(text))
+            self._stream.write(text)
         except BrokenPipeError as exc:
             self._reader_gone(exc)
-            return len(text)
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
 
     def flush(self) -> None:
         try:

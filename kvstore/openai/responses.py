@@ -54,9 +54,11 @@ from kvstore.openai.reasoning import NO_THINKING, ReasoningStream, split
 from kvstore.openai.tokenizer import Tokenizer
 from kvstore.openai.tool_calls import (
     NamedCallStream,
+    Piece,
     RequiredCallStream,
     ToolCallStream,
     extract,
+    merged_calls,
     named_call,
     read_required,
 )
@@ -408,6 +410,8 @@ def _through(stream: ReasoningStream | CallStream, text: str, finished: bool) ->
     if finished:
         tail: Any = stream.finish()
         piece = type(piece)(*(held + more for held, more in zip(piece, tail, strict=True)))
+        if isinstance(piece, Piece) and piece.tool_calls:  # one entry per call in the chunk, as vLLM sends them
+            piece = Piece(piece.content, merged_calls(piece.tool_calls))
     return piece
 
 

@@ -563,8 +563,8 @@ class ToolCallStream:
         content: list[str] = []
         calls: list[dict[str, Any]] = []
         if self._bare is not None:  # calls outside blocks, read at the end -- unless a block opens after all
-            bare = self._bare + buffer
-            at = bare.find(self._start)
+            bare = self._bare + buffer  # a tag may straddle the two: search from where it could begin
+            at = bare.find(self._start, max(0, len(self._bare) - len(self._start) + 1))
             if at < 0:
                 self._bare, self._held = bare, ""
                 return Piece("", [])
@@ -775,6 +775,18 @@ def _add_arguments(calls: list[dict[str, Any]], index: int, text: str) -> None:
         calls[-1]["function"]["arguments"] += text
     else:
         calls.append({"index": index, "function": {"arguments": text}})
+
+
+def merged_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool-call deltas for one chunk with each call's entries made one (a later entry of the same index only adds
+    arguments): a choice's last chunk joins what its stream sent with what its end released."""
+    merged: list[dict[str, Any]] = []
+    for call in calls:
+        if merged and merged[-1]["index"] == call["index"]:
+            _add_arguments(merged, call["index"], call["function"]["arguments"])
+        else:
+            merged.append({**call, "function": dict(call["function"])})
+    return merged
 
 
 def _partial_tag(text: str, tag: str = START) -> int:

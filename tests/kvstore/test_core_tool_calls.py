@@ -358,6 +358,15 @@ def test_a_mistral_v11_call_goes_out_as_its_arguments_come() -> None:
     assert stream.finish() == Piece("", []) and stream.calls == 2
 
 
+def test_a_chunk_carries_one_entry_per_call() -> None:
+    """The last chunk joins what the stream sent with what its end released: one entry per call there too."""
+    made = ResponseBuilder(parsed_chat("mistral"), TOK, model="m", request_id="c")
+    text = "[TOOL_CALLS]f{} [TOOL_C"
+    payloads = [json.loads(event[6:]) for chunk in chunks_of(text, len(text)) for event in made.events(chunk)]
+    sent = [c for payload in payloads for choice in payload["choices"] for c in choice["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]) for c in sent] == [(0, {"name": "f", "arguments": "{} [TOOL_C"})]
+
+
 def test_a_mistral_v03_array_is_held_to_the_end() -> None:
     stream = ToolCallStream("mistral")
     head, tail = MISTRAL_V03[:60], MISTRAL_V03[60:]
