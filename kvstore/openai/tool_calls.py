@@ -560,6 +560,7 @@ class ToolCallStream:
         if self._parser == "mistral":
             return self._push_mistral(text)
         buffer = self._held + text
+        scanned = len(self._held) if self._in_block else 0  # a held block's text was searched for its end already
         content: list[str] = []
         calls: list[dict[str, Any]] = []
         if self._bare is not None:  # calls outside blocks, read at the end -- unless a block opens after all
@@ -578,7 +579,8 @@ class ToolCallStream:
                 buffer = ""
                 break
             if self._in_block:
-                end = buffer.find(self._end)
+                end = buffer.find(self._end, max(0, scanned - len(self._end) + 1))  # linear in a long block
+                scanned = 0
                 if end < 0:
                     break
                 self._finish_block(buffer[:end], content, calls)
@@ -663,11 +665,13 @@ class ToolCallStream:
             self._held = ""  # all of it is in _section, read at the end
             return Piece("", [])
         calls: list[dict[str, Any]] = []
+        scanned = 0 if self._call_open else len(self._held)  # a held name was searched for its end already
         while True:
-            tag = buffer.find(MISTRAL_CALLS)
+            tag = buffer.find(MISTRAL_CALLS, max(0, scanned - len(MISTRAL_CALLS) + 1))
             segment = buffer if tag < 0 else buffer[:tag]
             if not self._call_open:
-                brace = segment.find("{")
+                brace = segment.find("{", scanned)
+                scanned = 0
                 if brace >= 0:  # the name is whole: the call goes out, its arguments follow
                     name = segment[:brace].replace(MISTRAL_ARGS, "").strip()
                     calls.append({"index": self.calls, **named_call(name, "", mistral_call_id())})
