@@ -541,7 +541,8 @@ class ToolCallStream:
         # a call's tags, and a tag opening all the calls before the first call's own ("" for none)
         self._start, self._end, self._opener = BLOCK_TAGS.get(parser, BLOCK_TAGS["hermes"])
         self._opened = False  # the opener was seen
-        self._section = ""  # the opener and what followed it, kept until a call reads (content if none does)
+        # the opener and what followed it, kept until a call reads (content if none does); pieces, joined when read
+        self._section: list[str] = []
         self._as_text = False  # a block before any call was not one: the rest of the answer is content
         self._bare: str | None = None  # qwen3_coder: the answer from a <function=> written outside any block
         self._bare_ok = parser == "qwen3_coder"  # no <tool_call> yet: such calls are still read
@@ -591,7 +592,7 @@ class ToolCallStream:
                 at = buffer.find(opener)
                 if at >= 0 and (start < 0 or at < start):
                     self._out(content, buffer[:at])
-                    self._opened, self._section = True, opener
+                    self._opened, self._section = True, [opener]
                     buffer = buffer[at + len(opener) :]
                     continue
             if start >= 0:
@@ -642,7 +643,7 @@ class ToolCallStream:
             keep = _partial_tag(held, MISTRAL_CALLS)
             self._held = held[len(held) - keep :]
             return Piece(held[: len(held) - keep], [])
-        self._held, self._in_block, self._section = "", True, MISTRAL_CALLS
+        self._held, self._in_block, self._section = "", True, [MISTRAL_CALLS]
         return Piece(held[:at], self._mistral_calls(held[at + len(MISTRAL_CALLS) :]).tool_calls)
 
     def _mistral_calls(self, text: str) -> Piece:
@@ -653,7 +654,7 @@ class ToolCallStream:
         answer's arguments end where the next ``[TOOL_CALLS]`` begins, stripped. Until a call goes out the text
         is kept (``_section``): the plain answer is all content if none does."""
         if not self.calls:
-            self._section += text
+            self._section.append(text)
         buffer = self._held + text
         if not self._mistral_mode:
             start = buffer.lstrip()
@@ -676,7 +677,7 @@ class ToolCallStream:
                     name = segment[:brace].replace(MISTRAL_ARGS, "").strip()
                     calls.append({"index": self.calls, **named_call(name, "", mistral_call_id())})
                     self.calls += 1
-                    self._section, self._call_open, buffer = "", True, buffer[brace:]
+                    self._section, self._call_open, buffer = [], True, buffer[brace:]
                     continue
                 if tag < 0:
                     self._held = buffer  # a name, not yet followed by its arguments
@@ -698,8 +699,8 @@ class ToolCallStream:
         if self._parser == "mistral" and self._mistral_mode == "v11":
             return self._finish_mistral()
         if self._parser == "mistral" and self._in_block:  # an array, or not told: read whole, as the plain answer
-            self._held, self._in_block = self._section, False
-            self._section = ""
+            self._held, self._in_block = "".join(self._section), False
+            self._section = []
         if self._parser in ("llama3_json", "mistral", "pythonic"):
             held, self._held, self._in_block = self._held, "", False
             if not held:
@@ -721,8 +722,8 @@ class ToolCallStream:
         else:
             self._out(content, held)
         if not self.calls and self._section:  # calls opened but none read: their text is content after all
-            content.insert(0, self._section)
-        self._section = ""
+            content.insert(0, "".join(self._section))
+        self._section = []
         return Piece("".join(content), calls)
 
     def _numbered(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -739,7 +740,7 @@ class ToolCallStream:
         if self._call_open:  # the last call's arguments run to the end of the answer
             self._call_open = False
             _add_arguments(calls, self.calls - 1, held.rstrip())
-        section, self._section = self._section, ""
+        section, self._section = "".join(self._section), []
         return Piece("" if self.calls else section, calls)
 
     def _out(self, content: list[str], text: str) -> None:
@@ -749,7 +750,7 @@ class ToolCallStream:
         if self.calls:
             return
         if self._opened:
-            self._section += text
+            self._section.append(text)
         else:
             content.append(text)
 
@@ -758,15 +759,15 @@ class ToolCallStream:
         found = _block_calls(body, self._parser, self._tool_types, closed=closed)
         if found == [] and not self.calls:  # a block passed over: content only if no call follows
             self._opened = True
-            self._section += self._start + body + (self._end if closed else "")
+            self._section.append(self._start + body + (self._end if closed else ""))
             return
         if found is None:  # not a call: the text as the model wrote it (after what was kept back before it)
-            content.append(self._section + self._start + body + (self._end if closed else ""))
-            self._section = ""
+            content.append("".join(self._section) + self._start + body + (self._end if closed else ""))
+            self._section = []
             # Before any call, a block that is not one makes the plain answer all content, whatever follows.
             self._as_text = not self.calls
             return
-        self._section = ""
+        self._section = []
         calls += self._numbered(found)
 
 
