@@ -843,11 +843,17 @@ class RequiredCallStream:
         self._text = ""
         self._at = 0  # where the next element (or the array's opening) starts in _text
         self._opened = False
+        self._stuck = False  # the element at _at did not read: text is kept aside until a "}" could close it
+        self._aside: list[str] = []
         self.complete = False
         self.calls = 0
 
     def push(self, text: str) -> Piece:
-        self._text += text
+        if self._stuck and "}" not in text:  # an object ends at a "}": with none, it reads no better (linear)
+            self._aside.append(text)
+            return Piece("", [])
+        self._text += "".join(self._aside) + text
+        self._aside, self._stuck = [], False
         calls: list[dict[str, Any]] = []
         while not self.complete:
             rest = self._text[self._at :]
@@ -869,9 +875,11 @@ class RequiredCallStream:
             try:
                 item, end = _DECODER.raw_decode(stripped)
             except (ValueError, RecursionError):
+                self._stuck = True
                 break  # the element is not whole yet (or nests past what can be read)
             call = _as_call(item["name"], item["parameters"]) if _is_required_item(item) else None
             if call is None:
+                self._stuck = True
                 break  # not a call (or one whose arguments nest too deeply to write back)
             calls.append({"index": self.calls, **call})
             self.calls += 1
@@ -881,6 +889,8 @@ class RequiredCallStream:
     def finish(self) -> Piece:
         """What is left once the answer ended: nothing after a closed array (but trailing text), else the text no
         call was made of."""
+        self._text += "".join(self._aside)
+        self._aside = []
         if not self.calls:
             return Piece(self._text, [])
         rest = self._text[self._at :]
