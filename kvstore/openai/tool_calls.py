@@ -703,17 +703,13 @@ class ToolCallStream:
             self._section = []
         if self._parser in ("llama3_json", "mistral", "pythonic"):
             held, self._held, self._in_block = self._held, "", False
-            if not held:
-                return Piece("", [])
-            found = extract(held, self._parser)
-            return Piece(found.content or "", self._numbered(found.tool_calls))
+            return self._read_whole(held) if held else Piece("", [])
         held, self._held = self._held, ""
+        if self._bare is not None:  # bare calls: the answer from the first <function=, read as the plain answer is
+            held, self._bare = self._bare + held, None
+            return self._read_whole(held)
         content: list[str] = []
         calls: list[dict[str, Any]] = []
-        if self._bare is not None:
-            held, self._bare = self._bare + held, None
-            bare = self._numbered(_xml_calls(held, self._tool_types or {}) or [])
-            return Piece("" if bare else held, bare)
         if self._as_text:
             content.append(held)
         elif self._in_block:
@@ -725,6 +721,11 @@ class ToolCallStream:
             content.insert(0, "".join(self._section))
         self._section = []
         return Piece("".join(content), calls)
+
+    def _read_whole(self, text: str) -> Piece:
+        """The held rest of an answer read as the plain answer reads it: its calls, or the text as content."""
+        found = extract(text, self._parser, self._tool_types)
+        return Piece(found.content or "", self._numbered(found.tool_calls))
 
     def _numbered(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``calls`` as deltas to send, each with its index among the answer's calls."""
