@@ -25,8 +25,9 @@
  *   stealing; in a job of many pieces a thread claims its next piece before copying the
  *   one it holds, so it can prefetch it). So a helper that wakes late, or is descheduled
  *   by other work on the machine, costs the caller at most the two pieces it holds.
- *   Helpers block on a condition variable between batches, taking no CPU. Smaller batches, and buffers that overlap each other (a shared copy
- *   has no order between pieces), are copied by the caller alone, run by run in order.
+ *   Helpers block on a condition variable between batches, taking no CPU. Smaller batches,
+ *   and buffers that overlap each other (a shared copy has no order between pieces), are
+ *   copied by the caller alone, run by run in order.
  *   One call at a time per Copier; calls from several threads queue.
  *
  * Why C: at 16 KiB - 2 MiB a block, the Python loop around libc memmove cost a large
@@ -308,14 +309,15 @@ typedef struct {
     pthread_t *threads;
 } Copier;
 
-/* Takes pieces until none is left; returns whether any streamed. With claim_ahead, a thread claims its next
- * piece before it copies the one it holds, so the copy can prefetch the start of the next: it holds at most
- * two pieces. Only for jobs of many pieces: in a job of a few, the caller would claim them all before a
- * helper woke (2-4 pieces of 256 KiB took 20-45% longer that way). */
+/* The index of the next piece nobody has taken (count or more: none is left). */
 static size_t claim_piece(Job *job) {
     return atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
 }
 
+/* Takes pieces until none is left; returns whether any streamed. With claim_ahead, a thread claims its next
+ * piece before it copies the one it holds, so the copy can prefetch the start of the next: it holds at most
+ * two pieces. Only for jobs of many pieces: in a job of a few, the caller would claim them all before a
+ * helper woke (2-4 pieces of 256 KiB took 20-45% longer that way). */
 static int take_pieces(Job *job) {
     int streamed = 0;
     size_t i = claim_piece(job);
