@@ -282,6 +282,8 @@ class _FloorClient:
     promotions find the blocks in the slots the spills filled, which the bench checks byte for byte).
     """
 
+    ordered = True  # every call answered before it returns
+
     def __init__(self, inner: LocalTierClient, identity: CacheIdentity) -> None:
         self._inner = inner
         self._block_size = identity.block_size

@@ -7,10 +7,12 @@ thread (tests, single-process deployments). Every call blocks until the
 store answers, at most ``timeout_s`` -- except ``commit_later`` /
 ``release_later``, which send the call and return a :class:`Pending` at once;
 their answer, or error, is read from the Pending. Whether a later call sees
-their effect depends on the path: the local store and the tier's control
-socket run one client's calls in the order sent, but Ray does not promise
-that for an async actor's calls, so a caller that needs the effect collects
-the Pending first (``TierLink`` does). A tier that cannot answer -- a
+their effect depends on the path, and each client says which (``ordered``):
+the tier's control socket and a local store run on the caller's thread run
+one client's calls in the order sent, but Ray does not promise that for an
+async actor's calls (nor does a local store on its loop, whose calls can
+interleave at their disk I/O), so there a caller that needs the effect
+collects the Pending first (``TierLink`` does). A tier that cannot answer -- a
 timeout (:class:`~kvstore.tiers.errors.TierTimeoutError`, also a ``TimeoutError``),
 a dead or unreachable actor, a closed store -- raises
 :class:`~kvstore.tiers.errors.TierUnavailableError`; callers' mistakes raise the
@@ -67,6 +69,12 @@ class TierClient(Protocol):
     def release(self, lease_ids: Sequence[int]) -> None: ...
     def release_later(self, lease_ids: Sequence[int]) -> Pending: ...
     def stats(self) -> TierStats: ...
+
+    @property
+    def ordered(self) -> bool:
+        """Whether the tier runs this client's calls in the order sent, each finished before the next starts
+        (so a call sees the effect of every earlier one, ``_later`` calls included)."""
+        ...
 
 
 class _RayPending:
@@ -130,6 +138,12 @@ class RayTierClient:
     def channel(self) -> ControlChannel | None:
         """The control socket the hot calls use (None: they go through Ray)."""
         return self._fast()
+
+    @property
+    def ordered(self) -> bool:
+        """True while the hot calls go over the control socket, which runs one client's calls in the order
+        sent; through Ray an async actor may run them in any order."""
+        return self._fast() is not None
 
     def _fast(self) -> ControlChannel | None:
         if self._ask_control:
@@ -273,6 +287,12 @@ class LocalTierClient:
             raise
         self._direct_lock = threading.Lock()
         self._direct = self._store.disk is None  # no I/O to await: calls run on the caller's thread
+
+    @property
+    def ordered(self) -> bool:
+        """True for direct calls (each runs to its end before it returns); a store on its loop may interleave
+        one call's disk I/O with the next call."""
+        return self._direct_ready()
 
     @property
     def store(self) -> TierStore:

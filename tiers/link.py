@@ -19,18 +19,26 @@ for one per chunk (``acquire``). The ``commit`` after a spill's copy and the
 ``release`` after a promotion's are sent without waiting
 (``commit_later`` / ``release_later``), so the caller need not sit through
 a second round trip per call (on small blocks that round trip costs more
-than the copy). Their answers
-are collected by the link's next call (and by :meth:`TierLink.close`), so
-that call sees them done whatever order an async tier actor runs calls in;
-a spill or promotion in several chunks waits for each chunk's commit or
-release before it asks for the next (its slots are what the next chunk
-needs; a tier that ran the next reserve first would find no slot to give
-and the chunk's blocks would be lost); an
-error one of them raised is raised there, so none is lost. A caller that
-must know which call failed collects them itself with :meth:`TierLink.settle`
-(the worker's offload thread does, at the end of each store and load). A
-spill counts its granted blocks as stored: a commit of live write leases
-always publishes them all.
+than the copy). Their answers are collected by the link's later calls (and
+by :meth:`TierLink.close`); an error one of them raised is raised there, so
+none is lost. How much a later call waits for them depends on the client:
+
+- A client that runs one caller's calls in the order sent (``ordered``:
+  the tier actor's control socket, a store with no disk run on the
+  caller's thread) needs no wait: the tier has run the commit before the
+  next reserve. A call takes the answers already in and leaves the rest.
+- Any other (a plain Ray actor call, which an async actor may run out of
+  order) waits for every answer first: a spill or promotion in several
+  chunks waits for each chunk's commit or release before it asks for the
+  next. Its slots are what the next chunk needs; a tier that ran the next
+  reserve first would find no slot to give and the chunk's blocks would be
+  lost.
+
+A caller that must know which call failed collects the answers itself
+(:meth:`TierLink.collect`, :meth:`TierLink.settle`); the worker's offload
+thread does, at the start and end of each store and load. A spill counts
+its granted blocks as stored: a commit of live write leases always
+publishes them all.
 """
 
 from __future__ import annotations
@@ -84,23 +92,57 @@ class TierLink:
         except BaseException:
             self.slots.close()
             raise
-        self._pending: list[Pending] = []  # commits and releases sent without waiting
+        self._pending: list[tuple[str, Pending]] = []  # commits and releases sent without waiting, with their op
 
     def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit:
-        self.settle()
+        self._before_call()
         return self.client.lookup(block_hashes, start)
 
+    @property
+    def ordered(self) -> bool:
+        """Whether the client runs this link's calls at the tier in the order sent (its ``ordered``), so that
+        no call waits for an earlier one's answer: the tier has run it first."""
+        return bool(getattr(self.client, "ordered", False))
+
     def settle(self) -> None:
-        """Collect the answers of the commits and releases sent without waiting; raises the first error."""
-        pending, self._pending = self._pending, []
-        error: BaseException | None = None
-        for call in pending:
+        """Wait for the answers of the commits and releases sent without waiting; raises the first error."""
+        errors = self.collect(wait=True)
+        if errors:
+            raise errors[0][1]
+
+    def collect(self, *, wait: bool = False) -> list[tuple[str, BaseException]]:
+        """The errors of the commits and releases sent without waiting whose answers are in (``wait``: of all
+        of them, waiting for each), each with its op (``"commit"`` or ``"release"``), oldest first; returned,
+        not raised. The calls collected are forgotten; those still on their way stay for a later collect."""
+        pending = self._pending
+        if not pending:
+            return []
+        if wait:
+            taken, self._pending = pending, []
+        else:
+            arrived = len(pending)
+            for index, (_, call) in enumerate(pending):
+                if not call.done():  # answers come in order on an ordered channel: the rest are on their way too
+                    arrived = index
+                    break
+            taken, self._pending = pending[:arrived], pending[arrived:]
+        errors: list[tuple[str, BaseException]] = []
+        for op, call in taken:
             try:
                 call.result()
-            except BaseException as exc:  # every answer is collected before one error is raised
-                error = error or exc
-        if error is not None:
-            raise error
+            except BaseException as exc:  # every answer is collected before any error is reported
+                errors.append((op, exc))
+        return errors
+
+    def _before_call(self) -> None:
+        """What a call needs of the answers before it: on an ordered client only those already in (their errors
+        raised here); on any other all of them, waited for."""
+        if not self.ordered:
+            self.settle()
+            return
+        errors = self.collect()
+        if errors:
+            raise errors[0][1]
 
     def spill(self, blocks: Sequence[BlockMeta], pool: torch.Tensor, block_ids: Sequence[int]) -> int:
         """Copy pool rows ``block_ids`` out as ``blocks``; returns how many the tier newly stored.
@@ -118,8 +160,9 @@ class TierLink:
             # A later chunk needs the slots of the one before, which its commit lets the tier write back to
             # disk. An async tier actor need not run a caller's calls in the order sent: a reserve run
             # before that commit finds every slot under a write lease and grants nothing, and those blocks
-            # are lost. So each chunk waits for the commits before it, as promote waits for releases.
-            self.settle()
+            # are lost. So unless the client is ordered, each chunk waits for the commits before it, as
+            # promote waits for releases.
+            self._before_call()
             stored += self._spill_chunk(blocks[first : first + chunk], pool, block_ids[first : first + chunk])
         return stored
 
@@ -143,7 +186,7 @@ class TierLink:
         except BaseException:
             self.client.release(lease_ids)
             raise
-        self._pending.append(self.client.commit_later(lease_ids))
+        self._pending.append(("commit", self.client.commit_later(lease_ids)))
         return len(lease_ids)
 
     def promote(
@@ -157,14 +200,14 @@ class TierLink:
         blocks copied by earlier chunks stay in the ids already returned.
         Returns after the copies.
         """
-        self.settle()
+        self._before_call()
         block_ids: list[int] = []
         media: list[Medium] = []
         while len(media) < len(blocks):
             if media:
                 # The next chunk needs the slots this one's release frees; an async tier actor need not run
-                # a caller's calls in the order sent, so wait for that release before asking again.
-                self.settle()
+                # a caller's calls in the order sent, so (unless the client is ordered) wait for that release.
+                self._before_call()
             grants = self.client.acquire(blocks[len(media) :], self.slots.incarnation)
             if not grants:
                 break
@@ -177,7 +220,7 @@ class TierLink:
             except BaseException:
                 self.client.release(lease_ids)
                 raise
-            self._pending.append(self.client.release_later(lease_ids))
+            self._pending.append(("release", self.client.release_later(lease_ids)))
             block_ids.extend(chunk_ids)
             media.extend(map(_MEDIUM, grants))
         return Promoted(tuple(block_ids), tuple(media))

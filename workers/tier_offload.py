@@ -15,6 +15,17 @@ eviction). A tier that cannot take a block (full) makes the store a no-op
 for it -- the KV is simply not kept; a load that fails fills nothing and the
 request recomputes. Neither ever fails the request.
 
+Round trips: the link sends a store's commit and a load's releases
+without waiting. On a tier that runs one caller's calls in the order sent
+(``TierLink.ordered``: the tier actor's control socket, as deployed) a job
+does not wait for those answers either -- the tier has run them before the
+next job's calls -- so a store ends with its copy, not a round trip later.
+The answers are read as they come, at the start and end of each job; one
+that is an error is counted against the op that sent it (a commit's as a
+``spill_failures``, a release's as a ``promote_failures``) and logged, and
+one that is an outage takes the tier down. On any other tier (plain Ray
+calls) each job waits for its own answers, and their errors are its own.
+
 Errors: a ``TierUnavailableError`` is an outage (below). Any other error
 -- a ``LeaseError`` or ``InvalidBlockError`` is a caller's mistake, not a
 tier outage -- is counted (``spill_failures`` / ``promote_failures``) and
@@ -97,7 +108,7 @@ class TierOffload:
     # Called only on the worker's offload thread (workers/offload.py), one at a time.
 
     def lookup(self, blocks: Sequence[BlockMeta]) -> int:
-        link = self._link
+        link = self._answered(self._link)
         if link is None:
             self.counters.promote_skipped += 1
             return 0
@@ -109,15 +120,19 @@ class TierOffload:
             return 0
 
     def store(self, blocks: Sequence[BlockMeta], kv: torch.Tensor, block_ids: Sequence[int]) -> int:
-        link = self._link
+        link = self._answered(self._link)
         if link is None:  # the tier is down: the KV is dropped, as with no tier at all
             self.counters.spill_skipped_blocks += len(blocks)
             return 0
         try:
             stored = link.spill(blocks, kv, block_ids)
-            # The link sends the commit without waiting; collect its answer here, on the offload thread,
-            # so that a commit's error is this store's (counted below), not the next call's.
-            link.settle()
+            # The link sends the commit without waiting. On an ordered tier its answer is read when it comes
+            # (counted then); on any other it is waited for here, so that its error is this store's.
+            if not link.ordered:
+                link.settle()
+            elif self._answered(link) is None:  # an answer in already (a synchronous tier's always is) said: gone
+                self.counters.spill_skipped_blocks += len(blocks)
+                return 0
             return stored
         except TierUnavailableError as exc:
             self.counters.spill_skipped_blocks += len(blocks)
@@ -128,7 +143,7 @@ class TierOffload:
             raise
 
     def load(self, blocks: Sequence[BlockMeta], kv: torch.Tensor, block_ids: Sequence[int]) -> tuple[Medium, ...]:
-        link = self._link
+        link = self._answered(self._link)
         if link is None:
             self.counters.promote_skipped += 1
             return ()
@@ -144,7 +159,11 @@ class TierOffload:
 
         try:
             promoted = link.promote(blocks, kv, allocate)
-            link.settle()  # the releases' answers: an error in them is this load's
+            if not link.ordered:
+                link.settle()  # the releases' answers: an error in them is this load's
+            elif self._answered(link) is None:  # gone: the blocks copied are dropped, as below
+                self.counters.promote_failures += 1
+                return ()
         except TierUnavailableError as exc:  # blocks already copied are dropped: their leases are in doubt
             self.counters.promote_failures += 1
             self._down(link, exc)
@@ -166,6 +185,22 @@ class TierOffload:
             thread.join(timeout=30)
         if link is not None:
             link.close()
+
+    def _answered(self, link: TierLink | None) -> TierLink | None:
+        """``link`` once the answers that came since the last job (of calls earlier jobs sent without waiting)
+        are read: each error counted against its op and logged; None if one says the tier is gone."""
+        if link is None:
+            return None
+        for op, exc in link.collect():
+            if isinstance(exc, TierUnavailableError):
+                self._down(link, exc)
+                return None
+            if op == "commit":
+                self.counters.spill_failures += 1
+            else:
+                self.counters.promote_failures += 1
+            logger.error("the tier failed a %s sent without waiting by an earlier offload job", op, exc_info=exc)
+        return link
 
     # ------------------------------------------------------------- outages
 

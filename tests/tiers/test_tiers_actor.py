@@ -39,6 +39,7 @@ def test_tier_actor_on_the_local_node(ray_session: Any, tmp_path: Path) -> None:
         client = RayTierClient(handle)
         link = TierLink(client, IDENTITY, close_client=True)
         assert client.channel is not None  # the hot calls go over the control socket
+        assert client.ordered  # which runs them in the order sent: no call waits for an earlier answer
         metas, data = make_blocks(6)
         assert spill_all(link, metas, data) == 6
         assert ray.get(handle.lookup.remote(hashes(metas)), timeout=30) == (6, ("STORAGE",) * 2 + ("CPU",) * 4)
@@ -82,6 +83,7 @@ def test_with_the_control_socket_off_every_call_goes_through_ray(ray_session: An
     try:
         client = RayTierClient(handle)
         assert client.channel is None
+        assert not client.ordered  # Ray may run an async actor's calls out of order: the link waits for answers
         link = TierLink(client, IDENTITY, close_client=True)
         metas, data = make_blocks(3)
         assert link.spill(metas, data, [0, 1, 2]) == 3

@@ -23,6 +23,7 @@ def test_direct_calls_answer_at_once_and_keep_their_errors(tmp_path: Path) -> No
         grants = client.reserve(metas, link.slots.incarnation)
         pending = client.commit_later([g.lease_id for g in grants if g is not None])
         assert pending.done()  # no hop to the loop: committed when commit_later returns
+        assert client.ordered
         assert pending.result() == 4
         assert client.lookup([m.block_hash for m in metas]).num_blocks == 4
         failed = client.release_later([grants[0].lease_id])  # already ended by the commit
@@ -36,6 +37,7 @@ def test_a_store_with_a_disk_tier_is_driven_from_its_loop(tmp_path: Path) -> Non
     metas, _ = make_blocks(2)
     with linked_tier(tier_config(tmp_path, cpu_blocks=8, disk_blocks=8)) as (client, link):
         assert not client._direct
+        assert not client.ordered  # a call's disk I/O may interleave with the next call's
         grants = client.reserve(metas, link.slots.incarnation)
         assert client.commit_later([g.lease_id for g in grants if g is not None]).result() == 2
 
@@ -43,6 +45,7 @@ def test_a_store_with_a_disk_tier_is_driven_from_its_loop(tmp_path: Path) -> Non
 def test_direct_calls_after_close_find_the_store_closed(tmp_path: Path) -> None:
     client = LocalTierClient(tier_config(tmp_path, cpu_blocks=4), IDENTITY, arena_name=arena_name())
     client.close()
+    assert not client.ordered
     with pytest.raises(TierUnavailableError):
         client.reserve(make_blocks(1)[0])
     with pytest.raises(TierUnavailableError):

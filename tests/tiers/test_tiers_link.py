@@ -54,6 +54,8 @@ class LateCommits:
     before an earlier one it was sent (the last chunk's commit).
     """
 
+    ordered = False  # it runs a commit after the reserve sent behind it
+
     def __init__(self, client: LocalTierClient) -> None:
         self.client = client
         self.calls: list[str] = []
@@ -194,6 +196,127 @@ def test_an_error_of_a_commit_sent_without_waiting_is_raised_by_the_next_call(
         assert link.spill(metas[2:], data, [2]) == 1
         assert link.lookup(hashes(metas[2:])) == (1, ("CPU",))
         client.check_invariants()
+    finally:
+        link.close()
+        client.close()
+
+
+class InFlight:
+    """A client whose commits and releases run at once, in the order sent, but whose answers arrive only when
+    the test lets them (``arrive``): the tier's control socket, with the answer still on its way."""
+
+    def __init__(self, client: LocalTierClient, *, ordered: bool) -> None:
+        self.client = client
+        self.ordered = ordered
+        self.calls: list[str] = []
+        self.refuse: Exception | None = None  # the next commit's answer is this error
+        self.unanswered: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
+        self.calls.append("reserve")
+        return self.client.reserve(blocks, arena)
+
+    def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
+        self.calls.append("acquire")
+        return self.client.acquire(blocks, arena)
+
+    def commit_later(self, lease_ids: Sequence[int]) -> Any:
+        return self._later("commit", self.client.commit, lease_ids)
+
+    def release_later(self, lease_ids: Sequence[int]) -> Any:
+        return self._later("release", self.client.release, lease_ids)
+
+    def _later(self, op: str, call: Any, lease_ids: Sequence[int]) -> Any:
+        outer, error = self, self.refuse
+        self.refuse = None
+        answer = call(lease_ids)  # run now, as an ordered tier runs it before the next call
+
+        class Answer:
+            arrived = False
+
+            def done(self) -> bool:
+                return self.arrived
+
+            def result(self) -> Any:
+                if not self.arrived:  # reading an answer not yet in means waiting for it
+                    outer.calls.append(f"waited for {op}")
+                    self.arrived = True
+                if error is not None:
+                    raise error
+                return answer
+
+        pending = Answer()
+        self.unanswered.append(pending)
+        return pending
+
+    def arrive(self) -> None:
+        for pending in self.unanswered:
+            pending.arrived = True
+        self.unanswered = []
+
+
+def test_on_an_ordered_client_no_call_waits_for_an_earlier_answer(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=3), IDENTITY, arena_name=arena_name())
+    tier = InFlight(client, ordered=True)
+    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]  # a TierClient by its methods
+    try:
+        assert link.ordered
+        metas, data = make_blocks(5)
+        # Five blocks through a 3-slot arena: two chunks, the second's reserve sent with the first's commit
+        # still unanswered -- the tier ran that commit first, so its slots are free to evict.
+        assert link.spill(metas, data, range(5)) == 5
+        assert link.spill(metas[:1], data, [0]) == 1  # evicted, spilled again: behind another unanswered commit
+        target = torch.zeros_like(data)
+        # The arena holds blocks 3, 4 and 0 now (1 and 2 evicted).
+        assert link.promote(metas[3:], target, lambda n: [3, 4][:n]).block_ids == (3, 4)
+        assert torch.equal(target[3:], data[3:])
+        assert tier.calls == ["reserve", "reserve", "reserve", "acquire"]  # never a wait
+        assert len(link.collect()) == 0 and len(link._pending) == 4  # nothing arrived: nothing collected
+        tier.arrive()
+        assert link.collect() == [] and link._pending == []
+        client.check_invariants()
+    finally:
+        link.close()
+        client.close()
+
+
+def test_on_an_unordered_client_each_chunk_waits_for_the_answers_before_it(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=3), IDENTITY, arena_name=arena_name())
+    tier = InFlight(client, ordered=False)
+    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
+    try:
+        metas, data = make_blocks(5)
+        assert link.spill(metas, data, range(5)) == 5
+        assert tier.calls == ["reserve", "waited for commit", "reserve"]
+        assert link.lookup(hashes(metas)) == (0, ())  # the first three were evicted by the second chunk
+        assert tier.calls[-1] == "waited for commit"
+    finally:
+        link.close()
+        client.close()
+
+
+def test_an_error_in_an_answer_on_its_way_is_raised_by_the_first_call_after_it_arrives(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=8), IDENTITY, arena_name=arena_name())
+    tier = InFlight(client, ordered=True)
+    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
+    try:
+        metas, data = make_blocks(3)
+        tier.refuse = LeaseError("injected: refused")
+        assert link.spill(metas[:1], data, [0]) == 1
+        assert link.spill(metas[1:2], data, [1]) == 1  # the refusal has not arrived: this call does not see it
+        tier.arrive()
+        with pytest.raises(LeaseError, match="injected"):
+            link.spill(metas[2:], data, [2])
+        assert tier.calls == ["reserve", "reserve"]  # the third call raised before it reserved anything
+        # collect() returns the errors instead, with the op that sent them.
+        tier.refuse = LeaseError("injected: again")
+        assert link.spill(metas[2:], data, [2]) == 1
+        tier.arrive()
+        errors = link.collect()
+        assert [(op, str(exc)) for op, exc in errors] == [("commit", "injected: again")]
     finally:
         link.close()
         client.close()

@@ -25,7 +25,7 @@ from kvstore.events import Medium
 from kvstore.hashing import BlockHasher, to_external
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.client import LocalTierClient
-from kvstore.tiers.errors import LeaseError
+from kvstore.tiers.errors import LeaseError, TierUnavailableError
 from kvstore.tiers.link import TierLink
 from kvstore.worker_api import GenerateRequest
 from kvstore.workers.config import cache_identity
@@ -303,3 +303,93 @@ def test_a_failing_model_step_with_stores_in_flight_recovers(
     finally:
         tier.gate.set()
         worker.shutdown()
+
+
+class AnswersOnTheirWay:
+    """A real LocalTierClient declared ordered, as the tier's control socket is: each commit or release runs at
+    once, in the order sent, but its answer -- the store's, or ``refuse``'s error -- arrives only at ``arrive()``."""
+
+    ordered = True
+
+    def __init__(self, inner: LocalTierClient) -> None:
+        self.inner = inner
+        self.refuse: Exception | None = None
+        self.waited = 0  # answers read before they arrived: each a round trip a job sat through
+        self._held: list[_Held] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def commit_later(self, lease_ids: Sequence[int]) -> _Held:
+        answer = self.inner.commit(lease_ids)
+        error, self.refuse = self.refuse, None
+        return self._hold(_Held(self, answer, error))
+
+    def release_later(self, lease_ids: Sequence[int]) -> _Held:
+        self.inner.release(lease_ids)
+        return self._hold(_Held(self, None, None))
+
+    def _hold(self, held: _Held) -> _Held:
+        self._held.append(held)
+        return held
+
+    def arrive(self) -> None:
+        for held in self._held:
+            held.arrived = True
+        self._held = []
+
+
+class _Held:
+    def __init__(self, tier: AnswersOnTheirWay, answer: object, error: Exception | None) -> None:
+        self.tier, self.answer, self.error = tier, answer, error
+        self.arrived = False
+
+    def done(self) -> bool:
+        return self.arrived
+
+    def result(self) -> object:
+        if not self.arrived:
+            self.tier.waited += 1
+            self.arrived = True
+        if self.error is not None:
+            raise self.error
+        return self.answer
+
+
+def test_on_an_ordered_tier_jobs_do_not_wait_for_answers_and_a_late_error_counts_against_its_op(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = outage_config(tmp_path)
+    identity = cache_identity(config)
+    client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
+    tier = AnswersOnTheirWay(client)
+    offload = TierOffload(TierLink(tier, identity))  # type: ignore[arg-type]  # a TierClient by its methods
+    try:
+        size = identity.block_size
+        tokens = list(range(3 * size))
+        hasher = BlockHasher(identity.hash_algo, identity.hash_seed, size)
+        metas = BlockMeta.chain(hasher.hash_blocks(tokens), tokens, size)
+        kv = torch.randn((3, *identity.layout.block_shape)).to(identity.torch_dtype)
+        tier.refuse = LeaseError("injected: the commit's answer is a refusal")
+        assert offload.store(metas[:1], kv, [0]) == 1  # its commit's answer has not come: not waited for
+        assert offload.counters.spill_failures == 0
+        tier.arrive()
+        with caplog.at_level(logging.ERROR, logger="kvstore.workers.tier_offload"):
+            assert offload.store(metas[1:2], kv, [1]) == 1  # reads the refusal first: the earlier store's
+        assert offload.counters.spill_failures == 1 and "failed a commit" in caplog.text
+        assert "LeaseError" in caplog.text
+        target = torch.zeros_like(kv)
+        assert offload.load(metas[1:2], target, [1]) == (Medium.CPU,)
+        assert torch.equal(target[1], kv[1])
+        assert tier.waited == 0 and offload.counters.promote_failures == 0
+        # An answer that says the tier is gone takes it down at the next job, which is skipped.
+        tier.arrive()
+        tier.refuse = TierUnavailableError("injected: the tier went away")
+        assert offload.store(metas[2:], kv, [2]) == 1
+        tier.arrive()
+        assert offload.lookup(metas) == 0
+        assert not offload.connected and offload.counters.unavailable == 1
+        assert offload.counters.spill_failures == 1  # an outage is not a failure
+    finally:
+        offload.close()
+        client.close()
