@@ -19,26 +19,27 @@ for one per chunk (``acquire``). The ``commit`` after a spill's copy and the
 ``release`` after a promotion's are sent without waiting
 (``commit_later`` / ``release_later``), so the caller need not sit through
 a second round trip per call (on small blocks that round trip costs more
-than the copy). Their answers are collected by the link's later calls (and
-by :meth:`TierLink.close`); an error one of them raised is raised there, so
-none is lost. How much a later call waits for them depends on the client:
+than the copy). How the link deals with their answers depends on the client:
 
 - A client that runs one caller's calls in the order sent (``ordered``:
   the tier actor's control socket, a store with no disk run on the
   caller's thread) needs no wait: the tier has run the commit before the
-  next reserve. A call takes the answers already in and leaves the rest.
+  next reserve. The link's calls take the answers already in and keep
+  their errors, never raising them into a later call: they are the
+  earlier calls' errors. :meth:`TierLink.collect` returns them, each with
+  the op that sent it; :meth:`TierLink.settle` raises the first. At most
+  ``MAX_UNANSWERED`` answers are left outstanding: past that a call waits
+  for the oldest, so an answer that never comes surfaces as a timeout.
 - Any other (a plain Ray actor call, which an async actor may run out of
-  order) waits for every answer first: a spill or promotion in several
-  chunks waits for each chunk's commit or release before it asks for the
-  next. Its slots are what the next chunk needs; a tier that ran the next
-  reserve first would find no slot to give and the chunk's blocks would be
-  lost.
+  order) waits for every answer before each call and each chunk, raising
+  the first error there. A chunk's slots are what the next chunk needs; a
+  tier that ran the next reserve first would find no slot to give and the
+  chunk's blocks would be lost.
 
-A caller that must know which call failed collects the answers itself
-(:meth:`TierLink.collect`, :meth:`TierLink.settle`); the worker's offload
-thread does, at the start and end of each store and load. A spill counts
-its granted blocks as stored: a commit of live write leases always
-publishes them all.
+The worker's offload thread collects the answers at the start and end of
+each store and load, so that each error is counted against the call that
+sent it; :meth:`TierLink.close` logs any left. A spill counts its granted
+blocks as stored: a commit of live write leases always publishes them all.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.shared_memory import SharedSlots
 
 logger = logging.getLogger(__name__)
+
+# On an ordered client, answers of commits and releases left outstanding before a call waits for the oldest.
+MAX_UNANSWERED = 32
 
 # A grant's fields, read by map() over a batch: no Python frame per grant.
 _LEASE_ID, _SLOT, _MEDIUM = attrgetter("lease_id"), attrgetter("slot"), attrgetter("medium")
@@ -93,6 +97,7 @@ class TierLink:
             self.slots.close()
             raise
         self._pending: list[tuple[str, Pending]] = []  # commits and releases sent without waiting, with their op
+        self._errors: list[tuple[str, BaseException]] = []  # their errors, collected but not yet reported
 
     def lookup(self, block_hashes: Sequence[int], start: int = 0) -> TierHit:
         self._before_call()
@@ -105,7 +110,8 @@ class TierLink:
         return bool(getattr(self.client, "ordered", False))
 
     def settle(self) -> None:
-        """Wait for the answers of the commits and releases sent without waiting; raises the first error."""
+        """Wait for the answers of the commits and releases sent without waiting; raises the first error
+        among them (and among those collected but not yet reported)."""
         errors = self.collect(wait=True)
         if errors:
             raise errors[0][1]
@@ -113,36 +119,40 @@ class TierLink:
     def collect(self, *, wait: bool = False) -> list[tuple[str, BaseException]]:
         """The errors of the commits and releases sent without waiting whose answers are in (``wait``: of all
         of them, waiting for each), each with its op (``"commit"`` or ``"release"``), oldest first; returned,
-        not raised. The calls collected are forgotten; those still on their way stay for a later collect."""
-        pending = self._pending
-        if not pending:
-            return []
-        if wait:
-            taken, self._pending = pending, []
-        else:
-            arrived = len(pending)
-            for index, (_, call) in enumerate(pending):
-                if not call.done():  # answers come in order on an ordered channel: the rest are on their way too
-                    arrived = index
-                    break
-            taken, self._pending = pending[:arrived], pending[arrived:]
-        errors: list[tuple[str, BaseException]] = []
-        for op, call in taken:
-            try:
-                call.result()
-            except BaseException as exc:  # every answer is collected before any error is reported
-                errors.append((op, exc))
+        not raised. Each error is reported once; calls whose answers are still on their way stay pending."""
+        self._take(wait=wait)
+        errors, self._errors = self._errors, []
         return errors
 
-    def _before_call(self) -> None:
-        """What a call needs of the answers before it: on an ordered client only those already in (their errors
-        raised here); on any other all of them, waited for."""
-        if not self.ordered:
-            self.settle()
+    def _take(self, *, wait: bool, keep: int | None = None) -> None:
+        """Read the answers in (``wait``: all, waiting; ``keep``: at least until no more than ``keep`` are left,
+        waiting for the oldest), their errors kept for :meth:`collect`."""
+        pending = self._pending
+        if not pending:
             return
-        errors = self.collect()
-        if errors:
-            raise errors[0][1]
+        taken = len(pending)
+        if not wait:
+            for index, (_, call) in enumerate(pending):
+                if not call.done():  # answers come in order on an ordered channel: the rest are on their way too
+                    taken = index
+                    break
+            if keep is not None:
+                taken = max(taken, len(pending) - keep)
+        self._pending = pending[taken:]
+        for op, call in pending[:taken]:
+            try:
+                call.result()
+            except BaseException as exc:  # every answer is read before any error is reported
+                self._errors.append((op, exc))
+
+    def _before_call(self) -> None:
+        """What a call needs of the answers before it. An ordered client: only those already in, their errors
+        kept for collect() (an earlier call's error is not this call's). Any other: all of them, waited for,
+        the first error raised here (the call has done nothing yet)."""
+        if self.ordered:
+            self._take(wait=False, keep=MAX_UNANSWERED)
+        else:
+            self.settle()
 
     def spill(self, blocks: Sequence[BlockMeta], pool: torch.Tensor, block_ids: Sequence[int]) -> int:
         """Copy pool rows ``block_ids`` out as ``blocks``; returns how many the tier newly stored.
@@ -225,12 +235,12 @@ class TierLink:
             media.extend(map(_MEDIUM, grants))
         return Promoted(tuple(block_ids), tuple(media))
 
-    def close(self) -> None:
-        """Collect what is still pending (an error is logged, not raised), stop copying, unmap the arena."""
+    def close(self, *, wait: bool = True) -> None:
+        """Collect what is still pending (errors are logged, not raised; ``wait=False``: only the answers
+        already in, as after an outage, when waiting would only time out), stop copying, unmap the arena."""
         try:
-            self.settle()
-        except Exception as exc:
-            logger.warning("tier link: a commit or release sent before close failed: %s", exc)
+            for op, exc in self.collect(wait=wait):
+                logger.warning("tier link: a %s sent before close failed: %s", op, exc)
         finally:
             self.engine.close()
             self.slots.close()

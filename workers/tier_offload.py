@@ -20,11 +20,13 @@ without waiting. On a tier that runs one caller's calls in the order sent
 (``TierLink.ordered``: the tier actor's control socket, as deployed) a job
 does not wait for those answers either -- the tier has run them before the
 next job's calls -- so a store ends with its copy, not a round trip later.
-The answers are read as they come, at the start and end of each job; one
-that is an error is counted against the op that sent it (a commit's as a
-``spill_failures``, a release's as a ``promote_failures``) and logged, and
-one that is an outage takes the tier down. On any other tier (plain Ray
-calls) each job waits for its own answers, and their errors are its own.
+The answers are read as they come, at the start and end of each job (the
+link keeps the errors of those that arrive in between, never raising them
+into a later call); one that is an error is counted against the op that
+sent it (a commit's as a ``spill_failures``, a release's as a
+``promote_failures``) and logged, and one that is an outage takes the tier
+down. On any other tier (plain Ray calls) each job waits for its own
+answers, and their errors are its own.
 
 Errors: a ``TierUnavailableError`` is an outage (below). Any other error
 -- a ``LeaseError`` or ``InvalidBlockError`` is a caller's mistake, not a
@@ -187,19 +189,23 @@ class TierOffload:
             link.close()
 
     def _answered(self, link: TierLink | None) -> TierLink | None:
-        """``link`` once the answers that came since the last job (of calls earlier jobs sent without waiting)
-        are read: each error counted against its op and logged; None if one says the tier is gone."""
+        """``link`` once the answers in (of calls this or earlier jobs sent without waiting) are read: each
+        error counted against its op and logged; None if one says the tier is gone (it is taken down)."""
         if link is None:
             return None
+        outage: TierUnavailableError | None = None
         for op, exc in link.collect():
             if isinstance(exc, TierUnavailableError):
-                self._down(link, exc)
-                return None
+                outage = outage or exc
+                continue
             if op == "commit":
                 self.counters.spill_failures += 1
             else:
                 self.counters.promote_failures += 1
-            logger.error("the tier failed a %s sent without waiting by an earlier offload job", op, exc_info=exc)
+            logger.error("the tier failed a %s sent without waiting: %s", op, exc, exc_info=exc)
+        if outage is not None:
+            self._down(link, outage)
+            return None
         return link
 
     # ------------------------------------------------------------- outages
@@ -213,7 +219,7 @@ class TierOffload:
             self.counters.unavailable += 1
         logger.warning("the node's tier is unavailable (%s): spills and promotions are off until it is back", exc)
         try:
-            link.close()
+            link.close(wait=False)  # answers still out would only time out on a tier that is gone
         except Exception as close_exc:  # unmapping is best effort; the mapping goes with the process anyway
             logger.info("closing the dead tier's link failed: %s", close_exc)
         self._start_reconnecting()

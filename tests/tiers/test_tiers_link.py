@@ -13,7 +13,7 @@ from tiers_helpers import IDENTITY, arena_name, hashes, linked_tier, make_blocks
 from kvstore.tiers.blocks import BlockMeta, SlotGrant
 from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.errors import InvalidBlockError, LeaseError, TierError
-from kvstore.tiers.link import Promoted, TierLink
+from kvstore.tiers.link import MAX_UNANSWERED, Promoted, TierLink
 
 
 def test_spill_then_promote_into_other_pool_blocks(tmp_path: Path) -> None:
@@ -175,12 +175,13 @@ def test_commit_and_release_are_not_waited_for_but_ordered_before_later_calls(tm
         client.close()
 
 
-def test_an_error_of_a_commit_sent_without_waiting_is_raised_by_the_next_call(
+def test_an_error_of_a_commit_sent_without_waiting_is_reported_by_collect_not_by_the_next_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = LocalTierClient(tier_config(tmp_path, cpu_blocks=8), IDENTITY, arena_name=arena_name())
     link = TierLink(client, IDENTITY)
     try:
+        assert link.ordered  # a store with no disk answers on the caller's thread
         metas, data = make_blocks(3)
         store = client.store
 
@@ -188,10 +189,12 @@ def test_an_error_of_a_commit_sent_without_waiting_is_raised_by_the_next_call(
             raise LeaseError("injected: the tier does not know these leases")
 
         monkeypatch.setattr(store, "commit", refused)
-        assert link.spill(metas[:2], data, [0, 1]) == 2  # returned after the copy, commit in flight
-        with pytest.raises(LeaseError, match="injected"):
-            link.lookup(hashes(metas))
+        assert link.spill(metas[:2], data, [0, 1]) == 2  # returned after the copy; the commit's answer is in
+        assert link.lookup(hashes(metas)) == (0, ())  # an earlier call's error is not this call's
         monkeypatch.undo()
+        [(op, error)] = link.collect()
+        assert op == "commit" and isinstance(error, LeaseError) and "injected" in str(error)
+        assert link.collect() == []  # reported once
         client.release([lease for lease in store.cpu._held])  # the refused commit's write leases
         assert link.spill(metas[2:], data, [2]) == 1
         assert link.lookup(hashes(metas[2:])) == (1, ("CPU",))
@@ -298,25 +301,58 @@ def test_on_an_unordered_client_each_chunk_waits_for_the_answers_before_it(tmp_p
         client.close()
 
 
-def test_an_error_in_an_answer_on_its_way_is_raised_by_the_first_call_after_it_arrives(tmp_path: Path) -> None:
-    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=8), IDENTITY, arena_name=arena_name())
+def test_on_an_ordered_client_an_earlier_calls_error_never_fails_a_later_call(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=3), IDENTITY, arena_name=arena_name())
     tier = InFlight(client, ordered=True)
     link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
     try:
-        metas, data = make_blocks(3)
+        metas, data = make_blocks(6)
         tier.refuse = LeaseError("injected: refused")
         assert link.spill(metas[:1], data, [0]) == 1
-        assert link.spill(metas[1:2], data, [1]) == 1  # the refusal has not arrived: this call does not see it
-        tier.arrive()
-        with pytest.raises(LeaseError, match="injected"):
-            link.spill(metas[2:], data, [2])
-        assert tier.calls == ["reserve", "reserve"]  # the third call raised before it reserved anything
-        # collect() returns the errors instead, with the op that sent them.
-        tier.refuse = LeaseError("injected: again")
-        assert link.spill(metas[2:], data, [2]) == 1
+        tier.arrive()  # the refusal is in before the next spill, and before each of its chunks
+        assert link.spill(metas[1:], data, range(1, 6)) == 5  # two chunks through 3 slots: neither raises it
         tier.arrive()
         errors = link.collect()
-        assert [(op, str(exc)) for op, exc in errors] == [("commit", "injected: again")]
+        assert [(op, str(exc)) for op, exc in errors] == [("commit", "injected: refused")]
+        tier.refuse = LeaseError("injected: again")
+        assert link.spill(metas[:1], data, [0]) == 1
+        with pytest.raises(LeaseError, match="again"):  # settle() waits for the answer and raises it
+            link.settle()
+        assert link.collect() == []
+    finally:
+        link.close()
+        client.close()
+
+
+def test_on_an_unordered_client_an_earlier_calls_error_is_raised_before_the_next_call_does_anything(
+    tmp_path: Path,
+) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=8), IDENTITY, arena_name=arena_name())
+    tier = InFlight(client, ordered=False)
+    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
+    try:
+        metas, data = make_blocks(2)
+        tier.refuse = LeaseError("injected: refused")
+        assert link.spill(metas[:1], data, [0]) == 1
+        with pytest.raises(LeaseError, match="injected"):
+            link.spill(metas[1:], data, [1])
+        assert tier.calls == ["reserve", "waited for commit"]  # it raised before it reserved
+    finally:
+        link.close()
+        client.close()
+
+
+def test_on_an_ordered_client_an_answer_that_never_comes_is_waited_for_past_the_bound(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=64), IDENTITY, arena_name=arena_name())
+    tier = InFlight(client, ordered=True)
+    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
+    try:
+        metas, data = make_blocks(MAX_UNANSWERED + 2)
+        for index in range(MAX_UNANSWERED + 2):
+            assert link.spill(metas[index : index + 1], data, [index]) == 1
+        # Never arrived: the call after the bound waited for the oldest (here its answer is read at once).
+        assert tier.calls.count("waited for commit") == 1
+        assert len(link._pending) == MAX_UNANSWERED + 1
     finally:
         link.close()
         client.close()

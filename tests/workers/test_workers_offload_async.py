@@ -320,6 +320,11 @@ class AnswersOnTheirWay:
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
+    def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> object:
+        """The answers sent before come in while a reserve waits for its own, as on the control socket."""
+        self.arrive()
+        return self.inner.reserve(blocks, arena)
+
     def commit_later(self, lease_ids: Sequence[int]) -> _Held:
         answer = self.inner.commit(lease_ids)
         error, self.refuse = self.refuse, None
@@ -390,6 +395,32 @@ def test_on_an_ordered_tier_jobs_do_not_wait_for_answers_and_a_late_error_counts
         assert offload.lookup(metas) == 0
         assert not offload.connected and offload.counters.unavailable == 1
         assert offload.counters.spill_failures == 1  # an outage is not a failure
+    finally:
+        offload.close()
+        client.close()
+
+
+def test_on_an_ordered_tier_an_earlier_jobs_error_arriving_mid_job_does_not_fail_it(tmp_path: Path) -> None:
+    config = outage_config(tmp_path)  # a 4-slot arena: six blocks are a store of two chunks
+    identity = cache_identity(config)
+    client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
+    tier = AnswersOnTheirWay(client)
+    offload = TierOffload(TierLink(tier, identity))  # type: ignore[arg-type]
+    try:
+        size = identity.block_size
+        tokens = list(range(7 * size))
+        hasher = BlockHasher(identity.hash_algo, identity.hash_seed, size)
+        metas = BlockMeta.chain(hasher.hash_blocks(tokens), tokens, size)
+        kv = torch.randn((7, *identity.layout.block_shape)).to(identity.torch_dtype)
+        tier.refuse = LeaseError("injected: refused")
+        assert offload.store(metas[:1], kv, [0]) == 1
+        # The refusal arrives during the next store's first reserve, before its second chunk.
+        assert offload.store(metas[1:], kv, list(range(1, 7))) == 6
+        assert offload.counters.spill_failures == 1  # the first store's, counted when this one ended
+        assert offload.counters.promote_failures == 0 and offload.connected
+        tier.arrive()
+        assert offload.lookup(metas[1:]) == 6
+        assert offload.counters.spill_failures == 1
     finally:
         offload.close()
         client.close()
