@@ -27,9 +27,11 @@ than the copy). How the link deals with their answers depends on the client:
   next reserve. The link's calls take the answers already in and keep
   their errors, never raising them into a later call: they are the
   earlier calls' errors. :meth:`TierLink.collect` returns them, each with
-  the op that sent it; :meth:`TierLink.settle` raises the first. At most
-  ``MAX_UNANSWERED`` answers are left outstanding: past that a call waits
-  for the oldest, so an answer that never comes surfaces as a timeout.
+  the op that sent it; :meth:`TierLink.settle` raises the first (the
+  others stay for the next collect or settle). At most ``MAX_UNANSWERED``
+  answers are left outstanding: past that a call waits for the oldest, so
+  an answer that never comes is kept as the client's timeout error (an
+  outage, to the worker) rather than left to pile up.
 - Any other (a plain Ray actor call, which an async actor may run out of
   order) waits for every answer before each call and each chunk, raising
   the first error there. A chunk's slots are what the next chunk needs; a
@@ -55,7 +57,7 @@ from kvstore.events import Medium
 from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit
 from kvstore.tiers.client import Pending, TierClient
 from kvstore.tiers.copy_engine import CopyEngine
-from kvstore.tiers.errors import TierError
+from kvstore.tiers.errors import TierError, TierUnavailableError
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.shared_memory import SharedSlots
 
@@ -114,6 +116,7 @@ class TierLink:
         among them (and among those collected but not yet reported)."""
         errors = self.collect(wait=True)
         if errors:
+            self._errors[:0] = errors[1:]  # the others stay to be reported: by the next collect() or settle()
             raise errors[0][1]
 
     def collect(self, *, wait: bool = False) -> list[tuple[str, BaseException]]:
@@ -126,7 +129,8 @@ class TierLink:
 
     def _take(self, *, wait: bool, keep: int | None = None) -> None:
         """Read the answers in (``wait``: all, waiting; ``keep``: at least until no more than ``keep`` are left,
-        waiting for the oldest), their errors kept for :meth:`collect`."""
+        waiting for the oldest), their errors kept for :meth:`collect`. Once one says the tier timed out or is
+        gone, the calls whose answers are not in are dropped rather than waited for, one timeout each."""
         pending = self._pending
         if not pending:
             return
@@ -139,18 +143,22 @@ class TierLink:
             if keep is not None:
                 taken = max(taken, len(pending) - keep)
         self._pending = pending[taken:]
+        gone = False
         for op, call in pending[:taken]:
+            if gone and not call.done():
+                continue  # the tier timed out or went away: waiting for the rest would only time out again
             try:
                 call.result()
             except BaseException as exc:  # every answer is read before any error is reported
                 self._errors.append((op, exc))
+                gone = gone or isinstance(exc, TierUnavailableError)
 
     def _before_call(self) -> None:
         """What a call needs of the answers before it. An ordered client: only those already in, their errors
         kept for collect() (an earlier call's error is not this call's). Any other: all of them, waited for,
         the first error raised here (the call has done nothing yet)."""
         if self.ordered:
-            self._take(wait=False, keep=MAX_UNANSWERED)
+            self._take(wait=False, keep=MAX_UNANSWERED - 1)  # the call may add one: at most MAX_UNANSWERED after it
         else:
             self.settle()
 

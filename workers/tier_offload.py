@@ -186,6 +186,7 @@ class TierOffload:
         if thread is not None:
             thread.join(timeout=30)
         if link is not None:
+            self._count(link.collect(wait=True))  # the last jobs' answers (one timeout at most on a stuck tier)
             link.close()
 
     def _answered(self, link: TierLink | None) -> TierLink | None:
@@ -193,8 +194,17 @@ class TierOffload:
         error counted against its op and logged; None if one says the tier is gone (it is taken down)."""
         if link is None:
             return None
+        outage = self._count(link.collect())
+        if outage is not None:
+            self._down(link, outage)
+            return None
+        return link
+
+    def _count(self, errors: list[tuple[str, BaseException]]) -> TierUnavailableError | None:
+        """Count and log the errors of calls sent without waiting, each against its op; returns the first outage
+        among them (not counted here: taking the tier down counts it)."""
         outage: TierUnavailableError | None = None
-        for op, exc in link.collect():
+        for op, exc in errors:
             if isinstance(exc, TierUnavailableError):
                 outage = outage or exc
                 continue
@@ -203,10 +213,7 @@ class TierOffload:
             else:
                 self.counters.promote_failures += 1
             logger.error("the tier failed a %s sent without waiting: %s", op, exc, exc_info=exc)
-        if outage is not None:
-            self._down(link, outage)
-            return None
-        return link
+        return outage
 
     # ------------------------------------------------------------- outages
 
@@ -218,6 +225,7 @@ class TierOffload:
             self._link = None
             self.counters.unavailable += 1
         logger.warning("the node's tier is unavailable (%s): spills and promotions are off until it is back", exc)
+        self._count(link.collect())  # errors the link kept, and answers in: still counted against their ops
         try:
             link.close(wait=False)  # answers still out would only time out on a tier that is gone
         except Exception as close_exc:  # unmapping is best effort; the mapping goes with the process anyway

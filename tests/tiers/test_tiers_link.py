@@ -12,7 +12,7 @@ from tiers_helpers import IDENTITY, arena_name, hashes, linked_tier, make_blocks
 
 from kvstore.tiers.blocks import BlockMeta, SlotGrant
 from kvstore.tiers.client import LocalTierClient
-from kvstore.tiers.errors import InvalidBlockError, LeaseError, TierError
+from kvstore.tiers.errors import InvalidBlockError, LeaseError, TierError, TierTimeoutError
 from kvstore.tiers.link import MAX_UNANSWERED, Promoted, TierLink
 
 
@@ -316,8 +316,12 @@ def test_on_an_ordered_client_an_earlier_calls_error_never_fails_a_later_call(tm
         assert [(op, str(exc)) for op, exc in errors] == [("commit", "injected: refused")]
         tier.refuse = LeaseError("injected: again")
         assert link.spill(metas[:1], data, [0]) == 1
-        with pytest.raises(LeaseError, match="again"):  # settle() waits for the answer and raises it
+        tier.refuse = LeaseError("injected: a third time")
+        assert link.spill(metas[1:2], data, [1]) == 1
+        with pytest.raises(LeaseError, match="again"):  # settle() waits for the answers and raises the first
             link.settle()
+        [(op, error)] = link.collect()  # the other is kept, not lost
+        assert op == "commit" and "third" in str(error)
         assert link.collect() == []
     finally:
         link.close()
@@ -350,9 +354,27 @@ def test_on_an_ordered_client_an_answer_that_never_comes_is_waited_for_past_the_
         metas, data = make_blocks(MAX_UNANSWERED + 2)
         for index in range(MAX_UNANSWERED + 2):
             assert link.spill(metas[index : index + 1], data, [index]) == 1
-        # Never arrived: the call after the bound waited for the oldest (here its answer is read at once).
-        assert tier.calls.count("waited for commit") == 1
-        assert len(link._pending) == MAX_UNANSWERED + 1
+        # Never arrived: each call past the bound waited for the oldest (here its answer is read at once).
+        assert tier.calls.count("waited for commit") == 2  # the 33rd and 34th calls
+        assert len(link._pending) == MAX_UNANSWERED
+    finally:
+        link.close()
+        client.close()
+
+
+def test_a_wait_that_finds_the_tier_gone_does_not_wait_again_for_the_answers_behind_it(tmp_path: Path) -> None:
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=8), IDENTITY, arena_name=arena_name())
+    tier = InFlight(client, ordered=True)
+    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
+    try:
+        metas, data = make_blocks(3)
+        tier.refuse = TierTimeoutError("injected: no answer in time")
+        for index in range(3):
+            assert link.spill(metas[index : index + 1], data, [index]) == 1
+        errors = link.collect(wait=True)
+        assert [type(exc) for _, exc in errors] == [TierTimeoutError]
+        assert tier.calls.count("waited for commit") == 1  # the two behind it were dropped, not waited for
+        assert link._pending == []
     finally:
         link.close()
         client.close()

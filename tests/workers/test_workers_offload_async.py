@@ -26,6 +26,7 @@ from kvstore.hashing import BlockHasher, to_external
 from kvstore.tiers.blocks import BlockMeta
 from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.errors import LeaseError, TierUnavailableError
+from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.link import TierLink
 from kvstore.worker_api import GenerateRequest
 from kvstore.workers.config import cache_identity
@@ -314,6 +315,8 @@ class AnswersOnTheirWay:
     def __init__(self, inner: LocalTierClient) -> None:
         self.inner = inner
         self.refuse: Exception | None = None
+        self.reserves = 0
+        self.gone_at_reserve: int | None = None
         self.waited = 0  # answers read before they arrived: each a round trip a job sat through
         self._held: list[_Held] = []
 
@@ -321,8 +324,12 @@ class AnswersOnTheirWay:
         return getattr(self.inner, name)
 
     def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> object:
-        """The answers sent before come in while a reserve waits for its own, as on the control socket."""
+        """The answers sent before come in while a reserve waits for its own, as on the control socket;
+        reserve number ``gone_at_reserve`` (counting from 1) finds the tier gone."""
         self.arrive()
+        self.reserves += 1
+        if self.reserves == self.gone_at_reserve:
+            raise TierUnavailableError("injected: the tier went away")
         return self.inner.reserve(blocks, arena)
 
     def commit_later(self, lease_ids: Sequence[int]) -> _Held:
@@ -401,26 +408,52 @@ def test_on_an_ordered_tier_jobs_do_not_wait_for_answers_and_a_late_error_counts
 
 
 def test_on_an_ordered_tier_an_earlier_jobs_error_arriving_mid_job_does_not_fail_it(tmp_path: Path) -> None:
-    config = outage_config(tmp_path)  # a 4-slot arena: six blocks are a store of two chunks
+    config = outage_config(tmp_path)  # an 8-slot arena: ten blocks are a store of two chunks
+    identity = cache_identity(config)
+    client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
+    assert client.arena_info().num_slots == 8
+    tier = AnswersOnTheirWay(client)
+    offload = TierOffload(TierLink(tier, identity))  # type: ignore[arg-type]
+    try:
+        metas, kv = _blocks(identity, 11)
+        tier.refuse = LeaseError("injected: refused")
+        assert offload.store(metas[:1], kv, [0]) == 1
+        # The refusal arrives during the next store's first reserve, before its second chunk.
+        assert offload.store(metas[1:], kv, list(range(1, 11))) == 10
+        assert tier.reserves == 3
+        assert offload.counters.spill_failures == 1  # the first store's, counted when this one ended
+        assert offload.counters.promote_failures == 0 and offload.connected
+        tier.arrive()
+        assert offload.lookup(metas[3:]) == 8
+        assert offload.counters.spill_failures == 1
+    finally:
+        offload.close()
+        client.close()
+
+
+def test_an_error_kept_when_a_later_call_finds_the_tier_gone_is_still_counted(tmp_path: Path) -> None:
+    config = outage_config(tmp_path)
     identity = cache_identity(config)
     client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
     tier = AnswersOnTheirWay(client)
     offload = TierOffload(TierLink(tier, identity))  # type: ignore[arg-type]
     try:
-        size = identity.block_size
-        tokens = list(range(7 * size))
-        hasher = BlockHasher(identity.hash_algo, identity.hash_seed, size)
-        metas = BlockMeta.chain(hasher.hash_blocks(tokens), tokens, size)
-        kv = torch.randn((7, *identity.layout.block_shape)).to(identity.torch_dtype)
+        metas, kv = _blocks(identity, 11)
         tier.refuse = LeaseError("injected: refused")
         assert offload.store(metas[:1], kv, [0]) == 1
-        # The refusal arrives during the next store's first reserve, before its second chunk.
-        assert offload.store(metas[1:], kv, list(range(1, 7))) == 6
-        assert offload.counters.spill_failures == 1  # the first store's, counted when this one ended
-        assert offload.counters.promote_failures == 0 and offload.connected
-        tier.arrive()
-        assert offload.lookup(metas[1:]) == 6
-        assert offload.counters.spill_failures == 1
+        tier.gone_at_reserve = 3  # the second chunk's reserve finds the tier gone, after the refusal arrived
+        assert offload.store(metas[1:], kv, list(range(1, 11))) == 0
+        assert not offload.connected and offload.counters.unavailable == 1
+        assert offload.counters.spill_failures == 1  # the refusal the link kept, counted as the tier went down
+        assert offload.counters.spill_skipped_blocks == 10
     finally:
         offload.close()
         client.close()
+
+
+def _blocks(identity: CacheIdentity, count: int) -> tuple[list[BlockMeta], torch.Tensor]:
+    size = identity.block_size
+    tokens = list(range(count * size))
+    hasher = BlockHasher(identity.hash_algo, identity.hash_seed, size)
+    metas = BlockMeta.chain(hasher.hash_blocks(tokens), tokens, size)
+    return metas, torch.randn((count, *identity.layout.block_shape)).to(identity.torch_dtype)

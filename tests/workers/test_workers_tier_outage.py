@@ -30,7 +30,7 @@ from kvstore.workers.worker import KVWorker
 
 
 def outage_config(tmp_path: Path) -> Config:
-    # 16-token blocks of the toy model are 32 KiB; a 4-slot arena sends evicted blocks on to disk.
+    # 16-token blocks of the toy model are 16 KiB; an 8-slot arena sends evicted blocks on to disk.
     return config_from_dict(
         {
             "cache": {"block_size": 16},
