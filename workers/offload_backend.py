@@ -19,6 +19,15 @@ Failure modes, and whose they are
       (the media of those filled); the rest stay unfilled and are freed, so
       a partial load is never read as KV.
 
+Optional: ``idle()``. A backend whose calls return before the tier has
+answered them (:class:`~kvstore.workers.tier_offload.TierOffload` on an
+ordered tier: a store ends with its copy, its commit's answer still on the
+way) may define it. The offload thread calls it whenever its queue runs
+dry, and counts it as part of the job just run. It waits for those answers,
+so that an idle offloader, and a drained worker, means every store is in
+the tier for every other caller too. It must absorb its own errors, as the
+other calls absorb outages.
+
 :class:`NoOffload` is the null backend (no tier: nothing is stored or
 loaded, and the worker runs no offload thread). :class:`LinkedOffload`
 marks a backend whose tier link has counters the worker exports.

@@ -21,6 +21,9 @@ Data structures
 Invariants
     - A job is collected exactly once, after the thread set ``finished``;
       ``busy`` is true from its submission until then.
+    - When the queue runs dry the thread calls the backend's ``idle()``
+      (if it has one) before it counts itself idle, so :meth:`~OffloadThread.wait_idle`
+      returning means the backend has nothing outstanding either.
     - The thread touches only the backend and the KV tensor rows of its
       jobs (blocks the submitter holds); never the pool or the worker.
     - A job ``cancelled`` before it starts is not run (it finishes with no
@@ -186,6 +189,7 @@ class OffloadThread:
     def _run(self) -> None:
         kv = self.kv_pool.kv
         backend = self.backend
+        idle: Callable[[], None] | None = getattr(backend, "idle", None)  # optional (offload_backend)
         while True:
             job = self._next_job()
             if job is None:
@@ -208,9 +212,17 @@ class OffloadThread:
                 logger.exception(
                     "offload %s of %d blocks failed; treated as done nothing", job.kind.value, len(job.metas)
                 )
-            self.counters.busy_seconds += time.perf_counter() - started  # this thread is its only writer
             job.finished = True
             self._done.append(job)
+            with self._queue:
+                dry = not (self._lookups or self._others)
+            if dry and idle is not None:  # answers still on their way are waited for while nothing else waits
+                self._wake()  # the step loop may collect the job meanwhile: its blocks need nothing more
+                try:
+                    idle()
+                except Exception:  # the backend absorbs its errors; one that escapes is logged, never fatal
+                    logger.exception("the offload backend's idle() failed")
+            self.counters.busy_seconds += time.perf_counter() - started  # this thread is its only writer
             with self._idle:
                 self._running = False
                 self._idle.notify_all()

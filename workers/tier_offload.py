@@ -22,7 +22,9 @@ does not wait for those answers either -- the tier has run them before the
 next job's calls -- so a store ends with its copy, not a round trip later.
 The answers are read as they come, at the start and end of each job (the
 link keeps the errors of those that arrive in between, never raising them
-into a later call); one that is an error is counted against the op that
+into a later call), and waited for when the offload thread runs out of
+jobs (``idle``), so that a drained worker's stores are in the tier for
+every other caller too; one that is an error is counted against the op that
 sent it (a commit's as a ``spill_failures``, a release's as a
 ``promote_failures``) and logged, and one that is an outage takes the tier
 down. On any other tier (plain Ray calls) each job waits for its own
@@ -176,6 +178,16 @@ class TierOffload:
         if list(promoted.block_ids) != list(block_ids[: len(promoted.block_ids)]):
             raise AssertionError(f"the link filled blocks {promoted.block_ids}, not a prefix of {list(block_ids)}")
         return promoted.media
+
+    def idle(self) -> None:
+        """The offload thread's queue ran dry: wait for the answers still on their way (an ordered tier's
+        commits and releases), counting their errors, so that every store is in the tier for every caller."""
+        link = self._link
+        if link is None:
+            return
+        outage = self._count(link.collect(wait=True))
+        if outage is not None:
+            self._down(link, outage)
 
     def close(self) -> None:
         """Stop reconnecting and unmap the arena. Idempotent."""

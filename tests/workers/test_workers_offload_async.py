@@ -317,6 +317,7 @@ class AnswersOnTheirWay:
         self.refuse: Exception | None = None
         self.reserves = 0
         self.gone_at_reserve: int | None = None
+        self.sent: list[_Held] = []
         self.waited = 0  # answers read before they arrived: each a round trip a job sat through
         self._held: list[_Held] = []
 
@@ -343,6 +344,7 @@ class AnswersOnTheirWay:
 
     def _hold(self, held: _Held) -> _Held:
         self._held.append(held)
+        self.sent.append(held)
         return held
 
     def arrive(self) -> None:
@@ -457,3 +459,29 @@ def _blocks(identity: CacheIdentity, count: int) -> tuple[list[BlockMeta], torch
     hasher = BlockHasher(identity.hash_algo, identity.hash_seed, size)
     metas = BlockMeta.chain(hasher.hash_blocks(tokens), tokens, size)
     return metas, torch.randn((count, *identity.layout.block_shape)).to(identity.torch_dtype)
+
+
+def test_a_drained_worker_on_an_ordered_tier_has_every_answer_in(tmp_path: Path, reference: Reference) -> None:
+    """Stores end with their copies on an ordered tier, their commits' answers still on the way; when the
+    offload thread runs dry it waits for them, so a drained worker's blocks are in the tier for every caller."""
+    config = outage_config(tmp_path)
+    identity = cache_identity(config)
+    client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
+    tier = AnswersOnTheirWay(client)
+    offload = TierOffload(TierLink(tier, identity))  # type: ignore[arg-type]
+    worker = KVWorker("ordered", config, offload=offload)
+    try:
+        rng = random.Random(11)
+        for _ in range(3):
+            request = GenerateRequest(random_tokens(rng, 9 * 16 + 3), 2)
+            assert worker.generate(request).output_token_ids == reference(request)
+        assert worker.drain_offload()
+        commits = [held for held in tier.sent if held.answer is not None]
+        assert commits and all(held.arrived for held in tier.sent)
+        assert tier.waited >= 1  # the last store's commit was waited for when the thread ran dry
+        assert offload.counters.spill_failures == 0 and offload.connected
+        worker.check_invariants()
+    finally:
+        worker.shutdown()
+        offload.close()
+        client.close()
