@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -261,11 +262,23 @@ class InFlight:
         self.unanswered = []
 
 
-def test_on_an_ordered_client_no_call_waits_for_an_earlier_answer(tmp_path: Path) -> None:
-    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=3), IDENTITY, arena_name=arena_name())
-    tier = InFlight(client, ordered=True)
+@contextmanager
+def in_flight(
+    tmp_path: Path, *, cpu_blocks: int, ordered: bool
+) -> Iterator[tuple[LocalTierClient, InFlight, TierLink]]:
+    """A link over an :class:`InFlight` client of a real in-process store with ``cpu_blocks`` slots."""
+    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=cpu_blocks), IDENTITY, arena_name=arena_name())
+    tier = InFlight(client, ordered=ordered)
     link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]  # a TierClient by its methods
     try:
+        yield client, tier, link
+    finally:
+        link.close()
+        client.close()
+
+
+def test_on_an_ordered_client_no_call_waits_for_an_earlier_answer(tmp_path: Path) -> None:
+    with in_flight(tmp_path, cpu_blocks=3, ordered=True) as (client, tier, link):
         assert link.ordered
         metas, data = make_blocks(5)
         # Five blocks through a 3-slot arena: two chunks, the second's reserve sent with the first's commit
@@ -281,31 +294,19 @@ def test_on_an_ordered_client_no_call_waits_for_an_earlier_answer(tmp_path: Path
         tier.arrive()
         assert link.collect() == [] and link._pending == []
         client.check_invariants()
-    finally:
-        link.close()
-        client.close()
 
 
 def test_on_an_unordered_client_each_chunk_waits_for_the_answers_before_it(tmp_path: Path) -> None:
-    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=3), IDENTITY, arena_name=arena_name())
-    tier = InFlight(client, ordered=False)
-    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
-    try:
+    with in_flight(tmp_path, cpu_blocks=3, ordered=False) as (_client, tier, link):
         metas, data = make_blocks(5)
         assert link.spill(metas, data, range(5)) == 5
         assert tier.calls == ["reserve", "waited for commit", "reserve"]
         assert link.lookup(hashes(metas)) == (0, ())  # the first three were evicted by the second chunk
         assert tier.calls[-1] == "waited for commit"
-    finally:
-        link.close()
-        client.close()
 
 
 def test_on_an_ordered_client_an_earlier_calls_error_never_fails_a_later_call(tmp_path: Path) -> None:
-    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=3), IDENTITY, arena_name=arena_name())
-    tier = InFlight(client, ordered=True)
-    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
-    try:
+    with in_flight(tmp_path, cpu_blocks=3, ordered=True) as (_client, tier, link):
         metas, data = make_blocks(6)
         tier.refuse = LeaseError("injected: refused")
         assert link.spill(metas[:1], data, [0]) == 1
@@ -323,50 +324,32 @@ def test_on_an_ordered_client_an_earlier_calls_error_never_fails_a_later_call(tm
         [(op, error)] = link.collect()  # the other is kept, not lost
         assert op == "commit" and "third" in str(error)
         assert link.collect() == []
-    finally:
-        link.close()
-        client.close()
 
 
 def test_on_an_unordered_client_an_earlier_calls_error_is_raised_before_the_next_call_does_anything(
     tmp_path: Path,
 ) -> None:
-    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=8), IDENTITY, arena_name=arena_name())
-    tier = InFlight(client, ordered=False)
-    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
-    try:
+    with in_flight(tmp_path, cpu_blocks=8, ordered=False) as (_client, tier, link):
         metas, data = make_blocks(2)
         tier.refuse = LeaseError("injected: refused")
         assert link.spill(metas[:1], data, [0]) == 1
         with pytest.raises(LeaseError, match="injected"):
             link.spill(metas[1:], data, [1])
         assert tier.calls == ["reserve", "waited for commit"]  # it raised before it reserved
-    finally:
-        link.close()
-        client.close()
 
 
 def test_on_an_ordered_client_an_answer_that_never_comes_is_waited_for_past_the_bound(tmp_path: Path) -> None:
-    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=64), IDENTITY, arena_name=arena_name())
-    tier = InFlight(client, ordered=True)
-    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
-    try:
+    with in_flight(tmp_path, cpu_blocks=64, ordered=True) as (_client, tier, link):
         metas, data = make_blocks(MAX_UNANSWERED + 2)
         for index in range(MAX_UNANSWERED + 2):
             assert link.spill(metas[index : index + 1], data, [index]) == 1
         # Never arrived: each call past the bound waited for the oldest (here its answer is read at once).
         assert tier.calls.count("waited for commit") == 2  # the 33rd and 34th calls
         assert len(link._pending) == MAX_UNANSWERED
-    finally:
-        link.close()
-        client.close()
 
 
 def test_a_wait_that_finds_the_tier_gone_does_not_wait_again_for_the_answers_behind_it(tmp_path: Path) -> None:
-    client = LocalTierClient(tier_config(tmp_path, cpu_blocks=8), IDENTITY, arena_name=arena_name())
-    tier = InFlight(client, ordered=True)
-    link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]
-    try:
+    with in_flight(tmp_path, cpu_blocks=8, ordered=True) as (_client, tier, link):
         metas, data = make_blocks(3)
         tier.refuse = TierTimeoutError("injected: no answer in time")
         for index in range(3):
@@ -375,6 +358,3 @@ def test_a_wait_that_finds_the_tier_gone_does_not_wait_again_for_the_answers_beh
         assert [type(exc) for _, exc in errors] == [TierTimeoutError]
         assert tier.calls.count("waited for commit") == 1  # the two behind it were dropped, not waited for
         assert link._pending == []
-    finally:
-        link.close()
-        client.close()

@@ -12,7 +12,8 @@ import logging
 import random
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -370,20 +371,26 @@ class _Held:
         return self.answer
 
 
-def test_on_an_ordered_tier_jobs_do_not_wait_for_answers_and_a_late_error_counts_against_its_op(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+@contextmanager
+def ordered_tier(tmp_path: Path) -> Iterator[tuple[CacheIdentity, AnswersOnTheirWay, TierOffload]]:
+    """A TierOffload over an :class:`AnswersOnTheirWay` client of a real in-process store (8 slots, a disk)."""
     config = outage_config(tmp_path)
     identity = cache_identity(config)
     client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
     tier = AnswersOnTheirWay(client)
     offload = TierOffload(TierLink(tier, identity))  # type: ignore[arg-type]  # a TierClient by its methods
     try:
-        size = identity.block_size
-        tokens = list(range(3 * size))
-        hasher = BlockHasher(identity.hash_algo, identity.hash_seed, size)
-        metas = BlockMeta.chain(hasher.hash_blocks(tokens), tokens, size)
-        kv = torch.randn((3, *identity.layout.block_shape)).to(identity.torch_dtype)
+        yield identity, tier, offload
+    finally:
+        offload.close()
+        client.close()
+
+
+def test_on_an_ordered_tier_jobs_do_not_wait_for_answers_and_a_late_error_counts_against_its_op(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with ordered_tier(tmp_path) as (identity, tier, offload):
+        metas, kv = _blocks(identity, 3)
         tier.refuse = LeaseError("injected: the commit's answer is a refusal")
         assert offload.store(metas[:1], kv, [0]) == 1  # its commit's answer has not come: not waited for
         assert offload.counters.spill_failures == 0
@@ -404,19 +411,11 @@ def test_on_an_ordered_tier_jobs_do_not_wait_for_answers_and_a_late_error_counts
         assert offload.lookup(metas) == 0
         assert not offload.connected and offload.counters.unavailable == 1
         assert offload.counters.spill_failures == 1  # an outage is not a failure
-    finally:
-        offload.close()
-        client.close()
 
 
 def test_on_an_ordered_tier_an_earlier_jobs_error_arriving_mid_job_does_not_fail_it(tmp_path: Path) -> None:
-    config = outage_config(tmp_path)  # an 8-slot arena: ten blocks are a store of two chunks
-    identity = cache_identity(config)
-    client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
-    assert client.arena_info().num_slots == 8
-    tier = AnswersOnTheirWay(client)
-    offload = TierOffload(TierLink(tier, identity))  # type: ignore[arg-type]
-    try:
+    with ordered_tier(tmp_path) as (identity, tier, offload):  # an 8-slot arena: ten blocks are a store of two chunks
+        assert tier.inner.arena_info().num_slots == 8
         metas, kv = _blocks(identity, 11)
         tier.refuse = LeaseError("injected: refused")
         assert offload.store(metas[:1], kv, [0]) == 1
@@ -428,18 +427,10 @@ def test_on_an_ordered_tier_an_earlier_jobs_error_arriving_mid_job_does_not_fail
         tier.arrive()
         assert offload.lookup(metas[3:]) == 8
         assert offload.counters.spill_failures == 1
-    finally:
-        offload.close()
-        client.close()
 
 
 def test_an_error_kept_when_a_later_call_finds_the_tier_gone_is_still_counted(tmp_path: Path) -> None:
-    config = outage_config(tmp_path)
-    identity = cache_identity(config)
-    client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
-    tier = AnswersOnTheirWay(client)
-    offload = TierOffload(TierLink(tier, identity))  # type: ignore[arg-type]
-    try:
+    with ordered_tier(tmp_path) as (identity, tier, offload):
         metas, kv = _blocks(identity, 11)
         tier.refuse = LeaseError("injected: refused")
         assert offload.store(metas[:1], kv, [0]) == 1
@@ -448,9 +439,6 @@ def test_an_error_kept_when_a_later_call_finds_the_tier_gone_is_still_counted(tm
         assert not offload.connected and offload.counters.unavailable == 1
         assert offload.counters.spill_failures == 1  # the refusal the link kept, counted as the tier went down
         assert offload.counters.spill_skipped_blocks == 10
-    finally:
-        offload.close()
-        client.close()
 
 
 def _blocks(identity: CacheIdentity, count: int) -> tuple[list[BlockMeta], torch.Tensor]:
@@ -464,24 +452,18 @@ def _blocks(identity: CacheIdentity, count: int) -> tuple[list[BlockMeta], torch
 def test_a_drained_worker_on_an_ordered_tier_has_every_answer_in(tmp_path: Path, reference: Reference) -> None:
     """Stores end with their copies on an ordered tier, their commits' answers still on the way; when the
     offload thread runs dry it waits for them, so a drained worker's blocks are in the tier for every caller."""
-    config = outage_config(tmp_path)
-    identity = cache_identity(config)
-    client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
-    tier = AnswersOnTheirWay(client)
-    offload = TierOffload(TierLink(tier, identity))  # type: ignore[arg-type]
-    worker = KVWorker("ordered", config, offload=offload)
-    try:
-        rng = random.Random(11)
-        for _ in range(3):
-            request = GenerateRequest(random_tokens(rng, 9 * 16 + 3), 2)
-            assert worker.generate(request).output_token_ids == reference(request)
-        assert worker.drain_offload()
-        commits = [held for held in tier.sent if held.answer is not None]
-        assert commits and all(held.arrived for held in tier.sent)
-        assert tier.waited >= 1  # the last store's commit was waited for when the thread ran dry
-        assert offload.counters.spill_failures == 0 and offload.connected
-        worker.check_invariants()
-    finally:
-        worker.shutdown()
-        offload.close()
-        client.close()
+    with ordered_tier(tmp_path) as (_, tier, offload):
+        worker = KVWorker("ordered", outage_config(tmp_path), offload=offload)
+        try:
+            rng = random.Random(11)
+            for _ in range(3):
+                request = GenerateRequest(random_tokens(rng, 9 * 16 + 3), 2)
+                assert worker.generate(request).output_token_ids == reference(request)
+            assert worker.drain_offload()
+            commits = [held for held in tier.sent if held.answer is not None]
+            assert commits and all(held.arrived for held in tier.sent)
+            assert tier.waited >= 1  # the last store's commit was waited for when the thread ran dry
+            assert offload.counters.spill_failures == 0 and offload.connected
+            worker.check_invariants()
+        finally:
+            worker.shutdown()
