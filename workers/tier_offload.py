@@ -182,12 +182,7 @@ class TierOffload:
     def idle(self) -> None:
         """The offload thread's queue ran dry: wait for the answers still on their way (an ordered tier's
         commits and releases), counting their errors, so that every store is in the tier for every caller."""
-        link = self._link
-        if link is None:
-            return
-        outage = self._count(link.collect(wait=True))
-        if outage is not None:
-            self._down(link, outage)
+        self._answered(self._link, wait=True)
 
     def close(self) -> None:
         """Stop reconnecting and unmap the arena. Idempotent."""
@@ -201,12 +196,13 @@ class TierOffload:
             self._count(link.collect(wait=True))  # the last jobs' answers (one timeout at most on a stuck tier)
             link.close()
 
-    def _answered(self, link: TierLink | None) -> TierLink | None:
-        """``link`` once the answers in (of calls this or earlier jobs sent without waiting) are read: each
-        error counted against its op and logged; None if one says the tier is gone (it is taken down)."""
+    def _answered(self, link: TierLink | None, *, wait: bool = False) -> TierLink | None:
+        """``link`` once the answers in (of calls this or earlier jobs sent without waiting; ``wait``: all of
+        them, waited for) are read: each error counted against its op and logged; None if one says the tier is
+        gone (it is taken down)."""
         if link is None:
             return None
-        outage = self._count(link.collect())
+        outage = self._count(link.collect(wait=wait))
         if outage is not None:
             self._down(link, outage)
             return None
