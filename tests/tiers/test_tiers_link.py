@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiers_helpers import IDENTITY, arena_name, hashes, linked_tier, make_blocks, tier_config
+from tiers_helpers import IDENTITY, AnswersInFlight, arena_name, hashes, linked_tier, make_blocks, tier_config
 
 from kvstore.tiers.blocks import BlockMeta, SlotGrant
 from kvstore.tiers.client import LocalTierClient
@@ -205,70 +205,13 @@ def test_an_error_of_a_commit_sent_without_waiting_is_reported_by_collect_not_by
         client.close()
 
 
-class InFlight:
-    """A client whose commits and releases run at once, in the order sent, but whose answers arrive only when
-    the test lets them (``arrive``): the tier's control socket, with the answer still on its way."""
-
-    def __init__(self, client: LocalTierClient, *, ordered: bool) -> None:
-        self.client = client
-        self.ordered = ordered
-        self.calls: list[str] = []
-        self.refuse: Exception | None = None  # the next commit's answer is this error
-        self.unanswered: list[Any] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-    def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
-        self.calls.append("reserve")
-        return self.client.reserve(blocks, arena)
-
-    def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
-        self.calls.append("acquire")
-        return self.client.acquire(blocks, arena)
-
-    def commit_later(self, lease_ids: Sequence[int]) -> Any:
-        return self._later("commit", self.client.commit, lease_ids)
-
-    def release_later(self, lease_ids: Sequence[int]) -> Any:
-        return self._later("release", self.client.release, lease_ids)
-
-    def _later(self, op: str, call: Any, lease_ids: Sequence[int]) -> Any:
-        outer, error = self, self.refuse
-        self.refuse = None
-        answer = call(lease_ids)  # run now, as an ordered tier runs it before the next call
-
-        class Answer:
-            arrived = False
-
-            def done(self) -> bool:
-                return self.arrived
-
-            def result(self) -> Any:
-                if not self.arrived:  # reading an answer not yet in means waiting for it
-                    outer.calls.append(f"waited for {op}")
-                    self.arrived = True
-                if error is not None:
-                    raise error
-                return answer
-
-        pending = Answer()
-        self.unanswered.append(pending)
-        return pending
-
-    def arrive(self) -> None:
-        for pending in self.unanswered:
-            pending.arrived = True
-        self.unanswered = []
-
-
 @contextmanager
 def in_flight(
     tmp_path: Path, *, cpu_blocks: int, ordered: bool
-) -> Iterator[tuple[LocalTierClient, InFlight, TierLink]]:
-    """A link over an :class:`InFlight` client of a real in-process store with ``cpu_blocks`` slots."""
+) -> Iterator[tuple[LocalTierClient, AnswersInFlight, TierLink]]:
+    """A link over an :class:`AnswersInFlight` client of a real in-process store with ``cpu_blocks`` slots."""
     client = LocalTierClient(tier_config(tmp_path, cpu_blocks=cpu_blocks), IDENTITY, arena_name=arena_name())
-    tier = InFlight(client, ordered=ordered)
+    tier = AnswersInFlight(client, ordered=ordered)
     link = TierLink(tier, IDENTITY)  # type: ignore[arg-type]  # a TierClient by its methods
     try:
         yield client, tier, link

@@ -23,10 +23,11 @@ from kvstore.events import EventBatch, EventDecoder, KVEvent
 from kvstore.hashing import BlockHasher
 from kvstore.kv_layout import KVLayout
 from kvstore.publisher import END_SEQ
-from kvstore.tiers.blocks import BlockMeta
+from kvstore.tiers.blocks import BlockMeta, SlotGrant
 from kvstore.tiers.client import LocalTierClient
 from kvstore.tiers.config import TierConfig
 from kvstore.tiers.disk_format import header_len
+from kvstore.tiers.errors import TierUnavailableError
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.link import Promoted, TierLink
 from kvstore.tiers.store import TierStore
@@ -154,3 +155,83 @@ def child_read_slot(name: str, shm_dir: str, slot: int, write_back: bytes) -> by
         return seen
     finally:
         slots.close()
+
+
+class AnswersInFlight:
+    """A real client whose commits and releases sent without waiting run at once, in the order sent, but whose
+    answers -- the store's, or ``refuse``'s error for the next one -- arrive only at :meth:`arrive` (and, with
+    ``arrive_on_reserve``, while a later reserve waits for its own, as on the tier's control socket).
+
+    ``calls`` records the reserves and acquires, and each answer read before it arrived (``"waited for
+    commit"``: a round trip the caller sat through); reserve number ``gone_at_reserve`` (from 1) finds the tier
+    gone. ``ordered`` is what the client declares."""
+
+    def __init__(self, inner: LocalTierClient, *, ordered: bool, arrive_on_reserve: bool = False) -> None:
+        self.inner = inner
+        self.ordered = ordered
+        self.arrive_on_reserve = arrive_on_reserve
+        self.calls: list[str] = []
+        self.refuse: BaseException | None = None
+        self.gone_at_reserve: int | None = None
+        self.sent: list[InFlightAnswer] = []  # every answer, in the order sent
+        self._unanswered: list[InFlightAnswer] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def reserves(self) -> int:
+        return self.calls.count("reserve")
+
+    @property
+    def waited(self) -> int:
+        return sum(call.startswith("waited for") for call in self.calls)
+
+    def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant | None]:
+        if self.arrive_on_reserve:
+            self.arrive()
+        self.calls.append("reserve")
+        if self.reserves == self.gone_at_reserve:
+            raise TierUnavailableError("injected: the tier went away")
+        return self.inner.reserve(blocks, arena)
+
+    def acquire(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> list[SlotGrant]:
+        self.calls.append("acquire")
+        return self.inner.acquire(blocks, arena)
+
+    def commit_later(self, lease_ids: Sequence[int]) -> InFlightAnswer:
+        return self._later("commit", self.inner.commit(lease_ids))
+
+    def release_later(self, lease_ids: Sequence[int]) -> InFlightAnswer:
+        return self._later("release", self.inner.release(lease_ids))
+
+    def _later(self, op: str, answer: Any) -> InFlightAnswer:
+        error, self.refuse = self.refuse, None
+        pending = InFlightAnswer(self, op, answer, error)
+        self._unanswered.append(pending)
+        self.sent.append(pending)
+        return pending
+
+    def arrive(self) -> None:
+        for pending in self._unanswered:
+            pending.arrived = True
+        self._unanswered = []
+
+
+class InFlightAnswer:
+    """One answer of :class:`AnswersInFlight` (a Pending)."""
+
+    def __init__(self, tier: AnswersInFlight, op: str, answer: Any, error: BaseException | None) -> None:
+        self.tier, self.op, self.answer, self.error = tier, op, answer, error
+        self.arrived = False
+
+    def done(self) -> bool:
+        return self.arrived
+
+    def result(self) -> Any:
+        if not self.arrived:  # reading an answer not yet in means waiting for it
+            self.tier.calls.append(f"waited for {self.op}")
+            self.arrived = True
+        if self.error is not None:
+            raise self.error
+        return self.answer

@@ -33,6 +33,7 @@ from kvstore.worker_api import GenerateRequest
 from kvstore.workers.config import cache_identity
 from kvstore.workers.tier_offload import TierOffload
 from kvstore.workers.worker import KVWorker
+from tests.tiers.tiers_helpers import AnswersInFlight
 
 
 class GatedTier(DictTier):
@@ -307,77 +308,13 @@ def test_a_failing_model_step_with_stores_in_flight_recovers(
         worker.shutdown()
 
 
-class AnswersOnTheirWay:
-    """A real LocalTierClient declared ordered, as the tier's control socket is: each commit or release runs at
-    once, in the order sent, but its answer -- the store's, or ``refuse``'s error -- arrives only at ``arrive()``."""
-
-    ordered = True
-
-    def __init__(self, inner: LocalTierClient) -> None:
-        self.inner = inner
-        self.refuse: Exception | None = None
-        self.reserves = 0
-        self.gone_at_reserve: int | None = None
-        self.sent: list[_Held] = []
-        self.waited = 0  # answers read before they arrived: each a round trip a job sat through
-        self._held: list[_Held] = []
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    def reserve(self, blocks: Sequence[BlockMeta], arena: int | None = None) -> object:
-        """The answers sent before come in while a reserve waits for its own, as on the control socket;
-        reserve number ``gone_at_reserve`` (counting from 1) finds the tier gone."""
-        self.arrive()
-        self.reserves += 1
-        if self.reserves == self.gone_at_reserve:
-            raise TierUnavailableError("injected: the tier went away")
-        return self.inner.reserve(blocks, arena)
-
-    def commit_later(self, lease_ids: Sequence[int]) -> _Held:
-        answer = self.inner.commit(lease_ids)
-        error, self.refuse = self.refuse, None
-        return self._hold(_Held(self, answer, error))
-
-    def release_later(self, lease_ids: Sequence[int]) -> _Held:
-        self.inner.release(lease_ids)
-        return self._hold(_Held(self, None, None))
-
-    def _hold(self, held: _Held) -> _Held:
-        self._held.append(held)
-        self.sent.append(held)
-        return held
-
-    def arrive(self) -> None:
-        for held in self._held:
-            held.arrived = True
-        self._held = []
-
-
-class _Held:
-    def __init__(self, tier: AnswersOnTheirWay, answer: object, error: Exception | None) -> None:
-        self.tier, self.answer, self.error = tier, answer, error
-        self.arrived = False
-
-    def done(self) -> bool:
-        return self.arrived
-
-    def result(self) -> object:
-        if not self.arrived:
-            self.tier.waited += 1
-            self.arrived = True
-        if self.error is not None:
-            raise self.error
-        return self.answer
-
-
 @contextmanager
-def ordered_tier(tmp_path: Path) -> Iterator[tuple[CacheIdentity, AnswersOnTheirWay, TierOffload]]:
-    """A TierOffload over an :class:`AnswersOnTheirWay` client of a real in-process store (8 slots, a disk)."""
+def ordered_tier(tmp_path: Path) -> Iterator[tuple[CacheIdentity, AnswersInFlight, TierOffload]]:
+    """A TierOffload over an ordered ``AnswersInFlight`` client of a real in-process store (8 slots, a disk)."""
     config = outage_config(tmp_path)
     identity = cache_identity(config)
     client = LocalTierClient(config.tiers, identity, arena_name=f"kvstore-test-{uuid.uuid4().hex[:12]}")
-    tier = AnswersOnTheirWay(client)
+    tier = AnswersInFlight(client, ordered=True, arrive_on_reserve=True)  # as the control socket delivers
     offload = TierOffload(TierLink(tier, identity))  # type: ignore[arg-type]  # a TierClient by its methods
     try:
         yield identity, tier, offload
