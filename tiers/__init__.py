@@ -8,7 +8,9 @@ module                        what it holds
 ``tiers.identity``            CacheIdentity: what a block's bytes mean, and its digest
 ``tiers.blocks``              BlockMeta (hash, parent, tokens) and small results
 ``tiers.shared_memory``       SharedSlots: /dev/shm slots any process maps by name
-``tiers.cpu_arena``           CpuArena: LRU index over the slots, leases
+``tiers.arena``               the Arena protocol, Lease, LeaseKind, the slot states
+``tiers.cpu_arena``           CpuArena: LRU index over the slots, leases, books in C
+``tiers.cpu_arena_py``        PyCpuArena: the same books in Python (no C compiler)
 ``tiers.tier_events``         MediumEvents: a medium's BlockStored / BlockRemoved
 ``tiers.disk_format``         the block file format (header, checksum)
 ``tiers.disk_files``          one block file's system calls (O_DIRECT, rename)
@@ -17,7 +19,7 @@ module                        what it holds
 ``tiers.disk_scan``           the start-up scan that rebuilds the disk index
 ``tiers.disk``                DiskTier: owns the four above, counts outcomes
 ``tiers.copy_engine``         CopyEngine: batched pool <-> arena copies (threads / CUDA)
-``tiers._copyrows``           the copy engine's host kernel, in C (built at install)
+``tiers._copyrows``           the copy kernel and the arena's SlotTable, in C (built at install)
 ``tiers.admission``           AdmissionFilter: admit a block on its N-th spill
 ``tiers.leases``              LeaseBook: grants, their incarnation check and end
 ``tiers.stats``               counters and the TierStats snapshot

@@ -1,11 +1,14 @@
-/* The CPU arena's batch bookkeeping (tiers/_books.c), added to kvstore.tiers._copyrows at import. */
+/* Block meta field reads (tiers/_books.c) and the SlotTable (tiers/_slots.c), parts of kvstore.tiers._copyrows. */
 #ifndef KVSTORE_TIERS_BOOKS_H
 #define KVSTORE_TIERS_BOOKS_H
 
 #include <Python.h>
 
-/* Adds LeaseCore and the batch functions to `module`; 0, or -1 with an exception set. */
+/* Adds use_meta_type to `module`; 0, or -1 with an exception set. */
 int books_add(PyObject *module);
+
+/* Adds SlotTable (tiers/_slots.c) to `module`; 0, or -1 with an exception set. */
+int slots_add(PyObject *module);
 
 /* The fields of a block meta, by index (tiers/blocks.py's BlockMeta). */
 enum { META_HASH = 0, META_PARENT = 1, META_TOKENS = 2, META_FIELDS = 3 };
@@ -17,5 +20,8 @@ PyObject *books_meta_field(PyObject *meta, int field);
 /* Call once per kernel call, before reading fields: whether the slots use_meta_type() found are still the
  * type's fields (a class attribute reassigned since turns slot reads off for good). Never raises. */
 int books_meta_type_intact(void);
+
+/* `token` as a token id: its value when it is an int in 0..2**63-1, else -1. Never raises, runs no Python code. */
+long long books_token_id(PyObject *token);
 
 #endif

@@ -657,13 +657,7 @@ static int meta_ok(PyObject *meta, Py_ssize_t block_size, int tokens) {
     }
     ok = PyTuple_Check(field) && PyTuple_GET_SIZE(field) == block_size;
     for (Py_ssize_t i = 0; ok && tokens && i < block_size; i++) {
-        PyObject *token = PyTuple_GET_ITEM(field, i);
-        int overflow = 0;
-        long long id = PyLong_Check(token) ? PyLong_AsLongLongAndOverflow(token, &overflow) : -1;
-        if (id == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-        }
-        ok = overflow == 0 && id >= 0;
+        ok = books_token_id(PyTuple_GET_ITEM(field, i)) >= 0;
     }
     Py_DECREF(field);
     return ok;
@@ -736,7 +730,7 @@ PyMODINIT_FUNC PyInit__copyrows(void) {
         Py_DECREF(module);
         return NULL;
     }
-    if (books_add(module) < 0) {
+    if (books_add(module) < 0 || slots_add(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -15,7 +15,7 @@ from collections import Counter
 import msgspec
 
 from kvstore.events import Medium
-from kvstore.tiers.cpu_arena import CpuArena
+from kvstore.tiers.arena import Arena
 from kvstore.tiers.disk import DiskTier
 
 OFFLOAD_SECONDS_BOUNDS: tuple[float, ...] = (
@@ -100,7 +100,7 @@ class TierStats(msgspec.Struct, frozen=True, kw_only=True):
     disk_io_mode: str  # "O_DIRECT", "buffered (why)", or "off"
 
 
-def tier_stats(cpu: CpuArena, disk: DiskTier | None, counters: StoreCounters) -> TierStats:
+def tier_stats(cpu: Arena, disk: DiskTier | None, counters: StoreCounters) -> TierStats:
     """A snapshot of one store: its ``counters``, its arena and (when it has one) its disk tier."""
     usage = {Medium.CPU: cpu.used_bytes}
     capacity = {Medium.CPU: cpu.capacity_bytes}

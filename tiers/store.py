@@ -33,24 +33,25 @@ ZmqEventPublisher whose snapshot covers both media. With events off (no
 
 Concurrency: drive the store from one asyncio event loop (the tier actor's);
 it is bound to the first loop that uses it. The publisher's snapshot runs
-on the publisher's thread and only copies the indexes under their locks.
+on the publisher's thread and only copies what the arena and the disk index
+hold (see each for how).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
-from operator import attrgetter
+from collections.abc import Callable, Sequence
 
 from kvstore.config import EventsConfig
 from kvstore.errors import ConfigError
 from kvstore.events import Medium
 from kvstore.publisher import EventEndpoints, NullEventPublisher, Snapshot, ZmqEventPublisher
 from kvstore.tiers.admission import AdmissionFilter
+from kvstore.tiers.arena import Arena, Lease, LeaseKind
 from kvstore.tiers.blocks import BlockMeta, SlotGrant, TierHit, check_blocks, check_tokens
 from kvstore.tiers.config import TierConfig
-from kvstore.tiers.cpu_arena import CpuArena, Lease, LeaseKind
+from kvstore.tiers.cpu_arena import new_arena
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_runner import Settled
 from kvstore.tiers.errors import TierUnavailableError
@@ -58,8 +59,6 @@ from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.leases import LeaseBook
 from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
 from kvstore.tiers.stats import DISK_READ, DISK_WRITE, StoreCounters, TierStats, tier_stats
-
-_BLOCK_HASH = attrgetter("block_hash")
 
 
 def default_arena_name(identity: CacheIdentity, owner: str | None = None) -> str:
@@ -95,7 +94,7 @@ class TierStore:
             tag=identity.digest(),
             prefault=config.cpu_prefault,
         )
-        self._cpu = CpuArena(slots, block_size=identity.block_size)
+        self._cpu = new_arena(slots, block_size=identity.block_size)
         self._disk: DiskTier | None = None
         self._publisher: ZmqEventPublisher | NullEventPublisher = NullEventPublisher()
         try:
@@ -121,6 +120,7 @@ class TierStore:
         self._leases = LeaseBook(self._cpu, self._counters, block_bytes)
         self._closed = False
         self._events_off = isinstance(self._publisher, NullEventPublisher)
+        self._cpu.record_events = not self._events_off  # nobody could read them: not even recorded
         self._publish()  # what the disk scan found, so subscribers from seq 0 see it
 
     # ----------------------------------------------------------------- queries
@@ -136,7 +136,7 @@ class TierStore:
         return self._publisher.endpoints
 
     @property
-    def cpu(self) -> CpuArena:
+    def cpu(self) -> Arena:
         return self._cpu
 
     @property
@@ -191,56 +191,43 @@ class TierStore:
         self._check_open()
         self._leases.check_arena(arena)
         check_blocks(blocks, self.identity.block_size)
-        cpu, counters = self._cpu, self._counters
         admit = None if self._admission.admit_after == 1 else self._admission.admit  # 1: every block
-        hashes = list(map(_BLOCK_HASH, blocks))
-        held = cpu.held_among(hashes)  # one set operation, not a call per block
-        wanted: Sequence[int]
-        if not held and admit is None:  # the common case: every block is new
-            wanted = range(len(blocks))
+        if admit is None and self._disk is None:  # the common case: one pass, room made as it goes
+            grants, duplicates, no_slot = self._cpu.reserve_grants(blocks, time.perf_counter(), evict=True)
         else:
-            wanted = []
-            for index, meta in enumerate(blocks):
-                if meta.block_hash in held:
-                    cpu.touch(meta.block_hash)
-                    counters.duplicates += 1
-                elif admit is not None and not admit(meta.block_hash):
-                    counters.not_stored["not_admitted"] += 1
-                else:
-                    wanted.append(index)
-        await self._make_cpu_room(len(wanted))
-        self._check_open()  # closed while the disk drained: grant nothing in an arena that is gone
-        grants: list[SlotGrant | None] = [None] * len(blocks)
-        now = time.perf_counter()
-        # Held or being written by now (a duplicate within the batch, or one that arrived while the
-        # room was made): duplicates; the rest get slots while free ones last.
-        taken = cpu.held_among([hashes[index] for index in wanted], writing=True)
-        fresh: Sequence[int] = wanted
-        if taken or len(wanted) < len(blocks):
-            fresh = [index for index in wanted if hashes[index] not in taken]
-            counters.duplicates += len(wanted) - len(fresh)
-            leases = cpu.reserve_many([blocks[index] for index in fresh])
-        else:  # still every block: no index lists
-            leases = cpu.reserve_many(blocks)
-        granted = self._leases.grant_many([lease for lease in leases if lease is not None], Medium.CPU, now)
-        if len(granted) == len(blocks):  # the common case: every block got a slot, in order
-            grants[:] = granted
-            self._publish()
-            return grants
-        if len(granted) == len(fresh):  # every fresh block got a slot
-            for index, slot_grant in zip(fresh, granted, strict=True):
-                grants[index] = slot_grant
-        else:
-            handed = iter(granted)
-            for index, lease in zip(fresh, leases, strict=True):
-                if lease is not None:
-                    grants[index] = next(handed)
-                elif cpu.is_writing(blocks[index].block_hash):
-                    counters.duplicates += 1  # the same block earlier in this batch
-                else:
-                    counters.not_stored["no_free_slot"] += 1
+            grants, duplicates, no_slot = await self._reserve_staged(blocks, admit)
+        self._counters.duplicates += duplicates
+        if no_slot:
+            self._counters.not_stored["no_free_slot"] += no_slot
         self._publish()
         return grants
+
+    async def _reserve_staged(
+        self, blocks: Sequence[BlockMeta], admit: Callable[[int], bool] | None
+    ) -> tuple[list[SlotGrant | None], int, int]:
+        """:meth:`reserve` with admission or a disk tier: blocks held already are touched, those not admitted
+        counted, and room is made (evicted blocks written to disk first) before any slot is taken."""
+        cpu, counters = self._cpu, self._counters
+        held = cpu.held_among([meta.block_hash for meta in blocks])
+        duplicates = 0
+        wanted: list[int] = []
+        for index, meta in enumerate(blocks):
+            if meta.block_hash in held:
+                cpu.touch(meta.block_hash)
+                duplicates += 1
+            elif admit is not None and not admit(meta.block_hash):
+                counters.not_stored["not_admitted"] += 1
+            else:
+                wanted.append(index)
+        await self._make_cpu_room(len(wanted))
+        self._check_open()  # closed while the disk drained: grant nothing in an arena that is gone
+        # Held or being written by now (a duplicate within the batch, or one that arrived while the room was
+        # made): duplicates; the rest get slots while free ones last.
+        taken, more, no_slot = cpu.reserve_grants([blocks[index] for index in wanted], time.perf_counter(), evict=False)
+        grants: list[SlotGrant | None] = [None] * len(blocks)
+        for index, grant in zip(wanted, taken, strict=True):
+            grants[index] = grant
+        return grants, duplicates + more, no_slot
 
     async def commit(self, lease_ids: Sequence[int]) -> int:
         """Publish written slots as cached blocks (BlockStored CPU); returns how many.
@@ -249,12 +236,13 @@ class TierStore:
         Raises LeaseError (changing nothing) if any id is not a live write lease.
         """
         self._check_open()
-        leases = self._leases.commit(lease_ids)
-        if self.config.write_through and self._disk is not None:
-            pinned = [self._cpu.acquire(lease.meta) for lease in leases]
+        write_through = self.config.write_through and self._disk is not None
+        count, committed = self._leases.commit(lease_ids, metas=write_through)
+        if write_through and committed:
+            pinned = [self._cpu.acquire(meta) for meta in committed]
             await self._write_to_disk([lease for lease in pinned if lease is not None])
         self._publish()
-        return len(leases)
+        return count
 
     # ----------------------------------------------------------------- promote
 
@@ -276,14 +264,16 @@ class TierStore:
         cpu, disk = self._cpu, self._disk
         budget = cpu.num_slots - cpu.num_leased_slots
         considered = blocks[:budget]
-        # The CPU hits at the front in one pass (a prompt's prefix is usually all in CPU), then block by block.
-        matched = cpu.match_prefix(considered)
-        # Blocks equal to stored ones were checked when stored; the rest are checked before any lease.
-        check_tokens(blocks[len(matched) :], block_size)
-        cpu_leases = cpu.lease_matched(matched)
-        found: list[Lease | BlockMeta] = list(cpu_leases)  # a CPU lease, or a block to read from disk
+        # The CPU hits at the front in one call (a prompt's prefix is usually all in CPU), then block by block.
+        prefix = cpu.acquire_prefix_grants(considered, time.perf_counter())
+        try:  # blocks equal to stored ones were checked when stored; the rest before any of them is used
+            check_tokens(blocks[len(prefix) :], block_size)
+        except BaseException:
+            cpu.release_ids([grant.lease_id for grant in prefix])
+            raise
+        found: list[Lease | BlockMeta] = []  # after the prefix: a CPU lease, or a block to read from disk
         from_disk: list[BlockMeta] = []
-        for meta in considered[len(found) :]:
+        for meta in considered[len(prefix) :]:
             lease = cpu.acquire(meta)
             if lease is not None:
                 found.append(lease)
@@ -292,27 +282,25 @@ class TierStore:
                 from_disk.append(meta)
             else:
                 break
+        if not found:  # all from CPU (past the prefix, a CPU hit follows a disk hit only)
+            if prefix:
+                self._counters.hits[Medium.CPU] += len(prefix)
+            self._publish()
+            return prefix
         try:
             promoted = await self._promote_from_disk(from_disk) if from_disk else {}
         except BaseException:  # cancelled (the caller gave up) or failed: the CPU hits' leases are nobody's now
             if not self._closed:
+                cpu.release_ids([grant.lease_id for grant in prefix])
                 for item in found:
                     if isinstance(item, Lease):
                         item.release()
             raise
         self._check_open()  # closed while the disk read: its leases went with the arena
-        now = time.perf_counter()
-        if not from_disk:  # all from CPU: granted as a batch
-            cpu_grants = self._leases.grant_many(cpu_leases, Medium.CPU, now)  # found is cpu_leases
-            if cpu_grants:
-                self._counters.hits[Medium.CPU] += len(cpu_grants)
-            self._publish()
-            return cpu_grants
-        grants: list[SlotGrant] = []
-        grant = self._leases.grant
+        grants = list(prefix)
         for position, item in enumerate(found):
             if isinstance(item, Lease):
-                grants.append(grant(item, Medium.CPU, now))
+                grants.append(SlotGrant(item.lease_id, item.slot, item.meta.block_hash, Medium.CPU))
                 continue
             lease = promoted.pop(item.block_hash, None)
             if lease is None:  # the prefix ends at a block that could not be read
@@ -320,8 +308,9 @@ class TierStore:
                     if isinstance(rest, Lease):
                         rest.release()
                 break
-            grants.append(grant(lease, Medium.STORAGE, now))
-        disk_hits = sum(1 for g in grants if g.medium is Medium.STORAGE) if from_disk else 0
+            grants.append(SlotGrant(lease.lease_id, lease.slot, lease.meta.block_hash, Medium.STORAGE))
+        cpu.regrant([grant.lease_id for grant in grants], time.perf_counter())  # handed out now
+        disk_hits = sum(1 for grant in grants if grant.medium is Medium.STORAGE)
         for medium, count in ((Medium.CPU, len(grants) - disk_hits), (Medium.STORAGE, disk_hits)):
             if count:
                 self._counters.hits[medium] += count

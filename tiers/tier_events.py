@@ -8,7 +8,7 @@ snapshot turns what the medium holds into BlockStored events
 consumers can re-key blocks under their own hashing.
 
 Recording is cheap and building is deferred: a mutation appends the block's
-meta (and whether it was stored or removed) to ``_pending``; the
+meta (stored) or hash (removed) to ``_pending``; the
 BlockStored / BlockRemoved objects -- one per block, in the order recorded --
 are built by :meth:`MediumEvents.take`. An owner whose events go nowhere
 (no publisher) calls :meth:`MediumEvents.discard` instead and never builds
@@ -34,7 +34,8 @@ class MediumEvents:
     def __init__(self, medium: Medium, block_size: int) -> None:
         self.medium = medium
         self.block_size = block_size
-        self._pending: list[tuple[BlockMeta, bool]] = []  # (block, stored: else removed), oldest first
+        # (block, True) for a block stored, (its hash, False) for one removed; oldest first
+        self._pending: list[tuple[BlockMeta | int, bool]] = []
 
     def stored(self, meta: BlockMeta) -> None:
         """``meta`` is now held on this medium."""
@@ -45,19 +46,23 @@ class MediumEvents:
         self._pending.extend(zip(metas, repeat(True)))
 
     def removed(self, meta: BlockMeta) -> None:
-        self._pending.append((meta, False))
+        self._pending.append((meta.block_hash, False))
 
     def removed_many(self, metas: Iterable[BlockMeta]) -> None:
         """:meth:`removed` for each of ``metas``, in order."""
-        self._pending.extend(zip(metas, repeat(False)))
+        self._pending.extend((meta.block_hash, False) for meta in metas)
+
+    def removed_hashes(self, block_hashes: Iterable[int]) -> None:
+        """The blocks ``block_hashes`` are gone from this medium, in order."""
+        self._pending.extend(zip(block_hashes, repeat(False)))
 
     def take(self) -> list[KVEvent]:
         """The events recorded since the last take, oldest first: one per block."""
         pending, self._pending = self._pending, []
         medium = self.medium
         return [
-            self._stored(meta) if stored else BlockRemoved(block_hashes=[meta.block_hash], medium=medium)
-            for meta, stored in pending
+            self._stored(item) if stored else BlockRemoved(block_hashes=[item], medium=medium)  # type: ignore[arg-type, list-item]
+            for item, stored in pending
         ]
 
     def discard(self) -> int:

@@ -6,7 +6,7 @@ import pytest
 from tiers_helpers import LOOPBACK
 
 from kvstore.config import EventsConfig
-from kvstore.tiers.cpu_arena import CpuArena
+from kvstore.tiers import cpu_arena
 
 
 @pytest.fixture
@@ -15,10 +15,11 @@ def events_config() -> EventsConfig:
 
 
 @pytest.fixture(params=["native", "python"])
-def arena_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run the test on the arena's compiled batch loops, then on its Python ones (every arena the test builds)."""
+def arena_books(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with the arena's books in C (CpuArena), then in Python (PyCpuArena): every store the test
+    builds gets that arena from new_arena()."""
     if request.param == "python":
-        monkeypatch.setattr(CpuArena, "_native", None)
-    elif CpuArena._native is None:
-        pytest.skip("the compiled batch loops are not built")
+        monkeypatch.setattr(cpu_arena, "NATIVE", False)
+    elif not cpu_arena.NATIVE:
+        pytest.skip("the compiled SlotTable is not built")
     return request.param  # type: ignore[no-any-return]

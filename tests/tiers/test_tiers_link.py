@@ -196,7 +196,7 @@ def test_an_error_of_a_commit_sent_without_waiting_is_reported_by_collect_not_by
         [(op, error)] = link.collect()
         assert op == "commit" and isinstance(error, LeaseError) and "injected" in str(error)
         assert link.collect() == []  # reported once
-        client.release([lease for lease in store.cpu._held])  # the refused commit's write leases
+        client.release(store.cpu.lease_ids())  # the refused commit's write leases
         assert link.spill(metas[2:], data, [2]) == 1
         assert link.lookup(hashes(metas[2:])) == (1, ("CPU",))
         client.check_invariants()

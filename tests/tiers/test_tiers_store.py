@@ -317,7 +317,7 @@ def test_restart_publishes_what_the_scan_found(tmp_path: Path, events_config: Ev
     asyncio.run(scenario())
 
 
-def test_metrics_names_and_values(tmp_path: Path, arena_loops: str) -> None:
+def test_metrics_names_and_values(tmp_path: Path, arena_books: str) -> None:
     with linked_tier(tier_config(tmp_path, cpu_blocks=2, disk_blocks=8)) as (client, link):
         metas, data = make_blocks(3)
         spill_all(link, metas, data)
@@ -339,7 +339,7 @@ def test_metrics_names_and_values(tmp_path: Path, arena_loops: str) -> None:
         assert 'kvstore_tier_usage_bytes{medium="STORAGE",node="n0"}' in text
 
 
-def test_callers_mistakes_raise_typed_errors(tmp_path: Path, arena_loops: str) -> None:
+def test_callers_mistakes_raise_typed_errors(tmp_path: Path, arena_books: str) -> None:
     async def scenario() -> None:
         async with new_store(tier_config(tmp_path, cpu_blocks=4)) as store:
             metas, _ = make_blocks(2)
