@@ -63,7 +63,7 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t num_slots;
     Py_ssize_t block_size;
-    PyObject *meta_type;   /* BlockMeta: cached_metas() and lease metas rebuild blocks with it */
+    PyObject *meta_type;   /* BlockMeta: what reserve() takes, and what blocks are rebuilt as */
     PyObject *grant_type;  /* SlotGrant: a tuple subclass the grants are made as */
     PyObject *lease_error; /* LeaseError */
     uint8_t *state;
@@ -525,9 +525,9 @@ static int table_init(SlotTable *t, PyObject *args, PyObject *kwargs) {
         PyErr_Format(PyExc_ValueError, "SlotTable: bad shape %zd slots x %zd tokens", num_slots, block_size);
         return -1;
     }
-    if (!PyCallable_Check(meta_type) || !tuple_type_ok(grant_type) || !PyExceptionClass_Check(lease_error)) {
+    if (!PyType_Check(meta_type) || !tuple_type_ok(grant_type) || !PyExceptionClass_Check(lease_error)) {
         PyErr_SetString(PyExc_TypeError,
-                        "SlotTable: meta_type must be callable, grant_type a Python tuple subclass, lease_error an "
+                        "SlotTable: meta_type must be a type, grant_type a Python tuple subclass, lease_error an "
                         "exception class");
         return -1;
     }
@@ -625,6 +625,10 @@ static int cmp_slot(const void *a, const void *b) {
 /*
  * reserve(metas, now, medium, evict) -> (grants, duplicates, no_slot, removed)
  *
+ * Every block is checked first, as tiers/blocks.py's check_blocks does: exactly of meta_type, hashes in
+ * 0..2**64-1 (the parent's may be None), a tuple of block_size token ids in 0..2**63-1; TypeError or
+ * ValueError for the first that is not, and nothing changes.
+ *
  * A write lease on a free slot for each block not cached, not being written and not named earlier in the
  * batch (those are duplicates, and a cached one becomes the most recently used). With `evict`, the least
  * recently used unleased cached blocks are dropped first to make room for all of them (their hashes in
@@ -670,6 +674,11 @@ static PyObject *table_reserve(SlotTable *t, PyObject *const *args, Py_ssize_t n
         goto done;
     }
     for (; parsed < n; parsed++) { /* every meta read and checked before anything changes */
+        if (Py_TYPE(metas[parsed]) != (PyTypeObject *)t->meta_type) {
+            PyErr_Format(PyExc_TypeError, "expected %.100s, got %.100s", ((PyTypeObject *)t->meta_type)->tp_name,
+                         Py_TYPE(metas[parsed])->tp_name);
+            goto done;
+        }
         if (read_head(metas[parsed], &heads[parsed]) < 0) {
             goto done;
         }

@@ -54,7 +54,7 @@ from kvstore.tiers.config import TierConfig
 from kvstore.tiers.cpu_arena import new_arena
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_runner import Settled
-from kvstore.tiers.errors import TierUnavailableError
+from kvstore.tiers.errors import InvalidBlockError, TierUnavailableError
 from kvstore.tiers.identity import CacheIdentity
 from kvstore.tiers.leases import LeaseBook
 from kvstore.tiers.shared_memory import ArenaInfo, SharedSlots
@@ -190,17 +190,30 @@ class TierStore:
         """
         self._check_open()
         self._leases.check_arena(arena)
-        check_blocks(blocks, self.identity.block_size)
         admit = None if self._admission.admit_after == 1 else self._admission.admit  # 1: every block
-        if admit is None and self._disk is None:  # the common case: one pass, room made as it goes
+        if admit is None and self._disk is None and self._cpu.native:  # the common case: one call
+            grants, duplicates, no_slot = self._reserve_checked(blocks)
+        elif admit is None and self._disk is None:
+            check_blocks(blocks, self.identity.block_size)
             grants, duplicates, no_slot = self._cpu.reserve_grants(blocks, time.perf_counter(), evict=True)
         else:
+            check_blocks(blocks, self.identity.block_size)
             grants, duplicates, no_slot = await self._reserve_staged(blocks, admit)
         self._counters.duplicates += duplicates
         if no_slot:
             self._counters.not_stored["no_free_slot"] += no_slot
         self._publish()
         return grants
+
+    def _reserve_checked(self, blocks: Sequence[BlockMeta]) -> tuple[list[SlotGrant | None], int, int]:
+        """:meth:`reserve` in one call of the C arena, which checks every block as ``check_blocks`` does before it
+        changes anything (the same fields read once, not twice: 0.04 us of a 16 KiB block's 1.4). A refused block
+        is named by ``check_blocks``, as on every other path."""
+        try:
+            return self._cpu.reserve_grants(blocks, time.perf_counter(), evict=True)
+        except (TypeError, ValueError, AttributeError) as exc:
+            check_blocks(blocks, self.identity.block_size)  # raises InvalidBlockError naming the block
+            raise InvalidBlockError(f"malformed block metas: {exc}") from None
 
     async def _reserve_staged(
         self, blocks: Sequence[BlockMeta], admit: Callable[[int], bool] | None

@@ -151,8 +151,9 @@ def test_slot_reads_follow_only_the_type_they_were_set_up_for() -> None:
 
 
 def test_hostile_metas_get_errors_or_answers_not_crashes() -> None:
-    """Python code run while a batch reads its metas (a field's getter) may change the caller's list or the
-    table itself: every meta is read before the table is, from a tuple of the batch's own."""
+    """A reserve takes BlockMetas only (their fields are read from their slots: no Python code runs). A prefix
+    lookup reads other objects by attribute, and a getter may change the caller's list or the table itself:
+    every meta is read first, from a tuple of the batch's own, and only then the table."""
     books = table(num_slots=8)
     metas, _ = make_blocks(4)
     (grant,), _, _, _ = books.reserve(metas[:1], 0.0, Medium.CPU, True)
@@ -160,8 +161,8 @@ def test_hostile_metas_get_errors_or_answers_not_crashes() -> None:
 
     class Meta:
         def __init__(self, block_hash: int, hook: Callable[[], Any] | None = None) -> None:
-            self._hash, self.hook, self.parent_hash = block_hash, hook, None
-            self.token_ids = metas[0].token_ids if block_hash == metas[0].block_hash else (9, 9, 9, 9)
+            self._hash, self.hook = block_hash, hook
+            self.parent_hash, self.token_ids = metas[0].parent_hash, metas[0].token_ids
 
         @property
         def block_hash(self) -> int:
@@ -169,14 +170,17 @@ def test_hostile_metas_get_errors_or_answers_not_crashes() -> None:
                 self.hook()
             return self._hash
 
+    with pytest.raises(TypeError, match="expected BlockMeta, got Meta"):
+        books.reserve([metas[1], Meta(11)], 0.0, Medium.CPU, True)
+    assert books.num_leases == 0 and books.num_free_slots == 7
     batch: list[Any] = []
-    batch += [Meta(metas[0].block_hash), Meta(11, batch.clear), *[Meta(20 + i) for i in range(5)]]
-    grants, duplicates, no_slot, _ = books.reserve(batch, 0.0, Medium.CPU, True)  # the list emptied mid-read
-    assert duplicates == 1 and no_slot == 0 and len(grants) == 7 and grants.count(None) == 1
+    batch += [Meta(metas[0].block_hash), Meta(metas[0].block_hash, batch.clear), *[Meta(20 + i) for i in range(5)]]
+    found = books.acquire_prefix(batch, 0.0, Medium.CPU)  # the list emptied mid-read: the tuple still holds all
+    assert [g.block_hash for g in found] == [metas[0].block_hash] * 2
+    books.release([g.lease_id for g in found])
     # A getter that drops the block a prefix is about to lease: read first, so the lookup sees it gone.
-    first = Meta(metas[0].block_hash)
     dropper = Meta(30, lambda: books.remove(metas[0].block_hash))
-    assert books.acquire_prefix([first, dropper], 0.0, Medium.CPU) == []
+    assert books.acquire_prefix([Meta(metas[0].block_hash), dropper], 0.0, Medium.CPU) == []
     books.check()
 
 

@@ -347,6 +347,9 @@ def test_callers_mistakes_raise_typed_errors(tmp_path: Path, arena_books: str) -
                 await store.reserve([BlockMeta(metas[0].block_hash, None, (1, 2, 3))])
             with pytest.raises(InvalidBlockError, match="64-bit"):
                 await store.reserve([BlockMeta(-1, None, (1, 2, 3, 4))])  # type: ignore[arg-type]
+            with pytest.raises(InvalidBlockError, match="expected BlockMeta, got tuple"):  # after a good block
+                await store.reserve([metas[1], (metas[0].block_hash, None, (1, 2, 3, 4))])  # type: ignore[list-item]
+            assert store.cpu.num_free_slots == 4 and store.cpu.lease_ids() == []  # nothing reserved
             with pytest.raises(InvalidBlockError, match="token id"):
                 await store.acquire([BlockMeta(metas[0].block_hash, None, (1, 2, 3, -4))])
             grants = await store.reserve(metas[:1])
