@@ -1,7 +1,8 @@
 /*
  * kvstore.tiers._copyrows: the copy engine's host-to-host block copy, in C (and, at the end
  * of this file, metas_ok: the batch check of the block metas every spill and promotion names;
- * the CPU arena's batch bookkeeping, built into the same module, is in _books.c).
+ * the CPU arena's books, built into the same module, are in _slots.c, and the reads of a
+ * block meta's fields they share in _books.c).
  *
  * Copier(helpers).copy_rows(dst, dst_count, src, src_count, row_bytes, src_rows, dst_rows,
  *                           stream_min, split_min) -> runs
@@ -707,7 +708,7 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_copyrows",
     "Host block copies for the copy engine (see Copier), the batch check of block metas (metas_ok), and the CPU "
-    "arena's batch bookkeeping (LeaseCore and the functions of tiers/_books.c).",
+    "arena's books (SlotTable, tiers/_slots.c).",
     -1, module_methods,
     NULL, NULL, NULL, NULL,
 };
