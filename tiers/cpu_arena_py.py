@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore.events import BlockStored, KVEvent, Medium
 from kvstore.tiers.arena import Lease, LeaseKind, SlotsQueries
-from kvstore.tiers.blocks import BlockMeta, SlotGrant, make_grants
+from kvstore.tiers.blocks import BlockMeta, SlotGrant
 from kvstore.tiers.errors import LeaseError
 from kvstore.tiers.shared_memory import SharedSlots
 from kvstore.tiers.tier_events import MediumEvents
@@ -126,35 +126,6 @@ class PyCpuArena(SlotsQueries):
         self._writing[meta.block_hash] = slot
         return self._grant(slot, meta, LeaseKind.WRITE)
 
-    def reserve_many(self, metas: Sequence[BlockMeta]) -> list[Lease | None]:
-        """:meth:`reserve` for each of ``metas`` (None where it gives None), the free slots taken in
-        ascending order so that a batch lands in as few runs of neighbouring slots as the free list allows
-        (a run is copied as one span)."""
-        index, writing, free = self._index, self._writing, self._free
-        wanted = [meta for meta in metas if meta.block_hash not in index and meta.block_hash not in writing]
-        if len({meta.block_hash for meta in wanted}) != len(wanted):  # one hash twice: the later is a duplicate
-            return [self.reserve(meta) for meta in metas]
-        slots = sorted(free.popleft() for _ in range(min(len(wanted), len(free))))
-        taken: dict[int, int] = dict(zip((meta.block_hash for meta in wanted), slots, strict=False))
-        leases: list[Lease | None] = []
-        # Free slots hold no lease: each grant below pins a slot that was unpinned (as _grant would).
-        slot_meta, pins, held, write = self._meta, self._leases, self._held, LeaseKind.WRITE
-        lease_id = self._next_lease
-        for meta in metas:
-            slot = taken.pop(meta.block_hash, None)
-            if slot is None:
-                leases.append(None)
-                continue
-            slot_meta[slot] = meta
-            writing[meta.block_hash] = slot
-            lease = held[lease_id] = Lease(self, lease_id, slot, meta, write)
-            pins[slot] = 1
-            lease_id += 1
-            leases.append(lease)
-        self._num_leased += lease_id - self._next_lease
-        self._next_lease = lease_id
-        return leases
-
     def commit_many(self, lease_ids: Sequence[int]) -> list[Lease]:
         """:meth:`commit` each of ``lease_ids``, in order; returns their leases.
 
@@ -177,55 +148,6 @@ class PyCpuArena(SlotsQueries):
                 index[lease.meta.block_hash] = slot
         self._num_leased -= unpinned
         self._events.stored_many([lease.meta for lease in leases])
-        return leases
-
-    def acquire_prefix(self, metas: Sequence[BlockMeta]) -> list[Lease]:
-        """:meth:`acquire` the longest prefix of ``metas`` cached here; one read lease per block of it.
-
-        Stops before the first block that is not a clean hit: a miss, or a hash collision, which is
-        left to the caller's :meth:`acquire` of that block to count (so it is counted once).
-        """
-        return self.lease_matched(self.match_prefix(metas))
-
-    def match_prefix(self, metas: Sequence[BlockMeta]) -> list[tuple[int, BlockMeta]]:
-        """(slot, stored meta) of the longest prefix of ``metas`` cached here with equal tokens and
-        parent; changes nothing (:meth:`lease_matched` leases them)."""
-        index, slot_meta = self._index, self._meta
-        found: list[tuple[int, BlockMeta]] = []
-        for meta in metas:
-            slot = index.get(meta.block_hash)
-            if slot is None:
-                break
-            stored = slot_meta[slot]
-            assert stored is not None
-            if stored.token_ids != meta.token_ids or stored.parent_hash != meta.parent_hash:
-                break
-            found.append((slot, stored))
-        return found
-
-    def lease_matched(self, found: Sequence[tuple[int, BlockMeta]]) -> list[Lease]:
-        """Read leases on blocks :meth:`match_prefix` just found (nothing changed in between), now
-        most recently used."""
-        if not found:
-            return []
-        with self._lock:
-            move = self._index.move_to_end
-            for _, stored in found:
-                move(stored.block_hash)
-        # _grant inlined for the batch: a slot's first lease pins it.
-        held, pins, read = self._held, self._leases, LeaseKind.READ
-        lease_id = self._next_lease
-        leases = []
-        pinned = 0
-        for slot, stored in found:
-            lease = held[lease_id] = Lease(self, lease_id, slot, stored, read)
-            leases.append(lease)
-            lease_id += 1
-            pins[slot] += 1
-            if pins[slot] == 1:
-                pinned += 1
-        self._next_lease = lease_id
-        self._num_leased += pinned
         return leases
 
     def release_many(self, lease_ids: Sequence[int]) -> list[Lease]:
@@ -272,13 +194,23 @@ class PyCpuArena(SlotsQueries):
                 positions.append(position)
         if evict and len(wanted) > len(self._free):
             self.drop_lru(len(wanted) - len(self._free))
-        leases = self.reserve_many(wanted)
+        # The free slots taken in ascending order, so that a batch lands in as few runs of neighbouring slots as
+        # the free list allows (a run is copied as one span); blocks past them get none.
+        free = self._free
+        slots = sorted(free.popleft() for _ in range(min(len(wanted), len(free))))
         grants: list[SlotGrant | None] = [None] * len(metas)
-        for position, lease in zip(positions, leases, strict=True):
-            if lease is not None:
-                lease.granted_at = now
-                grants[position] = SlotGrant(lease.lease_id, lease.slot, lease.meta.block_hash, Medium.CPU)
-        return grants, duplicates, leases.count(None)
+        slot_meta, pins, held, write = self._meta, self._leases, self._held, LeaseKind.WRITE
+        lease_id = self._next_lease
+        for position, meta, slot in zip(positions, wanted, slots, strict=False):
+            slot_meta[slot] = meta
+            writing[meta.block_hash] = slot
+            held[lease_id] = Lease(self, lease_id, slot, meta, write, now)
+            pins[slot] = 1  # free slots hold no lease: each grant pins a slot that was unpinned
+            grants[position] = SlotGrant(lease_id, slot, meta.block_hash, Medium.CPU)
+            lease_id += 1
+        self._num_leased += len(slots)
+        self._next_lease = lease_id
+        return grants, duplicates, len(wanted) - len(slots)
 
     def commit_ids(
         self, lease_ids: Sequence[int], *, metas: bool = False
@@ -293,15 +225,25 @@ class PyCpuArena(SlotsQueries):
         return len(reads), min(starts, default=None)
 
     def acquire_prefix_grants(self, metas: Sequence[BlockMeta], now: float) -> list[SlotGrant]:
-        leases = self.acquire_prefix(metas)
-        for lease in leases:
-            lease.granted_at = now
-        return make_grants(
-            [lease.lease_id for lease in leases],
-            [lease.slot for lease in leases],
-            [lease.meta.block_hash for lease in leases],
-            Medium.CPU,
-        )
+        index, slot_meta = self._index, self._meta
+        found: list[tuple[int, BlockMeta]] = []  # (slot, stored meta)
+        for meta in metas:
+            slot = index.get(meta.block_hash)
+            if slot is None:
+                break
+            stored = slot_meta[slot]
+            assert stored is not None
+            if stored.token_ids != meta.token_ids or stored.parent_hash != meta.parent_hash:
+                break  # a collision: acquire() of that block counts it, once
+            found.append((slot, stored))
+        with self._lock:
+            move = self._index.move_to_end
+            for _, stored in found:
+                move(stored.block_hash)
+        return [
+            SlotGrant(self._grant(slot, stored, LeaseKind.READ, now).lease_id, slot, stored.block_hash, Medium.CPU)
+            for slot, stored in found
+        ]
 
     def regrant(self, lease_ids: Sequence[int], now: float) -> None:
         for lease_id in lease_ids:
@@ -448,8 +390,8 @@ class PyCpuArena(SlotsQueries):
             raise LeaseError("a lease id is listed twice")
         return leases
 
-    def _grant(self, slot: int, meta: BlockMeta, kind: LeaseKind) -> Lease:
-        lease = Lease(self, self._next_lease, slot, meta, kind, time.perf_counter())
+    def _grant(self, slot: int, meta: BlockMeta, kind: LeaseKind, now: float | None = None) -> Lease:
+        lease = Lease(self, self._next_lease, slot, meta, kind, time.perf_counter() if now is None else now)
         self._next_lease += 1
         self._held[lease.lease_id] = lease
         self._leases[slot] += 1
