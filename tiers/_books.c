@@ -58,6 +58,19 @@ PyObject *books_meta_field(PyObject *meta, int field) {
     return PyObject_GetAttr(meta, field_names[field]);
 }
 
+int books_u64(PyObject *value, uint64_t *out) {
+    if (!PyLong_Check(value)) {
+        return 0;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(value);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = (uint64_t)v;
+    return 1;
+}
+
 long long books_token_id(PyObject *token) {
     int overflow = 0;
     long long id = PyLong_Check(token) ? PyLong_AsLongLongAndOverflow(token, &overflow) : -1;

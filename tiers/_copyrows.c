@@ -619,16 +619,8 @@ static PyTypeObject CopierType = {
 
 /* 1 when `value` is an int in 0..2**64-1, else 0 (never raises). */
 static int u64_ok(PyObject *value) {
-    if (!PyLong_Check(value)) {
-        return 0;
-    }
-    unsigned long long unused = PyLong_AsUnsignedLongLong(value);
-    (void)unused;
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    return 1;
+    uint64_t unused;
+    return books_u64(value, &unused);
 }
 
 /* 1 when `meta`'s field (META_HASH or META_PARENT) is an int in 0..2**64-1 (or None, with `or_none`), 0 when

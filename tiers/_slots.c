@@ -313,17 +313,15 @@ typedef struct {
 
 /* A u64 from an int object: 0, or -1 with TypeError / ValueError set. */
 static int read_u64(PyObject *value, uint64_t *out, const char *what) {
+    if (books_u64(value, out)) {
+        return 0;
+    }
     if (!PyLong_Check(value)) {
         PyErr_Format(PyExc_TypeError, "%s must be an int, got %.100s", what, Py_TYPE(value)->tp_name);
-        return -1;
-    }
-    unsigned long long v = PyLong_AsUnsignedLongLong(value);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    } else {
         PyErr_Format(PyExc_ValueError, "%s must be in 0..2**64-1", what);
-        return -1;
     }
-    *out = (uint64_t)v;
-    return 0;
+    return -1;
 }
 
 /* The hash and parent of `meta`; 0, or -1 with an exception set. */
@@ -381,31 +379,34 @@ static int same_guard(const SlotTable *t, int32_t slot, const Head *head, const 
     return memcmp(&t->tokens[(Py_ssize_t)slot * t->block_size], tokens, sizeof(int64_t) * t->block_size) == 0;
 }
 
-/* A BlockMeta rebuilt from slot's guard (a new reference), or NULL with an exception set. */
-static PyObject *slot_meta(const SlotTable *t, int32_t slot) {
+/* A meta_type block (hash, parent or None, the token ids as a tuple): a new reference, or NULL with an exception
+ * set. Calls meta_type: Python code may run. */
+static PyObject *build_meta(const SlotTable *t, uint64_t hash, int has_parent, uint64_t parent, const int64_t *ids) {
     PyObject *tokens = PyTuple_New(t->block_size);
-    if (tokens == NULL) {
-        return NULL;
-    }
-    const int64_t *ids = &t->tokens[(Py_ssize_t)slot * t->block_size];
-    for (Py_ssize_t i = 0; i < t->block_size; i++) {
+    for (Py_ssize_t i = 0; tokens != NULL && i < t->block_size; i++) {
         PyObject *id = PyLong_FromLongLong(ids[i]);
         if (id == NULL) {
-            Py_DECREF(tokens);
-            return NULL;
+            Py_CLEAR(tokens);
+            break;
         }
         PyTuple_SET_ITEM(tokens, i, id);
     }
-    PyObject *hash = PyLong_FromUnsignedLongLong(t->hash[slot]);
-    PyObject *parent = t->has_parent[slot] ? PyLong_FromUnsignedLongLong(t->parent[slot]) : Py_NewRef(Py_None);
+    PyObject *hash_obj = PyLong_FromUnsignedLongLong(hash);
+    PyObject *parent_obj = has_parent ? PyLong_FromUnsignedLongLong(parent) : Py_NewRef(Py_None);
     PyObject *meta = NULL;
-    if (hash != NULL && parent != NULL) {
-        meta = PyObject_CallFunctionObjArgs(t->meta_type, hash, parent, tokens, NULL);
+    if (tokens != NULL && hash_obj != NULL && parent_obj != NULL) {
+        meta = PyObject_CallFunctionObjArgs(t->meta_type, hash_obj, parent_obj, tokens, NULL);
     }
-    Py_XDECREF(hash);
-    Py_XDECREF(parent);
-    Py_DECREF(tokens);
+    Py_XDECREF(tokens);
+    Py_XDECREF(hash_obj);
+    Py_XDECREF(parent_obj);
     return meta;
+}
+
+/* A BlockMeta rebuilt from slot's guard (a new reference), or NULL with an exception set. */
+static PyObject *slot_meta(const SlotTable *t, int32_t slot) {
+    return build_meta(t, t->hash[slot], t->has_parent[slot], t->parent[slot],
+                      &t->tokens[(Py_ssize_t)slot * t->block_size]);
 }
 
 /* A grant_type tuple (lease_id, slot, block_hash, medium), stealing hash_obj; NULL with an exception set. */
@@ -666,9 +667,8 @@ static PyObject *table_reserve(SlotTable *t, PyObject *const *args, Py_ssize_t n
     }
     Py_ssize_t *seen = PyMem_Malloc(seen_size * sizeof(Py_ssize_t));
     int32_t *victims = NULL, *taken = NULL;
-    PyObject **made = NULL, **rows = NULL;
     PyObject *grants = NULL, *removed = NULL, *answer = NULL;
-    Py_ssize_t parsed = 0, duplicates = 0, wanted = 0, num_victims = 0, k = 0;
+    Py_ssize_t parsed = 0, duplicates = 0, wanted = 0, num_victims = 0, k = 0, no_slot = 0;
     if (!heads || !tokens || !want || !seen) {
         PyErr_NoMemory();
         goto done;
@@ -734,10 +734,8 @@ static PyObject *table_reserve(SlotTable *t, PyObject *const *args, Py_ssize_t n
     k = wanted < t->free_count + num_victims ? wanted : t->free_count + num_victims;
     grants = PyList_New(n);
     removed = PyList_New(num_victims);
-    made = PyMem_Calloc(k ? k : 1, sizeof(PyObject *));
-    rows = PyMem_Calloc(k ? k : 1, sizeof(PyObject *));
     taken = PyMem_Malloc((k ? k : 1) * sizeof(int32_t));
-    if (grants == NULL || removed == NULL || made == NULL || rows == NULL || taken == NULL) {
+    if (grants == NULL || removed == NULL || taken == NULL) {
         if (!PyErr_Occurred()) {
             PyErr_NoMemory();
         }
@@ -747,7 +745,7 @@ static PyObject *table_reserve(SlotTable *t, PyObject *const *args, Py_ssize_t n
         taken[j] = j < t->free_count ? t->freeq[(t->free_head + j) % t->num_slots] : victims[j - t->free_count];
     }
     qsort(taken, k, sizeof(int32_t), cmp_slot);
-    /* Every object the answer needs, before the change. */
+    /* Every object the answer needs, before the change: the j-th block wanted gets taken[j]. */
     for (Py_ssize_t v = 0; v < num_victims; v++) {
         PyObject *gone = PyLong_FromUnsignedLongLong(t->hash[victims[v]]);
         if (gone == NULL) {
@@ -755,16 +753,19 @@ static PyObject *table_reserve(SlotTable *t, PyObject *const *args, Py_ssize_t n
         }
         PyList_SET_ITEM(removed, v, gone);
     }
-    for (Py_ssize_t j = 0; j < k; j++) {
-        PyTypeObject *type = (PyTypeObject *)t->grant_type;
-        PyObject *id = PyLong_FromUnsignedLongLong(t->next_lease + j);
-        rows[j] = PyLong_FromLong(taken[j]);
-        made[j] = id == NULL || rows[j] == NULL ? NULL : type->tp_alloc(type, 4);
-        if (made[j] == NULL) {
-            Py_XDECREF(id);
-            goto done;
+    for (Py_ssize_t i = 0, j = 0; i < n; i++) {
+        PyObject *grant = Py_None;
+        if (want[i] && j < k) {
+            grant = make_grant(t, t->next_lease + j, taken[j], Py_NewRef(heads[i].hash_obj), medium);
+            if (grant == NULL) {
+                goto done;
+            }
+            j++;
+        } else {
+            Py_INCREF(grant);
+            no_slot += want[i];
         }
-        PyTuple_SET_ITEM(made[j], 0, id);
+        PyList_SET_ITEM(grants, i, grant);
     }
     if (unchanged(t, version, "reserve") < 0 || lease_reserve_room(t, k) < 0) {
         goto done;
@@ -777,18 +778,11 @@ static PyObject *table_reserve(SlotTable *t, PyObject *const *args, Py_ssize_t n
     for (Py_ssize_t j = 0; j < k; j++) {
         free_pop(t);
     }
-    Py_ssize_t j = 0, no_slot = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0, j = 0; i < n && j < k; i++) {
         if (!want[i]) {
-            PyList_SET_ITEM(grants, i, Py_NewRef(Py_None));
             continue;
         }
-        if (j == k) {
-            no_slot++;
-            PyList_SET_ITEM(grants, i, Py_NewRef(Py_None));
-            continue;
-        }
-        int32_t slot = taken[j];
+        int32_t slot = taken[j++];
         t->state[slot] = WRITING;
         t->hash[slot] = heads[i].hash;
         t->parent[slot] = heads[i].parent;
@@ -797,23 +791,11 @@ static PyObject *table_reserve(SlotTable *t, PyObject *const *args, Py_ssize_t n
         t->pending[slot] = Py_NewRef(metas[i]);
         index_put(t, slot);
         lease_add(t, slot, KIND_WRITE, now);
-        PyObject *grant = made[j];
-        PyTuple_SET_ITEM(grant, 1, rows[j]);
-        PyTuple_SET_ITEM(grant, 2, heads[i].hash_obj);
-        PyTuple_SET_ITEM(grant, 3, Py_NewRef(medium));
-        heads[i].hash_obj = NULL;
-        made[j] = rows[j] = NULL;
-        PyList_SET_ITEM(grants, i, grant);
-        j++;
     }
     answer = Py_BuildValue("(OnnO)", grants, duplicates, no_slot, removed);
 done:
     for (Py_ssize_t i = 0; i < parsed; i++) {
         Py_XDECREF(heads[i].hash_obj);
-    }
-    for (Py_ssize_t m = 0; m < k; m++) {
-        Py_XDECREF(made == NULL ? NULL : made[m]);
-        Py_XDECREF(rows == NULL ? NULL : rows[m]);
     }
     Py_XDECREF(grants);
     Py_XDECREF(removed);
@@ -823,8 +805,6 @@ done:
     PyMem_Free(seen);
     PyMem_Free(victims);
     PyMem_Free(taken);
-    PyMem_Free(made);
-    PyMem_Free(rows);
     Py_DECREF(seq);
     return answer;
 }
@@ -852,14 +832,9 @@ static int named_leases(SlotTable *t, PyObject *seq, Named *out, int writes_only
     }
     Py_ssize_t twice = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t id = 0;
-        if (PyLong_CheckExact(items[i]) || (PyLong_Check(items[i]) && !PyBool_Check(items[i]))) {
-            unsigned long long v = PyLong_AsUnsignedLongLong(items[i]);
-            if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-                PyErr_Clear();
-            } else {
-                id = (uint64_t)v;
-            }
+        uint64_t id = 0; /* no lease has id 0 */
+        if (PyBool_Check(items[i]) || !books_u64(items[i], &id)) {
+            id = 0;
         }
         LeaseRec *rec = lease_find(t, id);
         if (rec == NULL) {
@@ -1259,23 +1234,10 @@ done:
     return answer;
 }
 
-static int arg_hash(PyObject *value, uint64_t *out) {
-    if (!PyLong_Check(value)) {
-        return 0;
-    }
-    unsigned long long v = PyLong_AsUnsignedLongLong(value);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    *out = (uint64_t)v;
-    return 1;
-}
-
 /* The CACHED (or, with `writing`, also WRITING) slot of `value`, or -1. */
 static int32_t slot_of(const SlotTable *t, PyObject *value, int writing) {
     uint64_t key;
-    if (!arg_hash(value, &key)) {
+    if (!books_u64(value, &key)) {
         return -1;
     }
     int32_t slot = index_slot(t, key);
@@ -1318,7 +1280,7 @@ static int table_contains(SlotTable *t, PyObject *value) { return t->state != NU
 static PyObject *table_is_writing(SlotTable *t, PyObject *value) {
     READY(t);
     uint64_t key;
-    int32_t slot = arg_hash(value, &key) ? index_slot(t, key) : -1;
+    int32_t slot = books_u64(value, &key) ? index_slot(t, key) : -1;
     return PyBool_FromLong(slot >= 0 && t->state[slot] == WRITING);
 }
 
@@ -1384,24 +1346,7 @@ static PyObject *table_cached_metas(SlotTable *t, PyObject *unused) {
     }
     out = PyList_New(n);
     for (Py_ssize_t j = 0; out != NULL && j < n; j++) {
-        PyObject *ids = PyTuple_New(bs);
-        for (Py_ssize_t k = 0; ids != NULL && k < bs; k++) {
-            PyObject *id = PyLong_FromLongLong(tokens[j * bs + k]);
-            if (id == NULL) {
-                Py_CLEAR(ids);
-                break;
-            }
-            PyTuple_SET_ITEM(ids, k, id);
-        }
-        PyObject *hash = PyLong_FromUnsignedLongLong(heads[2 * j]);
-        PyObject *parent = parents[j] ? PyLong_FromUnsignedLongLong(heads[2 * j + 1]) : Py_NewRef(Py_None);
-        PyObject *meta = NULL;
-        if (ids != NULL && hash != NULL && parent != NULL) {
-            meta = PyObject_CallFunctionObjArgs(t->meta_type, hash, parent, ids, NULL);
-        }
-        Py_XDECREF(ids);
-        Py_XDECREF(hash);
-        Py_XDECREF(parent);
+        PyObject *meta = build_meta(t, heads[2 * j], parents[j], heads[2 * j + 1], &tokens[j * bs]);
         if (meta == NULL) {
             Py_CLEAR(out);
             break;
@@ -1419,7 +1364,7 @@ done:
 
 static LeaseRec *lease_arg(SlotTable *t, PyObject *value) {
     uint64_t id;
-    return arg_hash(value, &id) ? lease_find(t, id) : NULL;
+    return books_u64(value, &id) ? lease_find(t, id) : NULL;
 }
 
 static PyObject *table_holds(SlotTable *t, PyObject *value) {
